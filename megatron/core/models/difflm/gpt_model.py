@@ -1,0 +1,262 @@
+"""GPTModel: the decoder-only transformer of MegaDLMs, for diffusion and autoregressive LMs.
+
+`forward` dispatches on the running mode:
+- `difflm_forward` (modes difflm-noshift and difflm-shift): the input is an already
+  corrupted batch, the labels are the clean tokens at the same positions. noshift: the
+  logits at position i predict token i. shift: the logits at i predict token i+1 (models
+  initialised from an AR checkpoint), so the loss of target position j uses logits j-1.
+- `vanilla_forward` (mode vanilla): causal attention, labels are the next tokens
+  (Megatron's data convention: tokens = text[0:L], labels = text[1:L+1]).
+Per-token losses are aligned with the label positions in every mode, so the diffusion
+loss weights (see diffusion.py) multiply them directly.
+
+The corruption is not part of the forward pass: it is a pure function of a seed key that
+the data side (or `difflm_forward_process`) applies, so every pipeline stage and tensor-
+parallel rank can derive the same mask without communication.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from megatron.core.models.difflm import diffusion
+from megatron.core.transformer.attention import build_attention_mask
+from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.mlp import init_linear
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.rope import RotaryEmbedding
+from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class LossOutput:
+    """Everything `compute_loss` produced, for logging and for global normalisation."""
+
+    loss: torch.Tensor
+    """loss_sum / normalizer."""
+    loss_sum: torch.Tensor
+    """Sum of weighted per-token losses; summed over micro-batches and ranks before dividing."""
+    normalizer: torch.Tensor
+    """Denominator of this batch (valid tokens, masked tokens or sequences)."""
+    per_token_loss: torch.Tensor
+    """Unweighted cross-entropy [b, s] at the label positions (0 where there is no target)."""
+    corruption: Optional[diffusion.Corruption] = None
+    """The corrupted batch (DLM modes)."""
+
+
+class LanguageModelEmbedding(MegatronModule):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
+        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=config.init_method_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] token ids -> [s, b, h] hidden states."""
+        embedded = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
+        return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=self.training)
+
+
+VOCAB_FIX = "check the tokenizer, --vocab-size and --make-vocab-size-divisible-by"
+POSITION_FIX = "raise --max-position-embeddings"
+
+
+def check_token_ids(name: str, ids: torch.Tensor, limit: int, fix: str = VOCAB_FIX) -> None:
+    """Fail with a clear message instead of an index error deep inside an embedding lookup."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be an integer tensor of ids, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= limit:
+        raise ValueError(f"{name} holds values in [{low}, {high}], outside [0, {limit}); {fix}")
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 at every document boundary of a packed row."""
+    seq = document_ids.shape[1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_of_document = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_of_document
+
+
+class GPTModel(MegatronModule):
+    """Embedding, a (slice of the) DiffLM decoder, final norm and output layer.
+
+    `pre_process` / `post_process` say whether this pipeline stage holds the embedding /
+    the output layer; `layer_range` selects its layers by global index.
+    """
+
+    def __init__(self, config: TransformerConfig, dlm_config: Optional[DLMConfig] = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_range: Optional[Tuple[int, int]] = None) -> None:
+        super().__init__(config)
+        self.dlm_config = dlm_config or DLMConfig(model_running_mode="vanilla")
+        config.validate()
+        self.dlm_config.validate(config.vocab_size, sliding_window=config.sliding_window)
+        self.pre_process, self.post_process = pre_process, post_process
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process)
+        self.tied_output = config.share_embeddings_and_output_weights and pre_process
+        if post_process and not self.tied_output:
+            self.output_layer = init_linear(
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.params_dtype),
+                config.init_method_std)
+
+    @property
+    def running_mode(self) -> str:
+        return self.dlm_config.model_running_mode
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        self.decoder.set_input_tensor(input_tensor)
+
+    # ------------------------------------------------------------------ forward paths
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, loss_weights: Optional[torch.Tensor] = None,
+                loss_normalizer: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                decoder_input: Optional[torch.Tensor] = None) -> ForwardResult:
+        """Without labels: logits [b, s, V] (hidden states [s, b, h] on non-final stages).
+        With labels: (per_token_loss [b, s], loss), the loss being
+        sum(per_token_loss * loss_weights) / loss_normalizer (default: number of nonzero weights)."""
+        path = self.vanilla_forward if self.running_mode == "vanilla" else self.difflm_forward
+        return path(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids, decoder_input)
+
+    def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
+                       loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
+        mask = build_attention_mask(self.config, self.dlm_config, document_ids)
+        output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
+        if labels is None or not self.post_process:
+            return output
+        shift = self.running_mode == "difflm-shift"
+        return self._loss(output, labels, loss_weights, loss_normalizer, shift=shift)
+
+    def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
+                        loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
+        mask = build_attention_mask(self.config, self.dlm_config, document_ids, mask_type="causal")
+        output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
+        if labels is None or not self.post_process:
+            return output
+        return self._loss(output, labels, loss_weights, loss_normalizer, shift=False)
+
+    def _autocast(self, device: torch.device):
+        if self.config.bf16 or self.config.fp16:
+            return torch.autocast(device.type, dtype=self.config.compute_dtype)
+        return nullcontext()
+
+    def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask) -> torch.Tensor:
+        if self.pre_process:
+            if input_ids is None or input_ids.dim() != 2:
+                raise ValueError("input_ids must be a [batch, seq] tensor of token ids")
+            check_token_ids("input_ids", input_ids, self.config.vocab_size)
+            batch, seq = input_ids.shape
+            device = input_ids.device
+        else:
+            hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            if hidden is None:
+                raise ValueError("a pipeline stage without the embedding needs decoder_input [s, b, h]")
+            seq, batch, device = hidden.shape[0], hidden.shape[1], hidden.device
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}; raise --max-position-embeddings")
+        mask.validate(seq, batch)
+        if position_ids is None:
+            position_ids = (positions_from_documents(document_ids) if document_ids is not None
+                            else torch.arange(seq, device=device).expand(batch, seq))
+        else:
+            check_token_ids("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)
+        rotary = self.rotary_pos_emb(position_ids)
+        with self._autocast(device):
+            hidden = self.embedding(input_ids) if self.pre_process else hidden
+            hidden = self.decoder(hidden, mask, rotary)
+            if not self.post_process:
+                return hidden
+            weight = self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
+            logits = nn.functional.linear(hidden, weight)
+        return logits.transpose(0, 1)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
+              loss_normalizer: Optional[torch.Tensor], shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {tuple(logits.shape[:2])}")
+        check_token_ids("labels", labels, self.config.vocab_size)
+        if shift:
+            # Target position j is predicted by the logits at j - 1; position 0 has no predictor.
+            logits, targets = logits[:, :-1], labels[:, 1:]
+        else:
+            targets = labels
+        # fp32 cross-entropy: bf16 log-softmax over a large vocabulary is too coarse.
+        ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                         reduction="none").view(targets.shape)
+        per_token = nn.functional.pad(ce, (1, 0)) if shift else ce
+        weights = torch.ones_like(per_token) if loss_weights is None else loss_weights.to(per_token.dtype)
+        if shift:
+            weights = weights.clone()
+            weights[:, 0] = 0.0
+        if loss_normalizer is None:
+            loss_normalizer = (weights != 0).sum().clamp(min=1)
+        return per_token, (per_token * weights).sum() / loss_normalizer
+
+    # ------------------------------------------------------------------ diffusion helpers
+    def maskable_positions(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Positions the corruption may touch: the loss mask, minus position 0 in the shift
+        mode (nothing predicts it)."""
+        maskable = (torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool().clone())
+        if self.running_mode == "difflm-shift":
+            maskable[:, 0] = False
+        return maskable
+
+    def default_corruption_key(self, input_ids: torch.Tensor) -> diffusion.CorruptionKey:
+        batch = input_ids.shape[0]
+        return diffusion.CorruptionKey.for_batch(self.dlm_config.seed, iteration=0, global_batch_size=batch,
+                                                 first_sample_index=0, batch_size=batch, device=input_ids.device)
+
+    def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[diffusion.CorruptionKey] = None,
+                               loss_mask: Optional[torch.Tensor] = None,
+                               document_ids: Optional[torch.Tensor] = None):
+        """The forward (noising) process: returns (noisy_batch, masked_indices, p_mask)."""
+        if not self.dlm_config.is_diffusion:
+            raise ValueError("difflm_forward_process needs a difflm-* model_running_mode, not 'vanilla'")
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        key = key or self.default_corruption_key(input_ids)
+        corruption = diffusion.corrupt(input_ids, self.dlm_config, key,
+                                       self.maskable_positions(input_ids, loss_mask), document_ids)
+        return corruption.noisy_input_ids, corruption.masked_positions, corruption.p_mask
+
+    def compute_loss(self, input_ids: torch.Tensor, key: Optional[diffusion.CorruptionKey] = None,
+                     loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                     document_ids: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> LossOutput:
+        """Loss of a clean batch in the model's running mode, corruption included.
+
+        DLM modes corrupt `input_ids` with `key` and weight the loss as the DLMConfig says.
+        The vanilla mode predicts `labels` (default: the next token of `input_ids`, the last
+        position having no target) wherever `loss_mask` is set.
+        """
+        if self.running_mode == "vanilla":
+            weights = torch.ones_like(input_ids, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+            if labels is None:
+                labels = torch.roll(input_ids, shifts=-1, dims=1)
+                weights = weights.clone()
+                weights[:, -1] = 0.0
+            normalizer = weights.sum().clamp(min=1)
+            per_token, loss = self.vanilla_forward(input_ids, position_ids, labels, weights, normalizer, document_ids)
+            return LossOutput(loss, loss * normalizer, normalizer, per_token)
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        maskable = self.maskable_positions(input_ids, loss_mask)
+        key = key or self.default_corruption_key(input_ids)
+        corruption = diffusion.corrupt(input_ids, self.dlm_config, key, maskable, document_ids)
+        weights, normalizer = diffusion.loss_weights(corruption, self.dlm_config, maskable)
+        per_token, loss = self.difflm_forward(corruption.noisy_input_ids, position_ids, input_ids, weights,
+                                              normalizer, document_ids)
+        return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)

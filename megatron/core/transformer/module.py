@@ -1,0 +1,49 @@
+"""MegatronModule: the base class of every model component."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class MegatronModule(nn.Module):
+    """Holds the config and describes its state as layout-independent shards.
+
+    `sharded_state_dict()` is the seam the checkpoint code uses: plain modules describe
+    their parameters as whole tensors; tensor-parallel layers override it to give their
+    slice of the global tensor.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
+        sharded: Dict[str, ShardedTensor] = {}
+        own = list(self.named_parameters(recurse=False)) + [
+            (name, buf) for name, buf in self.named_buffers(recurse=False)
+            if name not in self._non_persistent_buffers_set]
+        for name, tensor in own:
+            key = f"{prefix}{name}"
+            sharded[key] = ShardedTensor.from_local(key, tensor)
+        for name, child in self.named_children():
+            child_prefix = f"{prefix}{name}."
+            if isinstance(child, MegatronModule):
+                sharded.update(child.sharded_state_dict(child_prefix))
+            else:
+                for key, tensor in child.state_dict(prefix=child_prefix, keep_vars=True).items():
+                    sharded[key] = ShardedTensor.from_local(key, tensor)
+        return sharded
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "") -> Dict[str, torch.Tensor]:
+        """Megatron's name for the plain (unsharded) state dict."""
+        return self.state_dict(prefix=prefix)
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """Pipeline stages after the first receive their input here (overridden where used)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage entry point")

@@ -1,0 +1,281 @@
+"""Typed configuration of the transformer and of the diffusion objective.
+
+Every field carries a docstring; `validate()` raises one `ValueError` per problem that
+names the field and says how to fix it. Command-line flags (megatron/training) build these
+dataclasses; nothing in megatron/core reads global arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("silu", "gelu", "relu")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "math")
+
+RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
+ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+# Megatron's spelling of the bottom-right causal mask, accepted as an alias of `causal`.
+MASK_TYPE_ALIASES = {"causal_bottom_right": "causal"}
+T_SAMPLINGS = ("uniform", "antithetic")
+LOSS_WEIGHTS = ("inverse_p", "inverse_empirical", "none")
+LOSS_NORMALIZERS = ("tokens", "masked", "sequence")
+
+
+def _check_choice(owner: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name}={value!r} is not one of {list(choices)}; pick one of them")
+
+
+def _check_positive(owner: str, name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{owner}.{name}={value!r} must be a positive integer")
+
+
+@dataclass
+class TransformerConfig:
+    """Shape, numerics and execution options of a decoder-only transformer."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads (GQA). None means equal to num_attention_heads (MHA)."""
+    kv_channels: Optional[int] = None
+    """Head dimension. None means hidden_size // num_attention_heads."""
+    ffn_hidden_size: Optional[int] = None
+    """Inner width of the MLP. None means 4 * hidden_size."""
+    vocab_size: int = 256
+    """Size of the embedding table and output layer (already padded)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the rotary tables are built for; longer inputs are rejected."""
+
+    normalization: str = "RMSNorm"
+    """Normalisation layer: RMSNorm or LayerNorm."""
+    layernorm_epsilon: float = 1e-6
+    """Epsilon added to the variance in every normalisation layer."""
+    qk_layernorm: bool = False
+    """Apply a normalisation over head_dim to queries and keys before RoPE (Qwen3, OLMo2)."""
+    add_bias_linear: bool = False
+    """Add biases to every linear layer."""
+    add_qkv_bias: bool = False
+    """Add a bias to the QKV projection only (Qwen2)."""
+    gated_linear_unit: bool = True
+    """Use a gated MLP (fc1 produces gate and up projections); with silu this is SwiGLU."""
+    activation: str = "silu"
+    """MLP activation: silu, gelu or relu."""
+
+    rotary_base: float = 10000.0
+    """RoPE base (theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that rotate; the rest pass through."""
+
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on the attention and MLP outputs before the residual add."""
+    init_method_std: float = 0.02
+    """Std of the normal init of weights; output projections use std / sqrt(2 * num_layers)."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the word embedding."""
+
+    params_dtype: torch.dtype = torch.float32
+    """Dtype the parameters are created in (master weights stay fp32 under bf16/fp16)."""
+    bf16: bool = False
+    """Compute in bfloat16 (autocast) with fp32 parameters."""
+    fp16: bool = False
+    """Compute in float16 (autocast) with fp32 parameters."""
+
+    recompute_granularity: Optional[str] = None
+    """None, 'selective' (recompute core attention only) or 'full' (whole layers)."""
+    recompute_method: Optional[str] = None
+    """For full recompute: 'uniform' (every recompute_num_layers-th group) or 'block' (first N layers)."""
+    recompute_num_layers: Optional[int] = None
+    """For full recompute: group size ('uniform') or number of recomputed layers ('block')."""
+
+    attention_backend: str = "auto"
+    """Core attention kernel: auto, sdpa, flex or math (reference)."""
+    sliding_window: Optional[int] = None
+    """Window length for the sliding_window mask type: key j is visible from query i when 0 <= i - j < window."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel degree (filled by the parallel layer of the framework)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel degree."""
+    context_parallel_size: int = 1
+    """Context-parallel degree."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel degree."""
+    sequence_parallel: bool = False
+    """Shard norm/dropout regions along the sequence across tensor-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.bf16:
+            return torch.bfloat16
+        if self.fp16:
+            return torch.float16
+        return self.params_dtype
+
+    def validate(self) -> "TransformerConfig":
+        owner = "TransformerConfig"
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+            _check_positive(owner, name, getattr(self, name))
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"{owner}.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}; choose a number of query groups that divides the heads")
+        _check_choice(owner, "normalization", self.normalization, NORMALIZATIONS)
+        _check_choice(owner, "activation", self.activation, ACTIVATIONS)
+        _check_choice(owner, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"{owner}.layernorm_epsilon={self.layernorm_epsilon} must be > 0")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"{owner}.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        rotary_dim = int(self.kv_channels * self.rotary_percent)
+        if rotary_dim % 2:
+            raise ValueError(
+                f"{owner}.rotary_percent={self.rotary_percent} gives an odd rotary dimension {rotary_dim} "
+                f"of kv_channels={self.kv_channels}; choose a percent that gives an even number")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.bf16 and self.fp16:
+            raise ValueError(f"{owner}: bf16 and fp16 are both set; choose one")
+        self._validate_recompute()
+        if self.sliding_window is not None:
+            _check_positive(owner, "sliding_window", self.sliding_window)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size"):
+            _check_positive(owner, name, getattr(self, name))
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(f"{owner}.sequence_parallel needs tensor_model_parallel_size > 1; "
+                             "drop --sequence-parallel or raise the tensor-parallel size")
+        return self
+
+    def _validate_recompute(self) -> None:
+        owner = "TransformerConfig"
+        if self.recompute_granularity is None:
+            return
+        _check_choice(owner, "recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        if self.recompute_granularity != "full":
+            return
+        _check_choice(owner, "recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        _check_positive(owner, "recompute_num_layers", self.recompute_num_layers)
+        if self.recompute_num_layers > self.num_layers:
+            raise ValueError(f"{owner}.recompute_num_layers={self.recompute_num_layers} exceeds "
+                             f"num_layers={self.num_layers}")
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class DLMConfig:
+    """The masked-diffusion objective (shared/DESIGN.md section 3)."""
+
+    model_running_mode: str = "difflm-noshift"
+    """difflm-noshift: position i predicts clean token i. difflm-shift: position i predicts
+    token i+1 (AR-initialised DLMs, Dream-style). vanilla: autoregressive next-token loss."""
+    attention_mask_type: str = "no_mask"
+    """Attention pattern in the DLM modes: no_mask (bidirectional), causal (bottom-right),
+    block_causal (bidirectional inside blocks of block_size, causal across blocks),
+    sliding_window. The vanilla mode always runs causal."""
+    mask_token_id: Optional[int] = None
+    """Token id written into corrupted positions. Required in the DLM modes."""
+    block_size: Optional[int] = None
+    """Block length for block_causal attention; must divide the sequence length."""
+    eps: float = 1e-3
+    """Lowest mask probability: p = (1 - eps) * t + eps (LLaDA uses 1e-3)."""
+    t_sampling: str = "uniform"
+    """How t is drawn: uniform (independent per sequence) or antithetic (stratified across the
+    global batch: t_i = frac(u + i / n))."""
+    loss_weight: str = "inverse_p"
+    """Per-token weight of masked positions: inverse_p (1/p, LLaDA/MDLM), inverse_empirical
+    (1 / realised masked fraction of the sequence, MegaDLMs) or none."""
+    loss_normalizer: str = "tokens"
+    """Divide the weighted sum by: tokens (valid tokens, B*L without padding, LLaDA), masked
+    (number of masked tokens) or sequence (each sequence by its own valid length, then the mean
+    over sequences)."""
+    varilen_prob: float = 0.0
+    """Probability that a training micro-batch is truncated to a random length (LLaDA: 0.01)."""
+    per_document_t: bool = False
+    """With packed documents, draw an independent t for every document instead of every row."""
+    seed: int = 1234
+    """Seed of the corruption process; masks are a pure function of it and the sample index."""
+
+    def __post_init__(self) -> None:
+        self.attention_mask_type = MASK_TYPE_ALIASES.get(self.attention_mask_type, self.attention_mask_type)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.model_running_mode != "vanilla"
+
+    @property
+    def effective_mask_type(self) -> str:
+        return self.attention_mask_type if self.is_diffusion else "causal"
+
+    def validate(self, vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
+                 sliding_window: Optional[int] = None) -> "DLMConfig":
+        owner = "DLMConfig"
+        _check_choice(owner, "model_running_mode", self.model_running_mode, RUNNING_MODES)
+        _check_choice(owner, "attention_mask_type", self.attention_mask_type, ATTENTION_MASK_TYPES)
+        _check_choice(owner, "t_sampling", self.t_sampling, T_SAMPLINGS)
+        _check_choice(owner, "loss_weight", self.loss_weight, LOSS_WEIGHTS)
+        _check_choice(owner, "loss_normalizer", self.loss_normalizer, LOSS_NORMALIZERS)
+        if not 0.0 <= self.eps < 1.0:
+            raise ValueError(f"{owner}.eps={self.eps} must be in [0, 1)")
+        if not 0.0 <= self.varilen_prob <= 1.0:
+            raise ValueError(f"{owner}.varilen_prob={self.varilen_prob} must be in [0, 1]")
+        if self.is_diffusion:
+            if self.mask_token_id is None:
+                raise ValueError(f"{owner}.mask_token_id is not set but model_running_mode="
+                                 f"{self.model_running_mode!r} needs one; pass --mask-token <id>")
+            if vocab_size is not None and not 0 <= self.mask_token_id < vocab_size:
+                raise ValueError(f"{owner}.mask_token_id={self.mask_token_id} is outside the vocabulary "
+                                 f"[0, {vocab_size}); use an id of the tokenizer or add a mask token")
+        if self.effective_mask_type == "block_causal":
+            _check_positive(owner, "block_size", self.block_size)
+            if seq_length is not None and seq_length % self.block_size:
+                raise ValueError(f"{owner}.block_size={self.block_size} does not divide the sequence length "
+                                 f"{seq_length}; choose a block size that divides it")
+        if self.effective_mask_type == "sliding_window" and not sliding_window:
+            raise ValueError(f"{owner}.attention_mask_type='sliding_window' needs "
+                             "TransformerConfig.sliding_window; pass --sliding-window <tokens>")
+        return self
+
+
+@dataclass
+class ModelConfig:
+    """A transformer and its objective, validated together."""
+
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
+    dlm: DLMConfig = field(default_factory=DLMConfig)
+    seq_length: Optional[int] = None
+    """Training sequence length, when known; checked against the block size and positions."""
+
+    def validate(self) -> "ModelConfig":
+        self.transformer.validate()
+        self.dlm.validate(self.transformer.vocab_size, self.seq_length, self.transformer.sliding_window)
+        if self.seq_length is not None and self.seq_length > self.transformer.max_position_embeddings:
+            raise ValueError(f"ModelConfig.seq_length={self.seq_length} exceeds max_position_embeddings="
+                             f"{self.transformer.max_position_embeddings}; raise --max-position-embeddings")
+        return self

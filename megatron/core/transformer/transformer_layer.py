@@ -1,0 +1,44 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron.core.transformer.attention import DiffLMSelfAttention, RotaryPair, SelfAttention
+from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+
+class TransformerLayer(MegatronModule):
+    def __init__(self, config: TransformerConfig, layer_number: int = 0,
+                 self_attention: Optional[SelfAttention] = None) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config, config.hidden_size)
+        self.self_attention = self_attention or SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, p=self.config.hidden_dropout, training=self.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[AttentionMask] = None,
+                rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:
+        attn_out = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+        hidden_states = hidden_states + self._dropout(attn_out)
+        mlp_out = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return hidden_states + self._dropout(mlp_out)
+
+
+class DiffLMTransformerLayer(TransformerLayer):
+    """A transformer layer whose attention defaults to the diffusion mask (DiffLMSelfAttention)."""
+
+    def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0) -> None:
+        super().__init__(config, layer_number, DiffLMSelfAttention(config, dlm_config, layer_number))
+        self.dlm_config = dlm_config
