@@ -209,17 +209,23 @@ def _document_mask_mod(document_ids: torch.Tensor):
     return same_document
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_functions():
+    # Compiled once per process and reused, so every layer and step hits the same cache.
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
 def _flex_functions(device_type: str):
-    """(flex_attention, create_block_mask), compiled on CUDA, eager elsewhere.
+    """(flex_attention, create_block_mask) to call: compiled on CUDA, eager elsewhere.
 
     Uncompiled flex materialises the full score matrix, so on GPU it must be compiled to
-    get the fused kernel; compiling once per process and reusing it avoids recompiles.
-    On CPU (tests) eager avoids minutes of compile time for a few tiny calls.
+    get the fused kernel. Inside an enclosing torch.compile the plain functions are traced
+    into that graph instead (and dynamo would ignore the lru_cache anyway). On CPU (tests)
+    eager avoids minutes of compile time for a few tiny calls.
     """
-    if device_type == "cuda":
-        return torch.compile(flex_attention), torch.compile(create_block_mask)
-    return flex_attention, create_block_mask
+    if device_type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention, create_block_mask
+    return _compiled_flex_functions()
 
 
 def _build_block_mask(mask_mod, batch: Optional[int], seq_len: int, device: torch.device):

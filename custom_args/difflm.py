@@ -1,0 +1,34 @@
+"""Command-line flags of the diffusion objective (argument group "difflm").
+
+Passed to `pretrain(..., extra_args_provider=add_difflm_args)` by pretrain_difflm.py; they
+build `megatron.core.transformer.transformer_config.DLMConfig`.
+"""
+
+import argparse
+
+from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, LOSS_NORMALIZERS, LOSS_WEIGHTS,
+                                                          MASK_TYPE_ALIASES, RUNNING_MODES, T_SAMPLINGS)
+
+
+def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("difflm", "masked-diffusion objective")
+    g.add_argument("--model-running-mode", default="difflm-noshift", choices=RUNNING_MODES,
+                   help="difflm-noshift: position i predicts token i; difflm-shift: i predicts i+1 "
+                        "(AR-initialised); vanilla: autoregressive.")
+    g.add_argument("--attention-mask-type", default="no_mask",
+                   choices=list(ATTENTION_MASK_TYPES) + list(MASK_TYPE_ALIASES),
+                   help="Attention in the DLM modes (vanilla is always causal). causal_bottom_right = causal.")
+    g.add_argument("--mask-token", type=int, help="Id of the mask token (default: the tokenizer's).")
+    g.add_argument("--difflm-block-size", type=int, help="Block length of block_causal attention.")
+    g.add_argument("--difflm-eps", type=float, default=1e-3, help="Lowest mask probability: p = (1-eps)t + eps.")
+    g.add_argument("--difflm-t-sampling", default="uniform", choices=T_SAMPLINGS,
+                   help="t per sequence: uniform, or antithetic (stratified over the global batch).")
+    g.add_argument("--difflm-loss-weight", default="inverse_p", choices=LOSS_WEIGHTS,
+                   help="Weight of masked tokens: 1/p (LLaDA), 1/realised fraction (MegaDLMs) or none.")
+    g.add_argument("--difflm-loss-normalizer", default="tokens", choices=LOSS_NORMALIZERS,
+                   help="Divide by valid tokens (B*L, LLaDA), masked tokens, or per sequence.")
+    g.add_argument("--difflm-varilen-prob", type=float, default=0.0,
+                   help="Probability that a training micro-batch is cut to a random length (LLaDA: 0.01).")
+    g.add_argument("--difflm-per-document-t", action="store_true",
+                   help="With --reset-attention-mask, draw t per packed document.")
+    return parser

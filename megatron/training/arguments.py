@@ -1,0 +1,283 @@
+"""Megatron-compatible command-line flags, their validation, and the configs they build.
+
+Flags keep Megatron-LM's names and meaning. Every problem found here is reported as one
+line by argparse (exit code 2) before any process group, model or dataset is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, List, Optional
+
+import torch
+
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+# Parallel layouts the current release trains; the flags exist so launch scripts stay stable.
+SUPPORTED_SHARDING = ("no_shard",)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model shape")
+    g.add_argument("--num-layers", type=int, help="Number of transformer layers.")
+    g.add_argument("--hidden-size", type=int, help="Width of the residual stream.")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP inner width (default 4 x hidden size).")
+    g.add_argument("--num-attention-heads", type=int, help="Number of query heads.")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1, help="Key/value heads with --group-query-attention.")
+    g.add_argument("--kv-channels", type=int, help="Head dimension (default hidden size / heads).")
+    g.add_argument("--seq-length", type=int, help="Training sequence length.")
+    g.add_argument("--max-position-embeddings", type=int, help="Longest position (default --seq-length).")
+    g.add_argument("--position-embedding-type", default="rope", choices=["rope"], help="Position encoding.")
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta.")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of head dims that rotate.")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of every norm.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
+    g.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP (default: GeLU, not gated).")
+    g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
+    g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Separate output layer instead of the transposed embedding.")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="Attention-probability dropout.")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="Residual-branch dropout.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the weight init.")
+    g.add_argument("--sliding-window", type=int, help="Window of the sliding_window attention mask.")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flex", "math"],
+                   help="Core attention kernel; auto picks the fastest correct one.")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], help="Activation recompute.")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], help="Which layers full recompute covers.")
+    g.add_argument("--recompute-num-layers", type=int, help="Layers per group (uniform) or recomputed (block).")
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="Samples per micro-batch per GPU.")
+    g.add_argument("--global-batch-size", type=int, help="Samples per step (default micro x data-parallel).")
+    g.add_argument("--train-iters", type=int, help="Total optimizer steps.")
+    g.add_argument("--train-samples", type=int, help="Total samples (alternative to --train-iters).")
+    g.add_argument("--seed", type=int, default=1234, help="Seed of init, dropout, data and corruption.")
+    g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights and grads.")
+    g.add_argument("--fp16", action="store_true", help="fp16 compute with dynamic loss scaling.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16 starting loss scale.")
+    g.add_argument("--max-consecutive-nan-iterations", type=int, default=10,
+                   help="Stop after this many non-finite loss or grad-norm steps in a row.")
+    g.add_argument("--exit-interval", type=int, help="Exit after the iteration divisible by this.")
+    g.add_argument("--exit-duration-in-mins", type=float, help="Exit after this many minutes of training.")
+
+    g = parser.add_argument_group("learning rate and optimizer")
+    g.add_argument("--optimizer", default="adam", choices=["adam"], help="AdamW (decoupled weight decay).")
+    g.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Floor of the decay.")
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup steps.")
+    g.add_argument("--lr-warmup-fraction", type=float, help="Warmup as a fraction of --lr-decay-iters.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="Learning rate at step 0 of warmup.")
+    g.add_argument("--lr-decay-iters", type=int, help="Steps over which to decay (default --train-iters).")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, help="Length of the WSD decay phase.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay (not on norms/biases).")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0 disables).")
+
+
+def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--mock-data", action="store_true", help="Deterministic synthetic documents, no files.")
+    g.add_argument("--data-path", nargs="*", help="Weighted .bin/.idx prefixes (arrives with the data pipeline).")
+    g.add_argument("--tokenizer-type", default="NullTokenizer", choices=["NullTokenizer"])
+    g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (the last id is EOD).")
+    g.add_argument("--add-mask-token", action="store_true", help="Append a mask token to the vocabulary.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")
+    g.add_argument("--reset-attention-mask", action="store_true", help="Attend within documents only.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss (and no corruption) on EOD tokens.")
+    g.add_argument("--num-workers", type=int, default=0, help="Data loader worker processes.")
+
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100, help="Print and record every N steps.")
+    g.add_argument("--log-throughput", action="store_true", help="Add tokens/s, TFLOP/s and MFU to the line.")
+    g.add_argument("--tensorboard-dir", help="Write tensorboard scalars here.")
+    g.add_argument("--wandb-project", help="Also log to this Weights & Biases project (needs wandb).")
+    g.add_argument("--wandb-exp-name", help="Weights & Biases run name.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every N steps.")
+    g.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation (0 disables).")
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="Same as --data-parallel-sharding-strategy optim.")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="Default: nccl on GPU, gloo on CPU.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="MegaDLMs pretraining", allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_data_and_logging_args(parser)
+    _add_distributed_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[ExtraArgsProvider] = None,
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse and validate; any problem exits with one line and code 2 (argparse's convention)."""
+    parser = build_parser(extra_args_provider)
+    args = parser.parse_args(argv)
+    args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            raise ValueError(f"--{name.replace('_', '-')} is required")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Fill derived values and raise ValueError naming the flag and the fix."""
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    _validate_parallel(args)
+    _validate_batch_and_schedule(args)
+    _validate_data(args)
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are both set; choose one")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    args.transformer_config = transformer_config_from_args(args)
+    args.dlm_config = dlm_config_from_args(args)
+    # The config classes phrase problems by field; the flags are what the user typed.
+    try:
+        args.transformer_config.validate()
+        args.dlm_config.validate(args.padded_vocab_size, args.seq_length, args.sliding_window)
+    except ValueError as error:
+        raise ValueError(f"{error} (check the corresponding command-line flag)") from None
+    if args.seq_length > args.max_position_embeddings:
+        raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                         f"{args.max_position_embeddings}")
+
+
+def _validate_parallel(args: argparse.Namespace) -> None:
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    if args.world_size % model_parallel:
+        raise ValueError(f"world size {args.world_size} is not divisible by tensor x pipeline x context parallel "
+                         f"sizes = {model_parallel}; change the parallel sizes or the number of processes")
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.use_distributed_optimizer:
+        args.data_parallel_sharding_strategy = "optim"
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(args, flag) != 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported by this release "
+                             "yet; use 1 (data parallelism scales with the number of processes)")
+    if args.sequence_parallel:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1, which this release does "
+                         "not support yet; drop --sequence-parallel")
+    if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
+        raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
+                         "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+
+
+def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.micro_batch_size < 1 or args.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; "
+                         "adjust one of them")
+    args.num_microbatches = args.global_batch_size // per_step
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ValueError("give exactly one of --train-iters and --train-samples")
+    if args.train_iters is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.train_iters < 1:
+        raise ValueError(f"--train-iters {args.train_iters} must be >= 1")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ValueError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    for flag in ("log_interval", "eval_interval"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if not args.mock_data:
+        raise ValueError("pass --mock-data: reading --data-path .bin/.idx corpora arrives with the data pipeline")
+    if args.vocab_size is None:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.vocab_size < 2:
+        raise ValueError(f"--vocab-size {args.vocab_size} must be >= 2 (the last id is EOD)")
+    from megatron.training.tokenizer import build_tokenizer  # light import; no torch.distributed use
+
+    args.tokenizer = build_tokenizer(args)
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-args.tokenizer.vocab_size // multiple) * multiple
+    if getattr(args, "mask_token", None) is None:
+        args.mask_token = args.tokenizer.mask
+
+
+def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.padded_vocab_size, max_position_embeddings=args.max_position_embeddings,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        params_dtype=torch.float32, bf16=args.bf16, fp16=args.fp16,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
+        sliding_window=args.sliding_window,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size, sequence_parallel=args.sequence_parallel)
+
+
+def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
+    """DLM fields come from custom_args/difflm.py; without them the model is autoregressive."""
+    if not hasattr(args, "model_running_mode"):
+        return DLMConfig(model_running_mode="vanilla", seed=args.seed)
+    return DLMConfig(
+        model_running_mode=args.model_running_mode, attention_mask_type=args.attention_mask_type,
+        mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
+        t_sampling=args.difflm_t_sampling, loss_weight=args.difflm_loss_weight,
+        loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
+        per_document_t=args.difflm_per_document_t, seed=args.seed)

@@ -1,0 +1,52 @@
+"""Process group, device and seeds: the start of every training process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10) -> Runtime:
+    """Join the torchrun job (RANK/WORLD_SIZE/MASTER_* in the environment) or start a
+    one-process group, so the training code has a single path for one or many processes."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def set_random_seeds(seed: int) -> None:
+    """The same seed on every rank: identical initial weights (DDP also broadcasts them) and
+    data order; the corruption has its own keyed randomness (diffusion.py)."""
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)

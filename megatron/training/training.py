@@ -1,0 +1,253 @@
+"""pretrain(): the training loop of MegaDLMs.
+
+The loop reads top to bottom: build (args -> process group -> model -> optimizer -> data),
+then `Trainer.train()` runs steps; a step is micro-batches of forward/backward with the
+gradient all-reduce only on the last, one division by the global number of loss tokens,
+clipping, a non-finite check that skips the update, and the optimizer and LR steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.distributed.data_parallel import finalize_gradients, no_sync, unwrap, wrap_data_parallel
+from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
+from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
+from megatron.training.arguments import ExtraArgsProvider, parse_args
+from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
+from megatron.training.training_log import TrainingLogger
+
+LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepContext:
+    """Where a micro-batch sits in the run; forward steps key the corruption on it."""
+
+    iteration: int
+    first_sample_index: int
+    """Stream index of the first sample of this global batch."""
+    global_batch_size: int
+    microbatch: int
+    training: bool = True
+    stream: int = 0
+    """0 for training batches, 1 for validation (fixed draws at every evaluation)."""
+
+
+ForwardStepFunc = Callable[[Iterator, nn.Module, StepContext], Tuple[torch.Tensor, LossFunc]]
+
+
+@dataclass
+class TrainState:
+    """Progress of a run: everything a resumed run needs besides weights and optimizer."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_train_tokens: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    consecutive_nan_iterations: int = 0
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    loss_tokens: float
+    skipped: bool
+    nan: bool
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
+                 train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
+                 runtime: Runtime, logger: Optional[TrainingLogger] = None) -> None:
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.forward_step = forward_step
+        self.train_loader, self.valid_loader = train_loader, valid_loader
+        self.runtime, self.logger = runtime, logger
+        self.state = TrainState()
+        self.history: List[StepResult] = []
+        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
+                                                enabled=args.fp16)
+
+    # ------------------------------------------------------------------ one step
+    def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
+                          first_sample: int, stream: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run every micro-batch of a global batch; returns (sum of losses, sum of loss tokens)."""
+        num_micro = self.args.num_microbatches
+        device = self.runtime.device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for micro in range(num_micro):
+            ctx = StepContext(iteration, first_sample, self.args.global_batch_size, micro, training, stream)
+            with no_sync(self.model, last_microbatch=micro == num_micro - 1 or not training):
+                output, loss_func = self.forward_step(data_iterator, self.model, ctx)
+                loss_sum, loss_tokens = loss_func(output)
+                if training:
+                    self.grad_scaler.scale(loss_sum).backward()
+            totals += torch.stack([loss_sum.detach().double(), loss_tokens.detach().double()])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(totals)
+        return totals[0], totals[1]
+
+    def train_step(self, data_iterator: Iterator) -> StepResult:
+        state = self.state
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, loss_tokens = self._forward_backward(
+            data_iterator, True, state.iteration, state.consumed_train_samples, stream=0)
+        self.grad_scaler.unscale_(self.optimizer)
+        finalize_gradients(self.model, loss_tokens.float())
+        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad)
+        loss = loss_sum / loss_tokens.clamp(min=1.0)
+        # One host sync per step: the skip decision must be the same on every rank, and it is,
+        # because the loss is all-reduced and the gradients are synchronised before the norm.
+        finite_loss, finite_grads = (bool(v) for v in torch.stack([loss.isfinite(), grad_norm.isfinite()]).cpu())
+        skipped = not (finite_loss and finite_grads)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.args.fp16:
+                self.grad_scaler.update()
+        else:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+            self.scheduler.step(1)
+        nan = not finite_loss or (skipped and not self.args.fp16)
+        return StepResult(float(loss), float(grad_norm), float(loss_tokens), skipped, nan)
+
+    def _account(self, result: StepResult) -> None:
+        state = self.state
+        state.iteration += 1
+        state.consumed_train_samples += self.args.global_batch_size
+        state.consumed_train_tokens += self.args.global_batch_size * self.args.seq_length
+        state.skipped_iterations += int(result.skipped)
+        state.nan_iterations += int(result.nan)
+        state.consecutive_nan_iterations = state.consecutive_nan_iterations + 1 if result.nan else 0
+        if state.consecutive_nan_iterations >= self.args.max_consecutive_nan_iterations:
+            raise TrainingDiverged(
+                f"{state.consecutive_nan_iterations} iterations in a row had a non-finite loss or grad norm "
+                f"(iteration {state.iteration}); lower --lr or check the data. "
+                "(--max-consecutive-nan-iterations sets the limit)")
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainState:
+        args, state = self.args, self.state
+        self.model.train()
+        data_iterator = self.train_loader(state.consumed_train_samples)
+        start_time = time.time()
+        while state.iteration < args.train_iters:
+            result = self.train_step(data_iterator)
+            self.history.append(result)
+            self._account(result)
+            if self.logger is not None:
+                self.logger.on_step(state, result, self.scheduler.get_lr(), self.grad_scaler.get_scale()
+                                    if args.fp16 else 1.0)
+            if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+                self.evaluate_and_log()
+            if self._should_exit(start_time):
+                break
+        if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval != 0:
+            self.evaluate_and_log()
+        return state
+
+    def _should_exit(self, start_time: float) -> bool:
+        args = self.args
+        if args.exit_interval and self.state.iteration % args.exit_interval == 0:
+            return True
+        if args.exit_duration_in_mins is None:
+            return False
+        # Ranks must agree, or one would leave the collective of the next step alone.
+        elapsed = torch.tensor([(time.time() - start_time) / 60.0], device=self.runtime.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed) > args.exit_duration_in_mins
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over the first --eval-iters global batches of the validation set,
+        with fixed corruption draws (stream 1, keyed by validation sample index)."""
+        self.model.eval()
+        data_iterator = self.valid_loader()
+        loss_sum = loss_tokens = 0.0
+        for step in range(self.args.eval_iters):
+            first = step * self.args.global_batch_size
+            batch_sum, batch_tokens = self._forward_backward(data_iterator, False, 0, first, stream=1)
+            loss_sum, loss_tokens = loss_sum + float(batch_sum), loss_tokens + float(batch_tokens)
+        self.model.train()
+        return loss_sum / max(loss_tokens, 1.0)
+
+    def evaluate_and_log(self) -> float:
+        loss = self.evaluate()
+        if self.logger is not None:
+            self.logger.on_validation(self.state, loss)
+        return loss
+
+
+# ---------------------------------------------------------------------- building blocks
+def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, runtime: Runtime) -> Iterator:
+    """An iterator of this rank's micro-batches, starting after `consumed_samples`."""
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                         runtime.rank, runtime.world_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+                                         pin_memory=runtime.device.type == "cuda")
+    return iter(loader)
+
+
+def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module):
+    config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
+    optimizer = build_optimizer(model, config)
+    scheduler = OptimizerParamScheduler(
+        optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, init_lr=args.lr_warmup_init,
+        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+        weight_decay=args.weight_decay)
+    return optimizer, scheduler
+
+
+def dataset_sizes(args: argparse.Namespace) -> List[int]:
+    """Samples needed from the train, validation and test splits over the whole run."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    eval_samples = args.eval_iters * args.global_batch_size
+    return [args.train_iters * args.global_batch_size, eval_samples, eval_samples if evaluations else 0]
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+             forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
+             argv: Optional[List[str]] = None) -> "Trainer":
+    """Parse flags, build everything, train. Flag problems exit with code 2 before any of it."""
+    args = parse_args(argv, extra_args_provider)
+    runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    set_random_seeds(args.seed)
+    model = model_provider(args, pre_process=True, post_process=True).to(runtime.device)
+    logger = TrainingLogger(args, runtime, unwrap(model).config)
+    logger.log_start(model)
+    model = wrap_data_parallel(model, runtime.device)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model)
+    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))
+    trainer = Trainer(
+        args, model, optimizer, scheduler, forward_step_func,
+        train_loader=lambda consumed: build_data_loader(train_ds, consumed, args, runtime),
+        valid_loader=(lambda: build_data_loader(valid_ds, 0, args, runtime)) if valid_ds is not None else None,
+        runtime=runtime, logger=logger)
+    try:
+        trainer.train()
+    except TrainingDiverged as error:
+        logger.print(f"error: {error}")
+        logger.close()
+        sys.exit(1)
+    logger.close()
+    return trainer

@@ -1,0 +1,135 @@
+"""Console lines in Megatron-LM's format, tensorboard scalars and optional wandb.
+
+The console line keeps Megatron's field names and number formats so existing log parsers
+work: `iteration  N/ M | consumed samples: ... | lm loss: 1.234567E+00 | ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import datetime
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import flops
+from megatron.training.initialize import Runtime
+
+
+def _open_wandb(args: argparse.Namespace):
+    """wandb is optional and imported here only."""
+    try:
+        import wandb
+    except ImportError as error:
+        raise SystemExit("--wandb-project needs the wandb package: pip install 'megadlms[wandb]'") from error
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name, config=vars(args).copy())
+
+
+class TrainingLogger:
+    """Everything printed or recorded during training; only rank 0 writes."""
+
+    def __init__(self, args: argparse.Namespace, runtime: Runtime, config: TransformerConfig) -> None:
+        self.args, self.runtime = args, runtime
+        dlm = args.dlm_config
+        self.flops_per_iteration = flops.training_flops_per_iteration(
+            config, args.seq_length, args.global_batch_size, mask_type=dlm.effective_mask_type,
+            block_size=dlm.block_size, window=config.sliding_window)
+        device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else None
+        self.peak = flops.peak_tflops(device_name, "bf16")
+        self.writer = self.wandb = None
+        if runtime.is_main and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
+        if runtime.is_main and args.wandb_project:
+            self.wandb = _open_wandb(args)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.window_start = time.perf_counter()
+        self.window_loss = self.window_steps = self.window_counted = 0
+
+    def print(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(message, flush=True)
+
+    def log_start(self, model: nn.Module) -> None:
+        args = self.args
+        params = sum(p.numel() for p in model.parameters())
+        self.print(f"> MegaDLMs: {args.dlm_config.model_running_mode} "
+                   f"(attention {args.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
+                   f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
+        self.print("> parallel layout\n"
+                   f"  {'world':>6} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'dp':>4} {'micro':>6} {'accum':>6} {'global':>7}\n"
+                   f"  {args.world_size:>6} {args.tensor_model_parallel_size:>3} "
+                   f"{args.pipeline_model_parallel_size:>3} {args.context_parallel_size:>3} "
+                   f"{args.expert_model_parallel_size:>3} {args.data_parallel_size:>4} {args.micro_batch_size:>6} "
+                   f"{args.num_microbatches:>6} {args.global_batch_size:>7}")
+
+    def _scalars(self, values: Dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def on_step(self, state, result, learning_rate: float, loss_scale: float) -> None:
+        if not result.skipped:
+            self.window_loss += result.loss
+            self.window_counted += 1
+        self.window_steps += 1
+        if state.iteration % self.args.log_interval:
+            return
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+        seconds = (time.perf_counter() - self.window_start) / self.window_steps
+        loss = self.window_loss / max(self.window_counted, 1)
+        tokens = self.args.global_batch_size * self.args.seq_length
+        rates = flops.throughput_metrics(self.flops_per_iteration, tokens, seconds, self.args.world_size, self.peak)
+        self.print(self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates))
+        values = {"lm loss": loss, "learning-rate": learning_rate, "grad-norm": result.grad_norm,
+                  "loss-scale": loss_scale, "skipped-iterations": state.skipped_iterations,
+                  "nan-iterations": state.nan_iterations, "iteration-time": seconds,
+                  "consumed-tokens": state.consumed_train_tokens,
+                  "throughput/tokens-per-sec-per-gpu": rates["tokens_per_sec_per_gpu"],
+                  "throughput/tflops-per-gpu": rates["tflops_per_gpu"]}
+        if rates["mfu"] is not None:
+            values["throughput/mfu"] = rates["mfu"]
+        if self.runtime.device.type == "cuda":
+            values["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2 ** 30
+        self._scalars(values, state.iteration)
+        self._reset_window()
+
+    def _line(self, state, seconds, learning_rate, loss, loss_scale, grad_norm, rates) -> str:
+        args = self.args
+        parts = [f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {state.iteration:8d}/{args.train_iters:8d}",
+                 f"consumed samples: {state.consumed_train_samples:12d}",
+                 f"elapsed time per iteration (ms): {seconds * 1000:.1f}"]
+        if args.log_throughput:
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.1f}")
+            parts.append(f"tokens per second per GPU: {rates['tokens_per_sec_per_gpu']:.1f}")
+            if rates["mfu"] is not None:
+                parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
+        parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {args.global_batch_size:5d}",
+                  f"lm loss: {loss:.6E}", f"loss scale: {loss_scale:.1f}", f"grad norm: {grad_norm:.3f}",
+                  f"number of skipped iterations: {state.skipped_iterations:3d}",
+                  f"number of nan iterations: {state.nan_iterations:3d}"]
+        if self.runtime.device.type == "cuda":
+            parts.append(f"mem max allocated (GiB): "
+                         f"{torch.cuda.max_memory_allocated(self.runtime.device) / 2 ** 30:.2f}")
+        return " | ".join(parts) + " |"
+
+    def on_validation(self, state, loss: float) -> None:
+        ppl = float(torch.tensor(min(loss, 20.0)).exp())
+        line = f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        self._scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, state.iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()

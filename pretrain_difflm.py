@@ -1,0 +1,112 @@
+"""Pretrain a masked diffusion LM (or an AR LM with --model-running-mode vanilla).
+
+    torchrun --nproc_per_node=8 pretrain_difflm.py --num-layers 24 ... \
+        --model-running-mode difflm-noshift --attention-mask-type no_mask
+
+The three functions Megatron users know: `model_provider`, `forward_step` (with its
+`loss_func`) and `train_valid_test_datasets_provider`. The corruption happens here, on the
+data side, keyed by each sample's index in its stream (megatron/core/models/difflm/diffusion.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from custom_args.difflm import add_difflm_args
+from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm.gpt_model import GPTModel, positions_from_documents
+from megatron.training import pretrain
+from megatron.training.training import StepContext
+
+
+def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    return GPTModel(args.transformer_config, args.dlm_config, pre_process=pre_process, post_process=post_process)
+
+
+def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
+    tokenizer = args.tokenizer
+    datasets = [MockGPTDataset(max(count, 1), args.seq_length, text_vocab_size=tokenizer.eod, eod=tokenizer.eod,
+                               seed=args.seed, split=split)
+                for count, split in zip(num_samples, ("train", "valid", "test"))]
+    return datasets[0], (datasets[1] if num_samples[1] else None), (datasets[2] if num_samples[2] else None)
+
+
+def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """Packed-document ids: a document runs up to and including its EOD token."""
+    is_eod = (tokens == eod).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContext,
+              device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
+    """Tokens, targets, loss mask and packing metadata of one micro-batch on `device`."""
+    sample = next(data_iterator)
+    tokens = sample["tokens"].to(device, non_blocking=True)
+    length = args.seq_length
+    dlm = args.dlm_config
+    if dlm.is_diffusion and ctx.training and dlm.varilen_prob > 0:
+        # Same decision on every rank for this (iteration, micro-batch): no stragglers.
+        multiple = dlm.block_size if dlm.effective_mask_type == "block_causal" else 1
+        length = diffusion.varilen_length(dlm, ctx.iteration, ctx.microbatch, length, multiple_of=multiple)
+    inputs = tokens[:, :length]
+    # DLMs predict the tokens they see (corrupted); AR models predict the next token.
+    labels = inputs if dlm.is_diffusion else tokens[:, 1:length + 1]
+    eod = args.tokenizer.eod
+    loss_mask = (labels != eod) if args.eod_mask_loss else torch.ones_like(labels, dtype=torch.bool)
+    documents = document_ids_from_eod(inputs, eod) if (args.reset_attention_mask or args.reset_position_ids) else None
+    position_ids = positions_from_documents(documents) if args.reset_position_ids else None
+    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "document_ids": documents if args.reset_attention_mask else None,
+            "index": sample["index"].to(device)}
+
+
+def loss_func(loss_weights: torch.Tensor, normalizer: torch.Tensor,
+              per_token_loss: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weighted token losses, loss tokens): the loop divides once per global batch."""
+    return (per_token_loss * loss_weights).sum(), normalizer
+
+
+def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, args: argparse.Namespace):
+    device = next(model.parameters()).device
+    batch = get_batch(data_iterator, args, ctx, device)
+    dlm = args.dlm_config
+    if dlm.is_diffusion:
+        key = diffusion.CorruptionKey(
+            seed=dlm.seed, sample_index=batch["index"], batch_position=batch["index"] - ctx.first_sample_index,
+            global_batch_size=ctx.global_batch_size, iteration=ctx.iteration, stream=ctx.stream)
+        maskable = unwrap(model).maskable_positions(batch["inputs"], batch["loss_mask"])
+        corruption = diffusion.corrupt(batch["inputs"], dlm, key, maskable, batch["document_ids"])
+        weights, normalizer = diffusion.loss_weights(corruption, dlm, maskable, clamp_normaliser=False)
+        model_input = corruption.noisy_input_ids
+    else:
+        weights = batch["loss_mask"].float()
+        normalizer = weights.sum()
+        model_input = batch["inputs"]
+    per_token_loss, _ = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
+                              loss_weights=weights, loss_normalizer=normalizer.clamp(min=1.0),
+                              document_ids=batch["document_ids"])
+    return per_token_loss, partial(loss_func, weights, normalizer)
+
+
+def main(argv: Optional[List[str]] = None):
+    holder = {}
+
+    def step(data_iterator, model, ctx):
+        return forward_step(data_iterator, model, ctx, holder["args"])
+
+    def datasets(args, sizes):
+        holder["args"] = args
+        return train_valid_test_datasets_provider(args, sizes)
+
+    return pretrain(datasets, model_provider, step, extra_args_provider=add_difflm_args, argv=argv)
+
+
+if __name__ == "__main__":
+    main()
