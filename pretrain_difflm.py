@@ -96,16 +96,8 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
 
 
 def main(argv: Optional[List[str]] = None):
-    holder = {}
-
-    def step(data_iterator, model, ctx):
-        return forward_step(data_iterator, model, ctx, holder["args"])
-
-    def datasets(args, sizes):
-        holder["args"] = args
-        return train_valid_test_datasets_provider(args, sizes)
-
-    return pretrain(datasets, model_provider, step, extra_args_provider=add_difflm_args, argv=argv)
+    return pretrain(train_valid_test_datasets_provider, model_provider, forward_step,
+                    extra_args_provider=add_difflm_args, argv=argv)
 
 
 if __name__ == "__main__":

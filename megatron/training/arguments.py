@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -187,8 +188,9 @@ def validate_args(args: argparse.Namespace) -> None:
 def _validate_parallel(args: argparse.Namespace) -> None:
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     if args.world_size % model_parallel:
-        raise ValueError(f"world size {args.world_size} is not divisible by tensor x pipeline x context parallel "
-                         f"sizes = {model_parallel}; change the parallel sizes or the number of processes")
+        raise ValueError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size x "
+                         f"--pipeline-model-parallel-size x --context-parallel-size = {model_parallel}; "
+                         "change the parallel sizes or the number of processes")
     args.data_parallel_size = args.world_size // model_parallel
     if args.use_distributed_optimizer:
         args.data_parallel_sharding_strategy = "optim"
@@ -226,8 +228,7 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
         if args.lr_warmup_iters:
             raise ValueError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -247,6 +248,13 @@ def _validate_data(args: argparse.Namespace) -> None:
     args.padded_vocab_size = -(-args.tokenizer.vocab_size // multiple) * multiple
     if getattr(args, "mask_token", None) is None:
         args.mask_token = args.tokenizer.mask
+
+
+def schedule_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+                lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+                init_lr=args.lr_warmup_init, wsd_decay_steps=args.lr_wsd_decay_iters,
+                lr_wsd_decay_style=args.lr_wsd_decay_style, weight_decay=args.weight_decay)
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:

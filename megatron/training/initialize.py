@@ -18,6 +18,8 @@ class Runtime:
     world_size: int
     local_rank: int
     device: torch.device
+    owns_process_group: bool = False
+    """True when initialize_distributed created the group (and so pretrain() destroys it)."""
 
     @property
     def is_main(self) -> bool:
@@ -34,14 +36,15 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     else:
         device = torch.device("cpu")
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout,
                                     device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_process_group=created)
 
 
 def set_random_seeds(seed: int) -> None:

@@ -12,17 +12,18 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import finalize_gradients, no_sync, unwrap, wrap_data_parallel
+from megatron.core.distributed.data_parallel import finalize_gradients, no_sync, wrap_data_parallel
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
-from megatron.training.arguments import ExtraArgsProvider, parse_args
+from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
 from megatron.training.training_log import TrainingLogger
 
@@ -43,7 +44,9 @@ class StepContext:
     """0 for training batches, 1 for validation (fixed draws at every evaluation)."""
 
 
-ForwardStepFunc = Callable[[Iterator, nn.Module, StepContext], Tuple[torch.Tensor, LossFunc]]
+# forward_step(data_iterator, model, ctx, args) -> (output tensor, loss_func); loss_func(output)
+# -> (sum of weighted token losses, number of loss tokens).
+ForwardStepFunc = Callable[..., Tuple[torch.Tensor, LossFunc]]
 
 
 @dataclass
@@ -210,11 +213,7 @@ def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module):
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
     optimizer = build_optimizer(model, config)
-    scheduler = OptimizerParamScheduler(
-        optimizer, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style, init_lr=args.lr_warmup_init,
-        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
-        weight_decay=args.weight_decay)
+    scheduler = OptimizerParamScheduler(optimizer, **schedule_kwargs(args))
     return optimizer, scheduler
 
 
@@ -225,29 +224,39 @@ def dataset_sizes(args: argparse.Namespace) -> List[int]:
     return [args.train_iters * args.global_batch_size, eval_samples, eval_samples if evaluations else 0]
 
 
-def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
-             forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
-             argv: Optional[List[str]] = None) -> "Trainer":
-    """Parse flags, build everything, train. Flag problems exit with code 2 before any of it."""
-    args = parse_args(argv, extra_args_provider)
-    runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_datasets_provider: Callable,
+                  model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
+    """Model (initialised on the device), data-parallel wrapper, optimizer, schedule and data."""
     set_random_seeds(args.seed)
-    model = model_provider(args, pre_process=True, post_process=True).to(runtime.device)
-    logger = TrainingLogger(args, runtime, unwrap(model).config)
+    with torch.device(runtime.device):  # no host-side init of billions of weights
+        model = model_provider(args, pre_process=True, post_process=True)
+    logger = TrainingLogger(args, runtime, model.config)
     logger.log_start(model)
     model = wrap_data_parallel(model, runtime.device)
     optimizer, scheduler = build_optimizer_and_scheduler(args, model)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))
-    trainer = Trainer(
-        args, model, optimizer, scheduler, forward_step_func,
+    return Trainer(
+        args, model, optimizer, scheduler, partial(forward_step_func, args=args),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, args, runtime),
         valid_loader=(lambda: build_data_loader(valid_ds, 0, args, runtime)) if valid_ds is not None else None,
         runtime=runtime, logger=logger)
+
+
+def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
+             forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
+             argv: Optional[List[str]] = None) -> Trainer:
+    """Parse flags, build everything, train. Flag problems exit with code 2 before any of it."""
+    args = parse_args(argv, extra_args_provider)
+    runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
     try:
         trainer.train()
     except TrainingDiverged as error:
-        logger.print(f"error: {error}")
-        logger.close()
+        trainer.logger.print(f"error: {error}")
         sys.exit(1)
-    logger.close()
+    finally:
+        trainer.logger.close()
+        # NCCL warns and leaks without it; gloo's teardown can block when a peer left first.
+        if runtime.owns_process_group and dist.get_backend() == "nccl":
+            dist.destroy_process_group()
     return trainer

@@ -135,7 +135,8 @@ class OptimizerParamScheduler:
         """Advance by `increment` steps and write the new lr and weight decay into every group."""
         self.num_steps += int(increment)
         lr = self.get_lr()
-        for group in self.optimizer.param_groups:
+        # optimizer=None builds a detached schedule: flag validation and plotting use it.
+        for group in (self.optimizer.param_groups if self.optimizer is not None else ()):
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# 7B masked diffusion LM (Qwen2.5-7B / Dream shape): 28 layers, hidden 3584, 28 heads / 4 kv
+# heads, SwiGLU 18944, QKV bias, RMSNorm 1e-6, RoPE base 1e6, untied embeddings, seq 4096.
+# Needs data-parallel sharding of the optimizer (arrives with the parallelism release) beyond one GPU's memory.
+# Environment variables: see examples/launch_common.sh.
+RUN_NAME=${RUN_NAME:-dlm_7b}
+source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+
+run_pretrain \
+    --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28 \
+    --group-query-attention --num-query-groups 4 --kv-channels 128 \
+    --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 \
+    --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear --add-qkv-bias \
+    --untie-embeddings-and-output-weights \
+    --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 \
+    --micro-batch-size "${MICRO_BATCH_SIZE:-1}" --global-batch-size "${GLOBAL_BATCH_SIZE:-512}" \
+    --train-iters "${TRAIN_ITERS:-250000}" \
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \
+    --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" --lr-wsd-decay-iters "${WSD_DECAY_ITERS:-25000}" \
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
+    --recompute-granularity selective \
+    --model-running-mode difflm-noshift --attention-mask-type no_mask \
+    --difflm-eps 1e-3 --difflm-t-sampling antithetic --difflm-loss-weight inverse_p \
+    --difflm-loss-normalizer tokens --difflm-varilen-prob 0.01 \
+    --eval-interval 2000 --eval-iters 10

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Shared by the launch scripts: torchrun topology, data, logging and checkpoint flags, all
+# from environment variables, so one script serves a laptop, a node and a SLURM allocation.
+#
+#   GPUS_PER_NODE (default: all visible GPUs, or 1)  NNODES (1)  NODE_RANK (0)
+#   MASTER_ADDR (localhost)  MASTER_PORT (6000)
+#   DATA_PATH        weighted .bin/.idx prefixes; empty = synthetic --mock-data
+#   TOKENIZER_MODEL  tokenizer folder / tokenizer.json / .model for DATA_PATH runs
+#   MOCK_VOCAB_SIZE  vocabulary of --mock-data runs (default 151936, Qwen's)
+#   CHECKPOINT_PATH  where checkpoints go (used once checkpointing lands)
+#   TENSORBOARD_DIR  tensorboard event files (default runs/$RUN_NAME)
+#   TRAIN_ITERS, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR_WARMUP_ITERS, WSD_DECAY_ITERS, LOG_INTERVAL
+#                    override the script's values (short smoke runs)
+#   EXTRA_ARGS       appended verbatim (e.g. "--attention-backend flex")
+set -euo pipefail
+
+ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}
+else
+    GPUS_PER_NODE=${GPUS_PER_NODE:-1}
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+
+DISTRIBUTED_ARGS=(--nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+                  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+
+if [[ -n "${DATA_PATH:-}" ]]; then
+    DATA_ARGS=(--data-path $DATA_PATH --tokenizer-type HuggingFaceTokenizer
+               --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL for DATA_PATH runs}" --split 949,50,1)
+else
+    DATA_ARGS=(--mock-data --vocab-size "${MOCK_VOCAB_SIZE:-151936}" --add-mask-token)
+fi
+
+LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --log-throughput
+              --tensorboard-dir "${TENSORBOARD_DIR:-$ROOT_DIR/runs/$RUN_NAME}")
+
+# run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.
+run_pretrain() {
+    cd "$ROOT_DIR"
+    # shellcheck disable=SC2086
+    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-}
+}

@@ -1,0 +1,38 @@
+"""`torchrun --nproc_per_node=2 pretrain_difflm.py` on CPU: the loss falls and tensorboard agrees."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
+
+
+def tensorboard_scalars(log_dir: Path, tag: str) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
+def test_two_process_training_lowers_the_loss(mode, tmp_path):
+    env = dict(os.environ, MODE=mode, TRAIN_ITERS="50", TENSORBOARD_DIR=str(tmp_path / "tb"), OMP_NUM_THREADS="1")
+    result = subprocess.run(["bash", "examples/quickstart.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+    assert sorted(console) == list(range(1, 51)), "one line per iteration with --log-interval 1"
+    first, last = [console[i] for i in range(1, 11)], [console[i] for i in range(41, 51)]
+    assert sum(last) / 10 < 0.9 * sum(first) / 10, f"{mode}: loss did not fall ({first} -> {last})"
+    recorded = tensorboard_scalars(tmp_path / "tb", "lm loss")
+    assert sorted(recorded) == sorted(console)
+    for step, value in console.items():
+        assert recorded[step] == pytest.approx(value, rel=1e-6)
+    assert "validation loss at iteration 50" in result.stdout
