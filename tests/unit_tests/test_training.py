@@ -181,3 +181,20 @@ def test_flags_build_the_configs():
     assert config.qk_layernorm and config.rotary_base == 1e6 and not config.share_embeddings_and_output_weights
     assert config.vocab_size == 128, "61 tokens padded to a multiple of 128"
     assert args.dlm_config.mask_token_id == 60 and args.dlm_config.model_running_mode == "difflm-noshift"
+
+
+def test_exit_interval_and_train_samples(runtime):
+    trainer = make_trainer(runtime, "--train-samples", "40", "--global-batch-size", "4", "--micro-batch-size", "4",
+                           "--exit-interval", "3")
+    assert trainer.args.train_iters == 10
+    state = trainer.train()
+    assert state.iteration == 3 and state.consumed_train_samples == 12
+
+
+def test_help_is_grouped():
+    from megatron.training.arguments import build_parser
+
+    text = build_parser(add_difflm_args).format_help()
+    for group in ("model shape", "training", "learning rate and optimizer", "data and tokenizer",
+                  "logging and evaluation", "distributed", "difflm"):
+        assert f"{group}:" in text

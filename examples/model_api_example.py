@@ -1,6 +1,6 @@
-"""Quickstart: build a tiny diffusion LM from the library and watch it fit a fixed batch.
+"""The model API without the trainer: build a tiny diffusion LM and watch it fit a fixed batch.
 
-    python examples/quickstart.py [--mode difflm-noshift|difflm-shift|vanilla] [--steps 200]
+    python examples/model_api_example.py [--mode difflm-noshift|difflm-shift|vanilla] [--steps 200]
 
 Runs on CPU in seconds. It shows the three pieces a training step is made of: the
 corruption key (which samples of the stream these rows are), the corruption and loss
