@@ -15,9 +15,12 @@ from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from custom_args.difflm import add_difflm_args
+from megatron.core.datasets.dataset_builder import DatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.models.difflm import diffusion
@@ -31,11 +34,20 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
 
 
 def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
-    tokenizer = args.tokenizer
-    datasets = [MockGPTDataset(max(count, 1), args.seq_length, text_vocab_size=tokenizer.eod, eod=tokenizer.eod,
-                               seed=args.seed, split=split)
-                for count, split in zip(num_samples, ("train", "valid", "test"))]
-    return datasets[0], (datasets[1] if num_samples[1] else None), (datasets[2] if num_samples[2] else None)
+    """Train, valid and test datasets of num_samples[i] samples each (None where 0)."""
+    if args.mock_data:
+        eod = args.tokenizer.eod
+        return tuple(MockGPTDataset(count, args.seq_length, text_vocab_size=eod, eod=eod, seed=args.seed, split=split)
+                     if count else None for count, split in zip(num_samples, ("train", "valid", "test")))
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    # Rank 0 builds the index files; the others wait at the barrier and read them.
+    builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path),
+                             barrier=dist.barrier if distributed else None,
+                             is_builder=not distributed or dist.get_rank() == 0)
+    if args.data_path:
+        return tuple(builder.from_split(args.data_path, args.split, num_samples))
+    paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    return tuple(builder.from_split_paths(paths, num_samples))
 
 
 def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:

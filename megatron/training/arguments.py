@@ -92,8 +92,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true", help="Deterministic synthetic documents, no files.")
-    g.add_argument("--data-path", nargs="*", help="Weighted .bin/.idx prefixes (arrives with the data pipeline).")
-    g.add_argument("--tokenizer-type", default="NullTokenizer", choices=["NullTokenizer"])
+    g.add_argument("--data-path", nargs="*", help="Prefixes of .bin/.idx files, optionally weighted: 0.7 a 0.3 b.")
+    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions of --data-path documents.")
+    g.add_argument("--train-data-path", nargs="*", help="Training prefixes (instead of --data-path/--split).")
+    g.add_argument("--valid-data-path", nargs="*", help="Validation prefixes.")
+    g.add_argument("--test-data-path", nargs="*", help="Test prefixes.")
+    g.add_argument("--data-cache-path", help="Where dataset index files are cached (default: beside the data).")
+    g.add_argument("--tokenizer-type", default="NullTokenizer",
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", help="SentencePiece .model file, or a tokenizer.json or its folder.")
+    g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
+    g.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
     g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (the last id is EOD).")
     g.add_argument("--add-mask-token", action="store_true", help="Append a mask token to the vocabulary.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -235,19 +244,27 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
-    if not args.mock_data:
-        raise ValueError("pass --mock-data: reading --data-path .bin/.idx corpora arrives with the data pipeline")
-    if args.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if args.vocab_size < 2:
-        raise ValueError(f"--vocab-size {args.vocab_size} must be >= 2 (the last id is EOD)")
-    from megatron.training.tokenizer import build_tokenizer  # light import; no torch.distributed use
+    from megatron.core.datasets.dataset_builder import check_prefixes_exist, parse_data_paths
+    from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
 
+    split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if args.mock_data and (args.data_path or any(split_paths)):
+        raise ValueError("--mock-data and --data-path/--train-data-path are exclusive; choose one")
+    if not args.mock_data:
+        if args.data_path and any(split_paths):
+            raise ValueError("give either --data-path (with --split) or --train/valid/test-data-path, not both")
+        if not args.data_path and not args.train_data_path:
+            raise ValueError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        for flag, values in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+                             ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+            if values:
+                check_prefixes_exist(parse_data_paths(values, flag)[0], flag)
+    elif args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ValueError("--mock-data with the NullTokenizer needs --vocab-size")
     args.tokenizer = build_tokenizer(args)
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    args.padded_vocab_size = -(-args.tokenizer.vocab_size // multiple) * multiple
-    if getattr(args, "mask_token", None) is None:
-        args.mask_token = args.tokenizer.mask
+    args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                     args.tensor_model_parallel_size)
+    args.mask_token = args.tokenizer.mask
 
 
 def schedule_kwargs(args: argparse.Namespace) -> dict:

@@ -2,37 +2,44 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
+
+from megatron.training.tokenizer.base import MegatronTokenizer
 
 
-class NullTokenizer:
+class NullTokenizer(MegatronTokenizer):
     """Ids 0 .. vocab_size-2 are tokens and vocab_size-1 is EOD; with add_mask_token one more
-    id (vocab_size) is the mask token. There is no mask token otherwise."""
+    id (vocab_size) is the mask token. There is no mask token otherwise (no names to look up).
 
-    def __init__(self, vocab_size: int, add_mask_token: bool = False) -> None:
-        if vocab_size < 2:
+    Text is whitespace-separated decimal ids both ways; a mask id prints as its number too, so
+    ``tokenize(detokenize(ids)) == ids`` always holds.
+    """
+
+    type_name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int, add_mask_token: bool = False,
+                 mask_token: Optional[int] = None) -> None:
+        if vocab_size is None or vocab_size < 2:
             raise ValueError(f"--vocab-size {vocab_size} must be >= 2 (the last id is EOD)")
-        self._base_size = vocab_size
-        self.mask: Optional[int] = vocab_size if add_mask_token else None
+        self._base_size = int(vocab_size)
+        self._init_mask_token(mask_token, add_mask_token)
 
     @property
-    def vocab_size(self) -> int:
-        return self._base_size + (1 if self.mask is not None else 0)
+    def base_vocab_size(self) -> int:
+        return self._base_size
 
     @property
     def eod(self) -> int:
         return self._base_size - 1
 
-    @property
-    def pad(self) -> int:
-        return self.eod
-
-    @property
-    def bos(self) -> Optional[int]:
+    def token_to_id(self, token: str) -> Optional[int]:
         return None
 
-    def tokenize(self, text: str) -> List[int]:
+    def _encode(self, text: str) -> List[int]:
         return [int(token) for token in text.split()]
 
-    def detokenize(self, ids: List[int]) -> str:
+    def _decode(self, ids: List[int]) -> str:
         return " ".join(str(i) for i in ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._decode([int(i) for i in ids])

@@ -1,0 +1,101 @@
+"""Train/valid/test datasets from Megatron's data flags.
+
+`--data-path a` | `--data-path a b` | `--data-path 0.7 a 0.3 b` with `--split 969,30,1`:
+every prefix is split into three document ranges and each split blends the prefixes with
+the weights. `--train-data-path/--valid-data-path/--test-data-path` give each split its own
+(weighted) list instead. A blend asks each component for ceil(ceil(S * w) * 1.005) samples,
+as Megatron does, so rounding never leaves the blend short.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, split_document_ranges
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+BLEND_SURPLUS = 0.005
+
+
+def parse_data_paths(values: Sequence[str], flag: str = "--data-path") -> Tuple[List[str], List[float]]:
+    """`a b` -> equal weights; `0.7 a 0.3 b` -> those weights (normalised)."""
+    values = list(values)
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    if len(values) == 1:
+        return values, [1.0]
+    try:
+        float(values[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return values, [1.0 / len(values)] * len(values)
+    if len(values) % 2:
+        raise ValueError(f"{flag} with weights takes pairs 'weight prefix ...', got {len(values)} values")
+    try:
+        weights = [float(w) for w in values[0::2]]
+    except ValueError:
+        raise ValueError(f"{flag}: every other value must be a weight, got {values[0::2]}") from None
+    total = sum(weights)
+    if total <= 0 or any(w <= 0 for w in weights):
+        raise ValueError(f"{flag} weights must be positive, got {weights}")
+    return values[1::2], [w / total for w in weights]
+
+
+def check_prefixes_exist(prefixes: Sequence[str], flag: str) -> None:
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise ValueError(f"{flag}: {prefix}.bin / {prefix}.idx not found; give the prefix written by "
+                             "tools/preprocess_data.py (e.g. corpus_text_document)")
+
+
+class DatasetBuilder:
+    def __init__(self, config: GPTDatasetConfig, barrier: Optional[Callable[[], None]] = None,
+                 is_builder: bool = True) -> None:
+        self.config, self.barrier, self.is_builder = config, barrier, is_builder
+        self._indexed = {}
+
+    def indexed(self, prefix: str) -> IndexedDataset:
+        if prefix not in self._indexed:
+            self._indexed[prefix] = IndexedDataset(prefix)
+        return self._indexed[prefix]
+
+    def gpt(self, prefix: str, document_range: Tuple[int, int], num_samples: int, split: str) -> GPTDataset:
+        return GPTDataset(self.indexed(prefix), prefix, document_range, num_samples, self.config, split,
+                          barrier=self.barrier, is_builder=self.is_builder)
+
+    def blend(self, parts: List[Tuple[str, Tuple[int, int]]], weights: List[float], size: int, split: str):
+        if len(parts) == 1:
+            return self.gpt(parts[0][0], parts[0][1], size, split)
+        datasets = [self.gpt(prefix, document_range, math.ceil(math.ceil(size * w) * (1 + BLEND_SURPLUS)), split)
+                    for (prefix, document_range), w in zip(parts, weights)]
+        return BlendedDataset(datasets, weights, size, cache_dir=self.config.cache_dir or None,
+                              barrier=self.barrier, is_builder=self.is_builder)
+
+    def from_split(self, data_path: Sequence[str], split: str, sizes: Sequence[int]) -> List:
+        prefixes, weights = parse_data_paths(data_path)
+        ranges = {prefix: split_document_ranges(len(self.indexed(prefix)), split)
+                  for prefix in prefixes}
+        datasets = []
+        for index, (name, size) in enumerate(zip(SPLIT_NAMES, sizes)):
+            if size <= 0 or all(ranges[p][index][1] <= ranges[p][index][0] for p in prefixes):
+                datasets.append(None)
+                continue
+            parts = [(p, ranges[p][index]) for p in prefixes]
+            datasets.append(self.blend(parts, weights, size, name))
+        return datasets
+
+    def from_split_paths(self, paths: Sequence[Optional[Sequence[str]]], sizes: Sequence[int]) -> List:
+        datasets = []
+        for name, values, size in zip(SPLIT_NAMES, paths, sizes):
+            if not values or size <= 0:
+                datasets.append(None)
+                continue
+            prefixes, weights = parse_data_paths(values, f"--{name}-data-path")
+            parts = [(p, (0, len(self.indexed(p)))) for p in prefixes]
+            datasets.append(self.blend(parts, weights, size, name))
+        return datasets
