@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# Train a tiny diffusion LM on synthetic documents with 2 CPU processes (gloo): no data, no GPU.
+# The built-in default: tokenize the bundled corpus (State of the Union addresses 1790-1928,
+# public domain, examples/data/) with the bundled SentencePiece tokenizer, then train a small
+# diffusion LM on it with 2 CPU processes (gloo). No downloads, no GPU.
 #   bash examples/quickstart.sh                 # difflm-noshift, bidirectional attention
 #   MODE=vanilla bash examples/quickstart.sh    # the same model trained autoregressively
+#   MOCK_DATA=1 bash examples/quickstart.sh     # synthetic documents instead of the corpus
+# Other knobs: NPROC (2), TRAIN_ITERS (100), DATA_DIR (runs/data), TENSORBOARD_DIR; extra flags pass through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
 MODE=${MODE:-difflm-noshift}
+DATA_DIR=${DATA_DIR:-runs/data}
+TOKENIZER=examples/data/tokenizer/spm_8k.model
+
+if [[ -n "${MOCK_DATA:-}" ]]; then
+    DATA_ARGS=(--mock-data --vocab-size 512 --add-mask-token)
+else
+    PREFIX="$DATA_DIR/sotu_text_document"
+    if [[ ! -f "$PREFIX.idx" ]]; then
+        python tools/preprocess_data.py --input examples/data/sotu_1790_1928.jsonl.gz \
+            --output-prefix "$DATA_DIR/sotu" --tokenizer-type SentencePieceTokenizer \
+            --tokenizer-model "$TOKENIZER" --append-eod --workers "$NPROC"
+    fi
+    DATA_ARGS=(--data-path "$PREFIX" --split 98,2,0
+               --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER")
+fi
+
 torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
-    --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 \
+    --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
     --group-query-attention --num-query-groups 2 --normalization RMSNorm --swiglu \
-    --qk-layernorm --disable-bias-linear --seq-length 64 \
-    --micro-batch-size 4 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-50}" \
-    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --lr-decay-style cosine --weight-decay 0.0 \
-    --mock-data --vocab-size 128 --add-mask-token \
+    --qk-layernorm --disable-bias-linear --seq-length 128 \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-100}" \
+    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --weight-decay 0.0 \
+    "${DATA_ARGS[@]}" \
     --model-running-mode "$MODE" --attention-mask-type no_mask --difflm-t-sampling antithetic \
-    --log-interval 1 --log-throughput --eval-interval 25 --eval-iters 2 \
+    --log-interval 1 --log-throughput --eval-interval 50 --eval-iters 2 \
     --tensorboard-dir "${TENSORBOARD_DIR:-runs/quickstart-$MODE}" "$@"
