@@ -198,3 +198,22 @@ def test_help_is_grouped():
     for group in ("model shape", "training", "learning rate and optimizer", "data and tokenizer",
                   "logging and evaluation", "distributed", "difflm"):
         assert f"{group}:" in text
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
+def test_packing_flags_give_documents_positions_and_eod_masking(mode):
+    from megatron.training.training import StepContext
+
+    args = parse_args(TINY + ["--train-iters", "1", "--seq-length", "8", "--model-running-mode", mode,
+                              "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+                      add_difflm_args, world_size=1)
+    eod = args.tokenizer.eod
+    tokens = torch.tensor([[5, 6, eod, 7, 8, 9, eod, 10, 11]])
+    batch = pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), args,
+                                      StepContext(0, 0, 1, 0), torch.device("cpu"))
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    labels = batch["labels"]
+    expected_labels = tokens[:, :8] if mode != "vanilla" else tokens[:, 1:]
+    assert torch.equal(labels, expected_labels)
+    assert torch.equal(batch["loss_mask"], labels != eod)
