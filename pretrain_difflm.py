@@ -11,6 +11,7 @@ data side, keyed by each sample's index in its stream (megatron/core/models/diff
 from __future__ import annotations
 
 import argparse
+import math
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -25,12 +26,15 @@ from megatron.core.datasets.mock_dataset import MockGPTDataset
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.models.difflm import diffusion
 from megatron.core.models.difflm.gpt_model import GPTModel, positions_from_documents
+from megatron.core.parallel_state import ProcessGroups
 from megatron.training import pretrain
 from megatron.training.training import StepContext
 
 
-def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    return GPTModel(args.transformer_config, args.dlm_config, pre_process=pre_process, post_process=post_process)
+def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+                   pg: Optional[ProcessGroups] = None) -> GPTModel:
+    return GPTModel(args.transformer_config, args.dlm_config, pre_process=pre_process, post_process=post_process,
+                    pg=pg)
 
 
 def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
@@ -66,6 +70,8 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
     if dlm.is_diffusion and ctx.training and dlm.varilen_prob > 0:
         # Same decision on every rank for this (iteration, micro-batch): no stragglers.
         multiple = dlm.block_size if dlm.effective_mask_type == "block_causal" else 1
+        if args.sequence_parallel:  # every tensor-parallel rank keeps an equal slice of the sequence
+            multiple = math.lcm(multiple, args.tensor_model_parallel_size)
         length = diffusion.varilen_length(dlm, ctx.iteration, ctx.microbatch, length, multiple_of=multiple)
     inputs = tokens[:, :length]
     # DLMs predict the tokens they see (corrupted); AR models predict the next token.

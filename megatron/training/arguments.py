@@ -189,31 +189,51 @@ def validate_args(args: argparse.Namespace) -> None:
         args.dlm_config.validate(args.padded_vocab_size, args.seq_length, args.sliding_window)
     except ValueError as error:
         raise ValueError(f"{error} (check the corresponding command-line flag)") from None
+    _validate_tensor_parallel_shapes(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
 
 
 def _validate_parallel(args: argparse.Namespace) -> None:
+    from megatron.core.parallel_state import check_layout
+
+    check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                 args.context_parallel_size, args.expert_model_parallel_size)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    if args.world_size % model_parallel:
-        raise ValueError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size x "
-                         f"--pipeline-model-parallel-size x --context-parallel-size = {model_parallel}; "
-                         "change the parallel sizes or the number of processes")
     args.data_parallel_size = args.world_size // model_parallel
     if args.use_distributed_optimizer:
         args.data_parallel_sharding_strategy = "optim"
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size"):
+    for flag in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         if getattr(args, flag) != 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported by this release "
-                             "yet; use 1 (data parallelism scales with the number of processes)")
-    if args.sequence_parallel:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1, which this release does "
-                         "not support yet; drop --sequence-parallel")
+                             "yet; use 1 (tensor and data parallelism are)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel")
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+
+
+def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:
+    """Divisibility the tensor-parallel split needs, checked before any model is built."""
+    tp = args.tensor_model_parallel_size
+    config = args.transformer_config
+    if tp == 1:
+        return
+    if config.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    groups = config.num_query_groups
+    if groups % tp and (tp % groups or (tp // groups) % 2):
+        raise ValueError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: the kv heads must "
+                         "divide evenly over the ranks, or the ranks over the kv heads an even number of times")
+    if config.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {config.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ValueError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
+                         "which --sequence-parallel needs")
 
 
 def _validate_batch_and_schedule(args: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from megatron.core.distributed.data_parallel import finalize_gradients, no_sync, wrap_data_parallel
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
@@ -78,8 +79,10 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
                  train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
-                 runtime: Runtime, logger: Optional[TrainingLogger] = None) -> None:
+                 runtime: Runtime, logger: Optional[TrainingLogger] = None,
+                 groups: Optional[ProcessGroups] = None) -> None:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.groups = groups or ProcessGroups()
         self.forward_step = forward_step
         self.train_loader, self.valid_loader = train_loader, valid_loader
         self.runtime, self.logger = runtime, logger
@@ -103,8 +106,9 @@ class Trainer:
                 if training:
                     self.grad_scaler.scale(loss_sum).backward()
             totals += torch.stack([loss_sum.detach().double(), loss_tokens.detach().double()])
-        if dist.get_world_size() > 1:
-            dist.all_reduce(totals)
+        # Tensor-parallel peers hold the same loss: sum over the data-parallel replicas only.
+        if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
+            dist.all_reduce(totals, group=self.groups.dp)
         return totals[0], totals[1]
 
     def train_step(self, data_iterator: Iterator) -> StepResult:
@@ -113,8 +117,8 @@ class Trainer:
         loss_sum, loss_tokens = self._forward_backward(
             data_iterator, True, state.iteration, state.consumed_train_samples, stream=0)
         self.grad_scaler.unscale_(self.optimizer)
-        finalize_gradients(self.model, loss_tokens.float())
-        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad)
+        finalize_gradients(self.model, loss_tokens.float(), self.groups.tp)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp)
         loss = loss_sum / loss_tokens.clamp(min=1.0)
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -200,10 +204,12 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- building blocks
-def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, runtime: Runtime) -> Iterator:
-    """An iterator of this rank's micro-batches, starting after `consumed_samples`."""
+def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, runtime: Runtime,
+                      state: ParallelState) -> Iterator:
+    """An iterator of this replica's micro-batches (tensor-parallel peers read the same ones),
+    starting after `consumed_samples`."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                         runtime.rank, runtime.world_size)
+                                         state.dp_rank, state.dp)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
                                          pin_memory=runtime.device.type == "cuda")
     return iter(loader)
@@ -228,18 +234,21 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
                   model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
     """Model (initialised on the device), data-parallel wrapper, optimizer, schedule and data."""
     set_random_seeds(args.seed)
+    state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                      args.context_parallel_size, args.expert_model_parallel_size)
     with torch.device(runtime.device):  # no host-side init of billions of weights
-        model = model_provider(args, pre_process=True, post_process=True)
+        model = model_provider(args, pre_process=True, post_process=True, pg=state.groups)
+    model = model.to(runtime.device)
     logger = TrainingLogger(args, runtime, model.config)
-    logger.log_start(model)
-    model = wrap_data_parallel(model, runtime.device)
+    logger.log_start(model, state)
+    model = wrap_data_parallel(model, runtime.device, state.groups.dp)
     optimizer, scheduler = build_optimizer_and_scheduler(args, model)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))
     return Trainer(
         args, model, optimizer, scheduler, partial(forward_step_func, args=args),
-        train_loader=lambda consumed: build_data_loader(train_ds, consumed, args, runtime),
-        valid_loader=(lambda: build_data_loader(valid_ds, 0, args, runtime)) if valid_ds is not None else None,
-        runtime=runtime, logger=logger)
+        train_loader=lambda consumed: build_data_loader(train_ds, consumed, args, runtime, state),
+        valid_loader=(lambda: build_data_loader(valid_ds, 0, args, runtime, state)) if valid_ds is not None else None,
+        runtime=runtime, logger=logger, groups=state.groups)
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,

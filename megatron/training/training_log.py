@@ -56,18 +56,17 @@ class TrainingLogger:
         if self.runtime.is_main:
             print(message, flush=True)
 
-    def log_start(self, model: nn.Module) -> None:
+    def log_start(self, model: nn.Module, state=None) -> None:
         args = self.args
         params = sum(p.numel() for p in model.parameters())
         self.print(f"> MegaDLMs: {args.dlm_config.model_running_mode} "
                    f"(attention {args.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
                    f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
-        self.print("> parallel layout\n"
-                   f"  {'world':>6} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'dp':>4} {'micro':>6} {'accum':>6} {'global':>7}\n"
-                   f"  {args.world_size:>6} {args.tensor_model_parallel_size:>3} "
-                   f"{args.pipeline_model_parallel_size:>3} {args.context_parallel_size:>3} "
-                   f"{args.expert_model_parallel_size:>3} {args.data_parallel_size:>4} {args.micro_batch_size:>6} "
-                   f"{args.num_microbatches:>6} {args.global_batch_size:>7}")
+        self.print("> parallel layout\n" + (state.layout_table() + "\n" if state is not None else "") +
+                   f"  sequence parallel: {args.sequence_parallel}, data-parallel sharding: "
+                   f"{args.data_parallel_sharding_strategy}, micro-batch {args.micro_batch_size} x "
+                   f"{args.num_microbatches} accumulation x {args.data_parallel_size} replicas = global batch "
+                   f"{args.global_batch_size}")
 
     def _scalars(self, values: Dict[str, float], step: int) -> None:
         if self.writer is not None:

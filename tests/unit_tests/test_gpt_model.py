@@ -236,8 +236,12 @@ def test_sharded_state_dict_covers_the_state_dict():
     model = build()
     sharded = model.sharded_state_dict()
     assert set(sharded) == set(model.state_dict())
+    state = model.state_dict()
     for key, shard in sharded.items():
-        assert shard.global_shape == tuple(model.state_dict()[key].shape)
+        # Fused weights are described in their logical layout, e.g. QKV as (groups, rows, hidden).
+        assert torch.equal(shard.data.reshape(state[key].shape), state[key])
+        assert torch.Size(shard.global_shape).numel() == state[key].numel()
+    assert sharded["decoder.layers.0.mlp.linear_fc1.weight"].global_shape == (2, 48, 32)
 
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])

@@ -45,8 +45,22 @@ def data_parallel_size(model: nn.Module) -> int:
     return 1
 
 
-def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor) -> None:
+def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
+    """Sum over tp the gradients of replicated weights that each rank saw only part of:
+    norms under sequence parallelism, QK-norms shared by heads split over ranks."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "allreduce_over_tp", False)]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(chunk.view_as(grad))
+
+
+def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor, tp_group=None) -> None:
     """Turn the (DDP-averaged) summed gradients into gradients of sum / total_loss_tokens."""
+    allreduce_tensor_parallel_partial_grads(model, tp_group)
     scale = data_parallel_size(model) / total_loss_tokens.clamp(min=1.0)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if grads:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -44,13 +45,30 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Op
                              fused=True if on_cuda else None)
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None) -> torch.Tensor:
+    """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
 
-    A non-finite norm may leave NaN gradients behind: the caller skips that step and zeroes them.
+    Tensor-parallel shards (param.tensor_model_parallel) are summed over tp; replicated
+    weights hold the same gradient on every tp rank and count once. A non-finite norm may
+    leave NaN gradients behind: the caller skips that step and zeroes them.
     """
-    limit = max_norm if max_norm > 0 else float("inf")
-    return torch.nn.utils.clip_grad_norm_(list(parameters), limit, error_if_nonfinite=False)
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    sharded = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+    device = params[0].grad.device
+    squares = [torch.zeros((), device=device, dtype=torch.float32) for _ in range(2)]
+    for index, grads in enumerate((sharded, replicated)):
+        if grads:
+            squares[index] = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(squares[0], group=tp_group)
+    norm = (squares[0] + squares[1]).sqrt()
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coefficient)
+    return norm
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, divide,
+                                           gather_from_sequence_parallel_region, group_rank, group_size)
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.transformer.mlp import init_linear, output_init_std
+from megatron.core.transformer.mlp import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import apply_rotary_pos_emb
@@ -25,32 +28,88 @@ RotaryPair = Tuple[torch.Tensor, torch.Tensor]
 
 
 class SelfAttention(MegatronModule):
-    def __init__(self, config: TransformerConfig, layer_number: int = 0) -> None:
+    """Self-attention over the query heads of this tensor-parallel rank.
+
+    Up to tp == kv heads, QKV is one column-parallel projection split by query group. With
+    more ranks than kv heads, queries are split by head and the K/V rows are split evenly,
+    then all-gathered so each rank reads its group's K and V: no weight is stored twice.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 0,
+                 pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
         self.layer_number = layer_number
+        self.tp_group = pg.tp if pg is not None else None
+        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
         self.heads_per_group = self.num_heads // self.num_groups
-        qkv_out = self.num_groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = init_linear(
-            nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear or config.add_qkv_bias,
-                      dtype=config.params_dtype), config.init_method_std)
-        self.linear_proj = init_linear(
-            nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear,
-                      dtype=config.params_dtype), output_init_std(config))
-        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
-        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.local_heads = divide(self.num_heads, self.tp_size, "num_attention_heads over tensor-parallel ranks")
+        self.split_kv_rows = self.num_groups % self.tp_size != 0
+        self._build_projections(config)
+        out_kwargs = dict(tp_group=self.tp_group, bias=config.add_bias_linear,
+                          sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+        self.linear_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                             init_std=output_init_std(config),
+                                             init_seed=parameter_seed(layer_number, "linear_proj"), **out_kwargs)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = build_norm(config, self.head_dim), build_norm(config, self.head_dim)
+            for param in (self.q_layernorm.weight, self.k_layernorm.weight):
+                # Shared by every head, but each rank sees only its own heads: partial gradients.
+                param.allreduce_over_tp = self.tp_size > 1
         self.recompute_core_attention = config.recompute_granularity == "selective"
 
+    def _build_projections(self, config: TransformerConfig) -> None:
+        groups, per_group, dim, hidden = self.num_groups, self.heads_per_group, self.head_dim, config.hidden_size
+        kwargs = dict(tp_group=self.tp_group, bias=config.add_bias_linear or config.add_qkv_bias,
+                      sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
+                      init_seed=parameter_seed(self.layer_number, "linear_qkv"), params_dtype=config.params_dtype)
+        if not self.split_kv_rows:
+            self.local_groups = groups // self.tp_size
+            self.linear_qkv = ColumnParallelLinear(hidden, groups * (per_group + 2) * dim,
+                                                   output_view=(groups, per_group + 2, dim), **kwargs)
+            return
+        # tp > kv heads: the same master weight as the fused projection, cut differently.
+        self.replicas = self.tp_size // groups
+        self.group_index = self.tp_rank // self.replicas
+        self.local_groups = 1
+        self.linear_q = ColumnParallelLinear(hidden, self.num_heads * dim, **kwargs)
+        self.linear_kv = ColumnParallelLinear(hidden, groups * 2 * dim, **kwargs)
+        fused = ColumnParallelLinear(hidden, groups * (per_group + 2) * dim, **(kwargs | {"tp_group": None}))
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                full = getattr(fused, name)
+                if full is None:
+                    continue
+                viewed = full.view(groups, per_group + 2, dim, *full.shape[1:])
+                getattr(self.linear_q, name).copy_(self._local_rows(viewed[:, :per_group], self.linear_q))
+                getattr(self.linear_kv, name).copy_(self._local_rows(viewed[:, per_group:], self.linear_kv))
+
+    def _local_rows(self, viewed: torch.Tensor, layer: ColumnParallelLinear) -> torch.Tensor:
+        rows = viewed.reshape(-1, *viewed.shape[3:])
+        size = layer.output_size_per_partition
+        return rows[self.tp_rank * size:(self.tp_rank + 1) * size]
+
     def get_query_key_value(self, hidden_states: torch.Tensor):
-        """[s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d]."""
-        seq, batch, _ = hidden_states.shape
-        mixed = self.linear_qkv(hidden_states)
-        mixed = mixed.view(seq, batch, self.num_groups, self.heads_per_group + 2, self.head_dim)
-        query, key, value = mixed.split([self.heads_per_group, 1, 1], dim=3)
-        query = query.reshape(seq, batch, self.num_heads, self.head_dim)
-        key, value = key.squeeze(3), value.squeeze(3)
+        """[s, b, h] (or [s/tp, b, h] under SP) -> q [b, local heads, s, d], k and v [b, local groups, s, d]."""
+        if self.split_kv_rows:
+            query = self.linear_q(hidden_states)
+            seq, batch = query.shape[:2]
+            query = query.view(seq, batch, self.local_heads, self.head_dim)
+            key_value = self.linear_kv(hidden_states)
+            # All-gather the K/V rows; the backward sums the grads of the ranks sharing a group.
+            key_value = gather_from_sequence_parallel_region(key_value.permute(2, 0, 1).contiguous(), self.tp_group)
+            key_value = key_value.permute(1, 2, 0).view(seq, batch, self.num_groups, 2, self.head_dim)
+            key, value = key_value[:, :, self.group_index:self.group_index + 1].unbind(3)
+        else:
+            mixed = self.linear_qkv(hidden_states)
+            seq, batch = mixed.shape[:2]
+            mixed = mixed.view(seq, batch, self.local_groups, self.heads_per_group + 2, self.head_dim)
+            query, key, value = mixed.split([self.heads_per_group, 1, 1], dim=3)
+            query = query.reshape(seq, batch, self.local_heads, self.head_dim)
+            key, value = key.squeeze(3), value.squeeze(3)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         # [s, b, n, d] -> [b, n, s, d], the layout of every core-attention backend.
@@ -75,6 +134,35 @@ class SelfAttention(MegatronModule):
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
         return self.linear_proj(context)
 
+    def sharded_state_dict(self, prefix: str = ""):
+        if not self.split_kv_rows:
+            return super().sharded_state_dict(prefix)
+        sharded = {key: value for key, value in super().sharded_state_dict(prefix).items()
+                   if not key.startswith((f"{prefix}linear_q.", f"{prefix}linear_kv."))}
+        sharded.update(self._split_qkv_shards(prefix))
+        return sharded
+
+    def _split_qkv_shards(self, prefix: str):
+        """The q and k/v rows of this rank as boxes of the fused (groups, heads + 2, d, ...) tensor."""
+        per_group, dim, replica = self.heads_per_group, self.head_dim, self.tp_rank % self.replicas
+        q_heads = per_group // self.replicas
+        kv_rows = 2 * dim // self.replicas
+        kv_slot, kv_offset = divmod(replica * kv_rows, dim)
+        shards = {}
+        for name in ("weight", "bias"):
+            q, kv = getattr(self.linear_q, name), getattr(self.linear_kv, name)
+            if q is None:
+                continue
+            tail = tuple(q.shape[1:])
+            key = f"{prefix}linear_qkv.{name}"
+            global_shape = (self.num_groups, per_group + 2, dim, *tail)
+            shards[key] = ShardedTensor(key, q.detach().view(1, q_heads, dim, *tail), global_shape,
+                                        (self.group_index, replica * q_heads, 0, *[0] * len(tail)))
+            shards[f"{key}:kv"] = ShardedTensor(key, kv.detach().view(1, 1, kv_rows, *tail), global_shape,
+                                                (self.group_index, per_group + kv_slot, kv_offset,
+                                                 *[0] * len(tail)))
+        return shards
+
 
 class DiffLMSelfAttention(SelfAttention):
     """Self-attention whose default mask is the diffusion objective's mask.
@@ -84,8 +172,9 @@ class DiffLMSelfAttention(SelfAttention):
     (bidirectional, block-causal, sliding window; causal in the vanilla mode).
     """
 
-    def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0) -> None:
-        super().__init__(config, layer_number)
+    def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0,
+                 pg: Optional[ProcessGroups] = None) -> None:
+        super().__init__(config, layer_number, pg)
         self.dlm_config = dlm_config
 
     def default_attention_mask(self, document_ids: Optional[torch.Tensor] = None) -> AttentionMask:

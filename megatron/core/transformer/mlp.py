@@ -1,23 +1,30 @@
-"""The feed-forward block: fc1 -> activation (gated: SwiGLU) -> fc2."""
+"""The feed-forward block: fc1 -> activation (gated: SwiGLU) -> fc2, tensor-parallel."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "relu": nn.functional.relu}
 
 
-def init_linear(linear: nn.Linear, std: float) -> nn.Linear:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
-    return linear
+def parameter_seed(layer_number: int, name: str) -> int:
+    """Seed of one weight's init: the run's seed (torch.manual_seed) and the weight's identity.
+
+    Every weight is drawn whole from its own seed and then sliced, so any tensor-parallel
+    layout starts from exactly the weights of the single-process model.
+    """
+    text = f"{torch.initial_seed()}:{layer_number}:{name}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def output_init_std(config: TransformerConfig) -> float:
@@ -26,20 +33,25 @@ def output_init_std(config: TransformerConfig) -> float:
 
 
 class MLP(MegatronModule):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int = 0, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
-        fc1_out = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-        kwargs = dict(bias=config.add_bias_linear, dtype=config.params_dtype)
-        self.linear_fc1 = init_linear(nn.Linear(config.hidden_size, fc1_out, **kwargs), config.init_method_std)
-        self.linear_fc2 = init_linear(nn.Linear(config.ffn_hidden_size, config.hidden_size, **kwargs),
-                                      output_init_std(config))
-        self.activation = _ACTIVATIONS[config.activation]
+        tp_group = pg.tp if pg is not None else None
         self.gated = config.gated_linear_unit
+        ffn = config.ffn_hidden_size
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype)
+        # fc1's output is [gate; up]: each rank holds [gate slice; up slice] (split on dim 1 of (2, ffn)).
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, ffn * (2 if self.gated else 1), init_std=config.init_method_std,
+            init_seed=parameter_seed(layer_number, "linear_fc1"),
+            output_view=(2, ffn) if self.gated else None, split_dim=1 if self.gated else 0, **common)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, init_std=output_init_std(config),
+                                            init_seed=parameter_seed(layer_number, "linear_fc2"), **common)
+        self.activation = _ACTIVATIONS[config.activation]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden_states)
         if self.gated:
-            # fc1's output is [gate; up]; tensor-parallel fc1 keeps a [gate; up] pair of slices per rank.
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = self.activation(gate) * up
         else:

@@ -24,21 +24,7 @@ class MegatronModule(nn.Module):
         self.config = config
 
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
-        sharded: Dict[str, ShardedTensor] = {}
-        own = list(self.named_parameters(recurse=False)) + [
-            (name, buf) for name, buf in self.named_buffers(recurse=False)
-            if name not in self._non_persistent_buffers_set]
-        for name, tensor in own:
-            key = f"{prefix}{name}"
-            sharded[key] = ShardedTensor.from_local(key, tensor)
-        for name, child in self.named_children():
-            child_prefix = f"{prefix}{name}."
-            if isinstance(child, MegatronModule):
-                sharded.update(child.sharded_state_dict(child_prefix))
-            else:
-                for key, tensor in child.state_dict(prefix=child_prefix, keep_vars=True).items():
-                    sharded[key] = ShardedTensor.from_local(key, tensor)
-        return sharded
+        return collect_sharded_state_dict(self, prefix)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "") -> Dict[str, torch.Tensor]:
         """Megatron's name for the plain (unsharded) state dict."""
@@ -47,3 +33,22 @@ class MegatronModule(nn.Module):
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Pipeline stages after the first receive their input here (overridden where used)."""
         raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage entry point")
+
+
+def collect_sharded_state_dict(module: nn.Module, prefix: str = "") -> Dict[str, ShardedTensor]:
+    """Own parameters and persistent buffers as whole tensors, children by their own
+    `sharded_state_dict` (tensor-parallel layers describe their slices), containers such as
+    ModuleDict recursively."""
+    sharded: Dict[str, ShardedTensor] = {}
+    own = list(module.named_parameters(recurse=False)) + [
+        (name, buf) for name, buf in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set]
+    for name, tensor in own:
+        key = f"{prefix}{name}"
+        sharded[key] = ShardedTensor.from_local(key, tensor)
+    for name, child in module.named_children():
+        child_prefix = f"{prefix}{name}."
+        describe = getattr(child, "sharded_state_dict", None)
+        sharded.update(describe(child_prefix) if describe is not None
+                       else collect_sharded_state_dict(child, child_prefix))
+    return sharded

@@ -35,4 +35,10 @@ class LayerNorm(nn.Module):
 
 def build_norm(config: TransformerConfig, dim: int) -> nn.Module:
     norm_cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    return norm_cls(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    norm = norm_cls(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    for param in norm.parameters():
+        # Under sequence parallelism each rank normalises its own slice of the sequence, so
+        # these replicated weights get partial gradients that are summed over tp.
+        param.sequence_parallel = config.sequence_parallel
+        param.allreduce_over_tp = config.sequence_parallel
+    return norm

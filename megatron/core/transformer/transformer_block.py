@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.parallel_state import ProcessGroups
 from megatron.core.transformer.attention import RotaryPair, build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.module import MegatronModule
@@ -24,14 +25,15 @@ LayerBuilder = Callable[[int], TransformerLayer]
 
 class TransformerBlock(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_range: Optional[Tuple[int, int]] = None,
-                 post_layer_norm: bool = True, layer_builder: Optional[LayerBuilder] = None) -> None:
+                 post_layer_norm: bool = True, layer_builder: Optional[LayerBuilder] = None,
+                 pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
         start, end = layer_range or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer_range={layer_range} must satisfy 0 <= start < end <= "
                              f"num_layers={config.num_layers}")
         self.layer_range = (start, end)
-        build = layer_builder or (lambda number: TransformerLayer(config, number))
+        build = layer_builder or (lambda number: TransformerLayer(config, number, pg=pg))
         self.layers = nn.ModuleDict({str(number): build(number) for number in range(start, end)})
         self.final_layernorm = build_norm(config, config.hidden_size) if post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
@@ -78,9 +80,10 @@ class DiffLMTransformerBlock(TransformerBlock):
     """
 
     def __init__(self, config: TransformerConfig, dlm_config: DLMConfig,
-                 layer_range: Optional[Tuple[int, int]] = None, post_layer_norm: bool = True) -> None:
+                 layer_range: Optional[Tuple[int, int]] = None, post_layer_norm: bool = True,
+                 pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config, layer_range, post_layer_norm,
-                         layer_builder=lambda number: DiffLMTransformerLayer(config, dlm_config, number))
+                         layer_builder=lambda number: DiffLMTransformerLayer(config, dlm_config, number, pg), pg=pg)
         self.dlm_config = dlm_config
 
     def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: Optional[AttentionMask] = None,

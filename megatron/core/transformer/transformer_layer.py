@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron.core.parallel_state import ProcessGroups
 from megatron.core.transformer.attention import DiffLMSelfAttention, RotaryPair, SelfAttention
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.mlp import MLP
@@ -17,13 +18,13 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 
 class TransformerLayer(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0,
-                 self_attention: Optional[SelfAttention] = None) -> None:
+                 self_attention: Optional[SelfAttention] = None, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = self_attention or SelfAttention(config, layer_number)
+        self.self_attention = self_attention or SelfAttention(config, layer_number, pg)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer_number, pg)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.dropout(x, p=self.config.hidden_dropout, training=self.training)
@@ -39,6 +40,7 @@ class TransformerLayer(MegatronModule):
 class DiffLMTransformerLayer(TransformerLayer):
     """A transformer layer whose attention defaults to the diffusion mask (DiffLMSelfAttention)."""
 
-    def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0) -> None:
-        super().__init__(config, layer_number, DiffLMSelfAttention(config, dlm_config, layer_number))
+    def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0,
+                 pg: Optional[ProcessGroups] = None) -> None:
+        super().__init__(config, layer_number, DiffLMSelfAttention(config, dlm_config, layer_number, pg), pg)
         self.dlm_config = dlm_config

@@ -27,7 +27,13 @@ from torch import nn
 from megatron.core.models.difflm import diffusion
 from megatron.core.transformer.attention import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.transformer.mlp import init_linear
+from megatron.core.parallel_state import ProcessGroups
+from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
+                                           copy_to_tensor_model_parallel_region,
+                                           gather_from_sequence_parallel_region,
+                                           gather_from_tensor_model_parallel_region, group_size,
+                                           vocab_parallel_cross_entropy)
+from megatron.core.transformer.mlp import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
@@ -53,14 +59,17 @@ class LossOutput:
 
 
 class LanguageModelEmbedding(MegatronModule):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, tp_group=None) -> None:
         super().__init__(config)
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
-        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=config.init_method_std)
+        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
+            init_seed=parameter_seed(-1, "word_embeddings"), params_dtype=config.params_dtype,
+            sequence_parallel=self.sequence_parallel)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] hidden states."""
-        embedded = self.word_embeddings(input_ids).transpose(0, 1).contiguous()
+        """[b, s] token ids -> [s, b, h] hidden states ([s/tp, b, h] under sequence parallelism)."""
+        embedded = self.word_embeddings(input_ids.t()).contiguous()
         return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=self.training)
 
 
@@ -98,21 +107,25 @@ class GPTModel(MegatronModule):
 
     def __init__(self, config: TransformerConfig, dlm_config: Optional[DLMConfig] = None,
                  pre_process: bool = True, post_process: bool = True,
-                 layer_range: Optional[Tuple[int, int]] = None) -> None:
+                 layer_range: Optional[Tuple[int, int]] = None, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
         self.dlm_config = dlm_config or DLMConfig(model_running_mode="vanilla")
         config.validate()
         self.dlm_config.validate(config.vocab_size, sliding_window=config.sliding_window)
         self.pre_process, self.post_process = pre_process, post_process
+        self.tp_group = pg.tp if pg is not None else None
+        self.sequence_parallel = config.sequence_parallel and group_size(self.tp_group) > 1
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config)
+            self.embedding = LanguageModelEmbedding(config, self.tp_group)
         self.rotary_pos_emb = RotaryEmbedding(config)
-        self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process)
+        self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
+                                              pg=pg)
         self.tied_output = config.share_embeddings_and_output_weights and pre_process
         if post_process and not self.tied_output:
-            self.output_layer = init_linear(
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.params_dtype),
-                config.init_method_std)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
+                params_dtype=config.params_dtype)
 
     @property
     def running_mode(self) -> str:
@@ -137,7 +150,7 @@ class GPTModel(MegatronModule):
         mask = build_attention_mask(self.config, self.dlm_config, document_ids)
         output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if labels is None or not self.post_process:
-            return output
+            return self._full_vocabulary(output)
         shift = self.running_mode == "difflm-shift"
         return self._loss(output, labels, loss_weights, loss_normalizer, shift=shift)
 
@@ -146,8 +159,14 @@ class GPTModel(MegatronModule):
         mask = build_attention_mask(self.config, self.dlm_config, document_ids, mask_type="causal")
         output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if labels is None or not self.post_process:
-            return output
+            return self._full_vocabulary(output)
         return self._loss(output, labels, loss_weights, loss_normalizer, shift=False)
+
+    def _full_vocabulary(self, output: torch.Tensor) -> torch.Tensor:
+        """Logits of every vocabulary entry (gathered over tp); hidden states pass through."""
+        if not self.post_process:
+            return output
+        return gather_from_tensor_model_parallel_region(output, self.tp_group)
 
     def _autocast(self, device: torch.device):
         if self.config.bf16 or self.config.fp16:
@@ -181,9 +200,18 @@ class GPTModel(MegatronModule):
             hidden = self.decoder(hidden, mask, rotary)
             if not self.post_process:
                 return hidden
-            weight = self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
-            logits = nn.functional.linear(hidden, weight)
+            logits = self._local_logits(hidden)
         return logits.transpose(0, 1)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[s, b, V / tp]: this rank's vocabulary slice; the loss never gathers the full vocabulary."""
+        if not self.tied_output:
+            return self.output_layer(hidden)
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        return nn.functional.linear(hidden, self.embedding.word_embeddings.weight)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
               loss_normalizer: Optional[torch.Tensor], shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -196,8 +224,11 @@ class GPTModel(MegatronModule):
         else:
             targets = labels
         # fp32 cross-entropy: bf16 log-softmax over a large vocabulary is too coarse.
-        ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                         reduction="none").view(targets.shape)
+        if group_size(self.tp_group) > 1:
+            ce = vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group)
+        else:
+            ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             reduction="none").view(targets.shape)
         per_token = nn.functional.pad(ce, (1, 0)) if shift else ce
         weights = torch.ones_like(per_token) if loss_weights is None else loss_weights.to(per_token.dtype)
         if shift:

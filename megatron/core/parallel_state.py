@@ -1,0 +1,226 @@
+"""The parallel layout: one ParallelState object holding every process group.
+
+Rank order follows Megatron-LM, read fastest-varying first: tp, cp, dp, pp, i.e.
+    rank = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP,
+so tensor-parallel peers are adjacent ranks (one NVLink island). Experts use their own grid
+over the same ranks, tp-ep-edp-pp (expert tensor parallelism = tp), sharing the pp dimension.
+
+Modules take the groups they need explicitly (a `ProcessGroups` value); the Megatron-named
+getters at the bottom exist for familiarity and read the state set by
+`initialize_model_parallel`, the one process-wide object of the package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch.distributed as dist
+
+
+def rank_groups(sizes: Dict[str, int], group_dims: Sequence[str]) -> List[List[int]]:
+    """All groups over `group_dims` of a grid whose dims are listed fastest-varying first.
+
+    Each group holds the ranks that differ only in `group_dims` (ordered with the first of
+    them fastest); one group per combination of the other dims, in rank order.
+    """
+    names = list(sizes)
+    world = int(np.prod([sizes[n] for n in names]))
+    # numpy is row-major (last index fastest): reverse so the fastest dim is last.
+    grid = np.arange(world).reshape([sizes[n] for n in reversed(names)])
+    axes = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    other = [axes[n] for n in reversed(names) if n not in group_dims]
+    inner = [axes[n] for n in reversed(group_dims)]
+    arranged = grid.transpose(other + inner)
+    return arranged.reshape(-1, int(np.prod([sizes[n] for n in group_dims]))).tolist()
+
+
+@dataclass
+class ProcessGroups:
+    """The groups a model component may need; None means "not parallel" in that dimension."""
+
+    tp: Optional[dist.ProcessGroup] = None
+    cp: Optional[dist.ProcessGroup] = None
+    dp: Optional[dist.ProcessGroup] = None
+    dp_cp: Optional[dist.ProcessGroup] = None
+    pp: Optional[dist.ProcessGroup] = None
+    ep: Optional[dist.ProcessGroup] = None
+    expert_dp: Optional[dist.ProcessGroup] = None
+    embedding: Optional[dist.ProcessGroup] = None
+
+
+class ParallelState:
+    """Sizes, this rank's coordinates and the process groups of one layout."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 virtual_pp: Optional[int] = None) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        check_layout(world, tp, pp, cp, ep)
+        self.world_size, self.tp, self.pp, self.cp, self.ep = world, tp, pp, cp, ep
+        self.dp = world // (tp * pp * cp)
+        self.expert_dp = world // (tp * ep * pp)
+        self.virtual_pp = virtual_pp
+        self.grid = {"tp": tp, "cp": cp, "dp": self.dp, "pp": pp}
+        self.expert_grid = {"tp": tp, "ep": ep, "edp": self.expert_dp, "pp": pp}
+        self.ranks: Dict[str, List[int]] = {}
+        self.groups = ProcessGroups(
+            tp=self._group("tp", self.grid, ["tp"]), cp=self._group("cp", self.grid, ["cp"]),
+            dp=self._group("dp", self.grid, ["dp"]), dp_cp=self._group("dp_cp", self.grid, ["cp", "dp"]),
+            pp=self._group("pp", self.grid, ["pp"]), ep=self._group("ep", self.expert_grid, ["ep"]),
+            expert_dp=self._group("expert_dp", self.expert_grid, ["edp"]), embedding=self._embedding_group())
+
+    def _new_group(self, name: str, all_groups: List[List[int]]):
+        """Every rank creates every group in the same order (required by the backends)."""
+        mine = None
+        for ranks in all_groups:
+            group = dist.new_group(ranks) if dist.is_initialized() else None
+            if self.rank in ranks:
+                mine, self.ranks[name] = group, ranks
+        return mine
+
+    def _group(self, name: str, grid: Dict[str, int], dims: List[str]):
+        return self._new_group(name, rank_groups(grid, dims))
+
+    def _embedding_group(self):
+        """First and last pipeline stage of each pipeline: they share the tied embedding."""
+        stages = rank_groups(self.grid, ["pp"])
+        return self._new_group("embedding", [sorted({ranks[0], ranks[-1]}) for ranks in stages])
+
+    def coordinate(self, name: str) -> int:
+        return self.ranks[name].index(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinate("cp")
+
+    def layout_table(self) -> str:
+        """The resolved layout, printed at start-up."""
+        rows = [f"  {'world':>6} {'tp':>4} {'cp':>4} {'dp':>4} {'pp':>4} {'ep':>4} {'expert-dp':>10}",
+                f"  {self.world_size:>6} {self.tp:>4} {self.cp:>4} {self.dp:>4} {self.pp:>4} {self.ep:>4} "
+                f"{self.expert_dp:>10}",
+                "  rank order: tp fastest, then cp, dp, pp (rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP)"]
+        return "\n".join(rows)
+
+
+def check_layout(world: int, tp: int, pp: int, cp: int, ep: int) -> None:
+    """One clear message for a layout the world size cannot hold."""
+    for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                       ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
+        if size < 1:
+            raise ValueError(f"{name} {size} must be >= 1")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size x "
+                         f"--pipeline-model-parallel-size x --context-parallel-size = {tp * pp * cp}; "
+                         "change the parallel sizes or the number of processes")
+    if world % (tp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor x expert x pipeline parallel sizes = "
+                         f"{tp * ep * pp}; change --expert-model-parallel-size")
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> ParallelState:
+    global _STATE
+    _STATE = ParallelState(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+                           expert_model_parallel_size, virtual_pipeline_model_parallel_size)
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("call megatron.core.parallel_state.initialize_model_parallel(...) first")
+    return _STATE
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = None
+
+
+# Megatron-named getters (familiar names; the wiring passes ProcessGroups explicitly).
+def get_tensor_model_parallel_group():
+    return get_parallel_state().groups.tp
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tp_rank
+
+
+def get_data_parallel_group(with_context_parallel: bool = False):
+    groups = get_parallel_state().groups
+    return groups.dp_cp if with_context_parallel else groups.dp
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    state = get_parallel_state()
+    return state.dp * (state.cp if with_context_parallel else 1)
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().dp_rank
+
+
+def get_pipeline_model_parallel_group():
+    return get_parallel_state().groups.pp
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pp
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pp_rank
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_parallel_state().pp_rank == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    state = get_parallel_state()
+    return state.pp_rank == state.pp - 1
+
+
+def get_context_parallel_group():
+    return get_parallel_state().groups.cp
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp
+
+
+def get_expert_model_parallel_group():
+    return get_parallel_state().groups.ep
+
+
+def get_expert_data_parallel_group():
+    return get_parallel_state().groups.expert_dp
+
+
+def get_embedding_group():
+    return get_parallel_state().groups.embedding

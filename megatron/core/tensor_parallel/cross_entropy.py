@@ -1,0 +1,83 @@
+"""Cross-entropy over logits whose vocabulary dim is split across tensor-parallel ranks.
+
+Gathering `[s, b, V]` logits would cost V/tp times more traffic and memory than needed.
+Instead each token's loss `log(sum_v exp(z_v)) - z_target` is assembled from small
+`[s, b]` reductions: the global max (for stability), the target logit from the rank that
+owns it, and the sum of exponentials. The backward is the softmax minus the one-hot of
+the target, which each rank forms for its own vocabulary slice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.utils import check_index_range, group_rank, group_size, is_parallel
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """In-place all-reduce of a tensor this module allocated itself (so in place is safe)."""
+    if is_parallel(group):
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from vocab-sharded logits; saves the local softmax for backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]):
+        local_vocab = logits.shape[-1]
+        vocab_start = group_rank(group) * local_vocab
+
+        logits_max = _all_reduce(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
+        # Subtracting an fp32 tensor promotes bf16/fp16 logits to fp32 in the same allocation.
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        foreign = (target < vocab_start) | (target >= vocab_start + local_vocab)
+        local_target = (target - vocab_start).masked_fill(foreign, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+
+        exp_logits = shifted.exp_()
+        # One all-reduce for both sums instead of two: they are independent [..] tensors.
+        sums = _all_reduce(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, group)
+        target_logit, sum_exp = sums[0], sums[1]
+        loss = torch.log(sum_exp) - target_logit
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, foreign)
+        ctx.logits_dtype = logits.dtype
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        if ctx.backward_done:
+            # The saved softmax is turned into the gradient in place to avoid a logits-sized copy.
+            raise RuntimeError("vocab_parallel_cross_entropy does not support a second backward (retain_graph)")
+        ctx.backward_done = True
+        softmax, local_target, foreign = ctx.saved_tensors
+        grad = softmax
+        # Only the owning rank subtracts the one-hot; elsewhere the added value is 0.
+        owned = (~foreign).unsqueeze(-1).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Per-token fp32 loss `[...]` from local logits `[..., V/tp]` and global targets `[...]`.
+
+    Equals `F.cross_entropy(full_logits, target, reduction="none")` without ever forming
+    the full vocabulary. Targets must lie in `[0, V)`; padded vocabulary rows are ordinary
+    logits (give them a large negative value upstream if they must never be predicted).
+    """
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
+                         "on every dim but the last (vocabulary)")
+    # Checked before any collective; targets are the same on every tp rank, so all raise together.
+    check_index_range(target, logits.shape[-1] * group_size(tp_group), "cross-entropy targets")
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group)

@@ -1,0 +1,100 @@
+"""Named random-number streams for dropout under tensor parallelism.
+
+Dropout on activations that are split across tp ranks (attention probabilities, the
+MLP's inner activations) must draw *different* masks on each tp rank, or the shards
+would share one mask pattern; dropout on replicated activations (residual stream, with
+sequence parallelism off) must draw the *same* mask everywhere or the replicas diverge.
+The default generator serves the replicated case (seed it identically on every tp rank);
+a tracker holds extra named streams, seeded per tp rank, that code enters with `fork`.
+
+The tracker is an object the model owns, not a module global, so several models (or
+tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""Name of the stream used inside tensor-parallel regions."""
+
+_MODEL_PARALLEL_SEED_OFFSET = 7919
+"""Keeps the tp streams away from the default seed (and from data-parallel seed offsets)."""
+
+
+def model_parallel_seed(seed: int, tp_rank: int) -> int:
+    """The seed of the stream used inside tp regions: distinct per tp rank, shared across
+    data-parallel replicas that hold the same tp rank."""
+    return seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank
+
+
+class TensorParallelRNGTracker:
+    """Named generator states that `fork(name)` swaps in for the default ones and back.
+
+    CPU state is always tracked; CUDA state of the current device too when CUDA is
+    available, so the same code draws the same masks on CPU-only CI and on GPUs.
+    """
+
+    def __init__(self) -> None:
+        self._states: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._seeds: Dict[str, int] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream `name` seeded with `seed`, without touching the default generators."""
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        for other, other_seed in self._seeds.items():
+            if other_seed == seed:
+                # Two streams with one seed would produce identical "independent" masks.
+                raise ValueError(f"seed {seed} of RNG stream {name!r} is already used by {other!r}")
+        states = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if torch.cuda.is_available():
+            states["cuda"] = torch.Generator(device="cuda").manual_seed(seed).get_state()
+        self._states[name] = states
+        self._seeds[name] = seed
+
+    def names(self) -> List[str]:
+        return list(self._states)
+
+    def get_states(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """A copy of every stream's state, for exact resume from a checkpoint."""
+        return {name: {dev: state.clone() for dev, state in states.items()} for name, states in self._states.items()}
+
+    def set_states(self, states: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        """Restore streams saved by `get_states` (their seeds are not known, so duplicates are not checked)."""
+        self._states = {name: {dev: state.clone() for dev, state in per_device.items()}
+                        for name, per_device in states.items()}
+        self._seeds = {}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the body on stream `name`; the stream advances and the defaults are restored after."""
+        if name not in self._states:
+            raise KeyError(f"RNG stream {name!r} was never added (known: {self.names()}); "
+                           f"call tracker.add({name!r}, model_parallel_seed(seed, tp_rank)) first")
+        saved = self._swap_in(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = self._swap_in(saved)
+
+    @staticmethod
+    def _swap_in(states: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Install `states` as the default generator states and return the ones they replace."""
+        previous = {"cpu": torch.get_rng_state()}
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            previous["cuda"] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(states["cuda"])
+        return previous
+
+
+def model_parallel_rng_tracker(seed: int, tp_rank: int,
+                               tracker: Optional[TensorParallelRNGTracker] = None) -> TensorParallelRNGTracker:
+    """A tracker (new or given) with the tp-rank-specific `MODEL_PARALLEL_RNG` stream added."""
+    tracker = tracker if tracker is not None else TensorParallelRNGTracker()
+    tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
+    return tracker
