@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from megatron.core.datasets.dataset_builder import DatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.parity import free_port
 from tests.unit_tests.test_gpt_dataset import write_unique_token_corpus
 
 pytestmark = pytest.mark.distributed

@@ -5,102 +5,28 @@ drawn whole per parameter and sliced), in DLM and AR modes: per-step losses and,
 step 1, every gradient assembled to its full shape match the single-process run.
 """
 
-import os
-from contextlib import contextmanager
-
 import pytest
-import torch
-import torch.multiprocessing as mp
 
-import pretrain_difflm
-from custom_args.difflm import add_difflm_args
-from megatron.core.distributed.data_parallel import unwrap
-from megatron.training.arguments import parse_args
-from megatron.training.initialize import initialize_distributed
-from megatron.training.training import build_trainer
-from tests.distributed.test_data_parallel import free_port
+from tests.distributed.parity import TINY_GQA, assert_same_training, run
 
 pytestmark = pytest.mark.distributed
 
-ARGV = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
-        "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
-        "--qk-layernorm", "--disable-bias-linear", "--seq-length", "32", "--mock-data", "--vocab-size", "120",
-        "--add-mask-token", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1000",
-        "--eval-iters", "0", "--attention-backend", "math", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "3", "--untie-embeddings-and-output-weights"]
+ARGV = TINY_GQA + ["--micro-batch-size", "2", "--global-batch-size", "4"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
 
-
-@contextmanager
-def gradients_as_data(model):
-    """Let sharded_state_dict describe the gradients: they have the parameters' layout."""
-    saved = {}
-    for param in model.parameters():
-        saved[param] = param.data
-        param.data = param.grad.detach().clone()
-    try:
-        yield
-    finally:
-        for param, data in saved.items():
-            param.data = data
-
-
-def _worker(rank: int, world_size: int, port: int, argv: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    args = parse_args(argv, add_difflm_args)
-    runtime = initialize_distributed("gloo")
-    trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
-                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    model, shards, step = unwrap(trainer.model), {}, trainer.optimizer.step
-
-    def capturing_step(*a, **k):
-        if not shards:
-            with gradients_as_data(model):
-                for name, shard in model.sharded_state_dict().items():
-                    shards[name] = (shard.key, shard.data.clone(), shard.global_shape, shard.global_offset)
-        return step(*a, **k)
-
-    trainer.optimizer.step = capturing_step
-    trainer.train()
-    torch.save({"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
-                "shards": shards}, f"{out_path}.{rank}")
-
-
-def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
-    out = str(tmp_path / name)
-    mp.start_processes(_worker, args=(world_size, free_port(), argv, out), nprocs=world_size, join=True,
-                       start_method="spawn")
-    results = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
-    full = {}
-    for result in results:
-        for key, data, shape, offset in result["shards"].values():
-            tensor = full.setdefault(key, torch.full(shape, float("nan")))
-            box = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
-            tensor[box] = data
-    return {"losses": results[0]["losses"], "norms": results[0]["norms"], "grads": full}
-
-
+# layout: (world size, model flags shared with the reference, parallel flags)
 LAYOUTS = {
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    "tp4_two_kv_heads": (4, ["--tensor-model-parallel-size", "4"]),
-    "tp2_dp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2_tied": (2, [], ["--tensor-model-parallel-size", "2"]),
+    "tp2_sp": (2, UNTIED, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp4_two_kv_heads": (4, UNTIED, ["--tensor-model-parallel-size", "4"]),
+    "tp2_sp_dp2_tied": (4, [], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tensor_parallel_layout_matches_one_process(layout, mode, tmp_path):
-    argv = ARGV + ["--model-running-mode", mode]
-    reference = run(1, argv, tmp_path, "reference")
-    world_size, flags = LAYOUTS[layout]
-    parallel = run(world_size, argv + flags, tmp_path, layout)
-    for single, multi in zip(reference["losses"], parallel["losses"]):
-        assert multi == pytest.approx(single, rel=1e-5)
-    assert set(parallel["grads"]) == set(reference["grads"])
-    for key, grad in reference["grads"].items():
-        assembled = parallel["grads"][key]
-        assert not assembled.isnan().any(), f"{key}: some part of the tensor was not covered by any rank"
-        scale = grad.abs().max().item()
-        torch.testing.assert_close(assembled, grad, rtol=1e-5, atol=1e-6 * scale, msg=key)
+    world_size, model_flags, parallel_flags = LAYOUTS[layout]
+    argv = ARGV + model_flags + ["--model-running-mode", mode]
+    assert_same_training(run(1, argv, tmp_path, "reference"),
+                         run(world_size, argv + parallel_flags, tmp_path, layout))

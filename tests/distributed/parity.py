@@ -1,0 +1,97 @@
+"""Run the real training entry point in N gloo processes and collect what parity tests compare.
+
+`run(world_size, argv, tmp_path, name)` trains with `build_trainer` in `world_size` spawned
+processes and returns the per-step losses and grad norms of rank 0 and, after step 1, every
+gradient assembled to its full, layout-independent shape from all ranks' sharded
+descriptions (the same `sharded_state_dict` checkpoints use).
+"""
+
+import os
+import socket
+from contextlib import contextmanager
+
+import torch
+import torch.multiprocessing as mp
+
+import pretrain_difflm
+from custom_args.difflm import add_difflm_args
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.training.arguments import parse_args
+from megatron.training.initialize import initialize_distributed
+from megatron.training.training import build_trainer
+
+TINY_GQA = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+            "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+            "--qk-layernorm", "--disable-bias-linear", "--seq-length", "32", "--mock-data", "--vocab-size", "120",
+            "--add-mask-token", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1000",
+            "--eval-iters", "0", "--attention-backend", "math", "--train-iters", "3"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def gradients_as_data(model):
+    """Let sharded_state_dict describe the gradients: they have the parameters' layout."""
+    saved = {}
+    for param in model.parameters():
+        saved[param] = param.data
+        param.data = param.grad.detach().clone()
+    try:
+        yield
+    finally:
+        for param, data in saved.items():
+            param.data = data
+
+
+def _worker(rank: int, world_size: int, port: int, argv: list, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    args = parse_args(argv, add_difflm_args)
+    runtime = initialize_distributed("gloo")
+    trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
+                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+    model, shards, step = unwrap(trainer.model), {}, trainer.optimizer.step
+
+    def capturing_step(*a, **k):
+        if not shards:
+            with gradients_as_data(model):
+                for name, shard in model.sharded_state_dict().items():
+                    shards[name] = (shard.key, shard.data.clone(), shard.global_shape, shard.global_offset)
+        return step(*a, **k)
+
+    trainer.optimizer.step = capturing_step
+    trainer.train()
+    torch.save({"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
+                "microbatches": args.num_microbatches, "shards": shards}, f"{out_path}.{rank}")
+
+
+def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
+    out = str(tmp_path / name)
+    mp.start_processes(_worker, args=(world_size, free_port(), argv, out), nprocs=world_size, join=True,
+                       start_method="spawn")
+    results = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
+    full = {}
+    for result in results:
+        for key, data, shape, offset in result["shards"].values():
+            tensor = full.setdefault(key, torch.full(shape, float("nan")))
+            tensor[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
+    return {"losses": results[0]["losses"], "norms": results[0]["norms"],
+            "microbatches": results[0]["microbatches"], "grads": full}
+
+
+def assert_same_training(reference: dict, parallel: dict) -> None:
+    """Per-step losses to 1e-5 relative; every step-1 gradient to 1e-5 relative of its scale."""
+    assert len(reference["losses"]) == len(parallel["losses"]) > 0
+    for single, multi in zip(reference["losses"], parallel["losses"]):
+        assert abs(multi - single) <= 1e-5 * abs(single), (reference["losses"], parallel["losses"])
+    assert set(parallel["grads"]) == set(reference["grads"])
+    for key, grad in reference["grads"].items():
+        assembled = parallel["grads"][key]
+        assert not assembled.isnan().any(), f"{key}: some part of the tensor was not covered by any rank"
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(assembled, grad, rtol=1e-5, atol=1e-6 * scale, msg=key)
