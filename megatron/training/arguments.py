@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 # Parallel layouts the current release trains; the flags exist so launch scripts stay stable.
-SUPPORTED_SHARDING = ("no_shard",)
+SUPPORTED_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:

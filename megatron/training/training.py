@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import finalize_gradients, no_sync, wrap_data_parallel
+from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded, no_sync,
+                                                     optimizer_sharding_group, wrap_data_parallel)
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
@@ -118,7 +119,8 @@ class Trainer:
             data_iterator, True, state.iteration, state.consumed_train_samples, stream=0)
         self.grad_scaler.unscale_(self.optimizer)
         finalize_gradients(self.model, loss_tokens.float(), self.groups.tp)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp,
+                                   self.groups.dp if is_fully_sharded(self.model) else None)
         loss = loss_sum / loss_tokens.clamp(min=1.0)
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -215,10 +217,11 @@ def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, 
     return iter(loader)
 
 
-def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module):
+def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None):
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
-    optimizer = build_optimizer(model, config)
+    optimizer = build_optimizer(model, config, optimizer_sharding_group(args.data_parallel_sharding_strategy,
+                                                                        dp_group))
     scheduler = OptimizerParamScheduler(optimizer, **schedule_kwargs(args))
     return optimizer, scheduler
 
@@ -241,8 +244,8 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     model = model.to(runtime.device)
     logger = TrainingLogger(args, runtime, model.config)
     logger.log_start(model, state)
-    model = wrap_data_parallel(model, runtime.device, state.groups.dp)
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model)
+    model = wrap_data_parallel(model, runtime.device, state.groups.dp, args.data_parallel_sharding_strategy)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model, state.groups.dp)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))
     return Trainer(
         args, model, optimizer, scheduler, partial(forward_step_func, args=args),

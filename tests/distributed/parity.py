@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
-from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.distributed.data_parallel import full_gradients, is_fully_sharded, unwrap
+from megatron.core.optimizer.optimizer import optimizer_state_numel
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import build_trainer
@@ -55,19 +56,22 @@ def _worker(rank: int, world_size: int, port: int, argv: list, out_path: str) ->
     runtime = initialize_distributed("gloo")
     trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    model, shards, step = unwrap(trainer.model), {}, trainer.optimizer.step
+    model, shards, named, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
 
     def capturing_step(*a, **k):
-        if not shards:
-            with gradients_as_data(model):
-                for name, shard in model.sharded_state_dict().items():
-                    shards[name] = (shard.key, shard.data.clone(), shard.global_shape, shard.global_offset)
+        if not named:
+            named.update(full_gradients(trainer.model))  # a collective under FSDP2: every rank calls it
+            if not is_fully_sharded(trainer.model):
+                with gradients_as_data(model):
+                    for name, shard in model.sharded_state_dict().items():
+                        shards[name] = (shard.key, shard.data.clone(), shard.global_shape, shard.global_offset)
         return step(*a, **k)
 
     trainer.optimizer.step = capturing_step
     trainer.train()
     torch.save({"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
-                "microbatches": args.num_microbatches, "shards": shards}, f"{out_path}.{rank}")
+                "microbatches": args.num_microbatches, "shards": shards, "named": named,
+                "optimizer_state": optimizer_state_numel(trainer.optimizer)[0]}, f"{out_path}.{rank}")
 
 
 def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
@@ -80,18 +84,24 @@ def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
         for key, data, shape, offset in result["shards"].values():
             tensor = full.setdefault(key, torch.full(shape, float("nan")))
             tensor[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
-    return {"losses": results[0]["losses"], "norms": results[0]["norms"],
-            "microbatches": results[0]["microbatches"], "grads": full}
+    return {"losses": results[0]["losses"], "norms": results[0]["norms"], "named": results[0]["named"],
+            "microbatches": results[0]["microbatches"], "grads": full,
+            "optimizer_state": [r["optimizer_state"] for r in results]}
 
 
-def assert_same_training(reference: dict, parallel: dict) -> None:
-    """Per-step losses to 1e-5 relative; every step-1 gradient to 1e-5 relative of its scale."""
+def assert_same_training(reference: dict, parallel: dict, by_name: bool = False) -> None:
+    """Per-step losses to 1e-5 relative; every step-1 gradient to 1e-5 relative of its scale.
+
+    Gradients are compared as assembled global tensors, or by parameter name (`by_name`,
+    for data-parallel sharding where each rank's gradients are gathered over the replicas).
+    """
     assert len(reference["losses"]) == len(parallel["losses"]) > 0
     for single, multi in zip(reference["losses"], parallel["losses"]):
         assert abs(multi - single) <= 1e-5 * abs(single), (reference["losses"], parallel["losses"])
-    assert set(parallel["grads"]) == set(reference["grads"])
-    for key, grad in reference["grads"].items():
-        assembled = parallel["grads"][key]
+    expected, actual = (reference["named"], parallel["named"]) if by_name else (reference["grads"], parallel["grads"])
+    assert set(actual) == set(expected) and expected
+    for key, grad in expected.items():
+        assembled = actual[key]
         assert not assembled.isnan().any(), f"{key}: some part of the tensor was not covered by any rank"
         scale = grad.abs().max().item()
         torch.testing.assert_close(assembled, grad, rtol=1e-5, atol=1e-6 * scale, msg=key)

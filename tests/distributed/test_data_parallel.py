@@ -10,9 +10,26 @@ ARGV = TINY_GQA + ["--micro-batch-size", "2", "--global-batch-size", "8", "--res
                    "--reset-position-ids", "--difflm-t-sampling", "antithetic"]
 
 
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
-def test_two_data_parallel_ranks_match_one_process(mode, tmp_path):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_data_parallel_ranks_match_one_process(strategy, mode, tmp_path):
     argv = ARGV + ["--model-running-mode", mode]
-    single, parallel = run(1, argv, tmp_path, "single"), run(2, argv, tmp_path, "dp2")
+    single = run(1, argv, tmp_path, "single")
+    parallel = run(2, argv + ["--data-parallel-sharding-strategy", strategy], tmp_path, strategy)
     assert (single["microbatches"], parallel["microbatches"]) == (4, 2)
-    assert_same_training(single, parallel)
+    assert_same_training(single, parallel, by_name=True)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_sharded_optimizer_state_is_a_quarter_on_four_replicas(strategy, tmp_path):
+    argv = TINY_GQA + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4",
+                       "--train-iters", "1"]
+    whole = run(4, argv, tmp_path, "no_shard")["optimizer_state"]
+    sharded = run(4, argv + ["--data-parallel-sharding-strategy", strategy], tmp_path, strategy)["optimizer_state"]
+    assert len(set(whole)) == 1, "without sharding every rank keeps the whole state"
+    for per_rank in sharded:
+        assert 0.2 < per_rank / whole[0] < 0.3, (per_rank, whole[0])
+    assert abs(sum(sharded) - whole[0]) <= 0.02 * whole[0], "the shards add up to the whole state"

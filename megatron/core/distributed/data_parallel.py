@@ -1,4 +1,13 @@
-"""Plain data parallelism on torch DDP, with Megatron's per-token loss normalisation.
+"""Data parallelism: torch DDP and FSDP2, with Megatron's per-token loss normalisation.
+
+`--data-parallel-sharding-strategy` (`--use-distributed-optimizer` = optim):
+- no_shard: DDP; bucketed all-reduce overlapped with backward.
+- optim: DDP + ZeroRedundancyOptimizer, the optimizer state split over the replicas (ZeRO-1).
+- optim_grads: FSDP2 per layer, gradients reduce-scattered, weights kept gathered between
+  forward and backward (ZeRO-2 traffic, no re-gather in backward).
+- optim_grads_params: FSDP2 per layer with weights re-sharded after forward (ZeRO-3).
+Every strategy skips gradient synchronisation on non-final micro-batches. Tensor-parallel
+layers are plain local tensors, so FSDP2 shards each tp rank's slice over the dp group.
 
 Micro-batches backpropagate the *sum* of their weighted token losses; after the last one,
 `finalize_gradients` divides by the number of loss tokens of the whole global batch (all
@@ -8,49 +17,113 @@ equal one big batch exactly, whatever the split.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import ContextManager
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# Attributes the tensor-parallel code reads from parameters; FSDP2 replaces the Parameter
+# objects, so they are carried over by name.
+_PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp", "sequence_parallel")
 
-def wrap_data_parallel(model: nn.Module, device: torch.device, group=None) -> nn.Module:
-    """DDP over `group` when it has more than one rank; the bare model otherwise."""
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
-    if size == 1:
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strategy: str = "no_shard") -> nn.Module:
+    """The model wrapped for `strategy` over `group`; the bare model with one replica."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(STRATEGIES)}")
+    if _group_size(group) == 1:
         return model
-    device_ids = [device] if device.type == "cuda" else None
-    # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step.
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+    if strategy in ("no_shard", "optim"):
+        device_ids = [device] if device.type == "cuda" else None
+        # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step.
+        return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                       broadcast_buffers=False, gradient_as_bucket_view=True)
+    return _fully_shard(model, device, group, reshard_after_forward=strategy == "optim_grads_params")
+
+
+def _fully_shard(model: nn.Module, device: torch.device, group, reshard_after_forward: bool) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    tags = {name: {tag: getattr(p, tag) for tag in _PARAM_TAGS if hasattr(p, tag)}
+            for name, p in model.named_parameters()}
+    mesh = DeviceMesh.from_group(group, device.type)
+    layers = getattr(getattr(model, "decoder", None), "layers", {})
+    for layer in layers.values():  # one all-gather / reduce-scatter per layer, overlapped with compute
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    for name, param in model.named_parameters():
+        for tag, value in tags[name].items():
+            setattr(param, tag, value)
+    model.data_parallel_group = group
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def is_fully_sharded(model: nn.Module) -> bool:
+    return hasattr(model, "set_requires_gradient_sync")
+
+
 def no_sync(model: nn.Module, last_microbatch: bool) -> ContextManager:
-    """Skip the gradient all-reduce on every micro-batch but the last."""
-    if isinstance(model, DistributedDataParallel) and not last_microbatch:
+    """Skip the gradient reduction on every micro-batch but the last."""
+    if last_microbatch:
+        return nullcontext()
+    if isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    if is_fully_sharded(model):
+        return _fsdp_no_sync(model)
     return nullcontext()
 
 
-def data_parallel_size(model: nn.Module) -> int:
+@contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def data_parallel_group(model: nn.Module):
     if isinstance(model, DistributedDataParallel):
-        return dist.get_world_size(model.process_group)
-    return 1
+        return model.process_group
+    return getattr(model, "data_parallel_group", None)
+
+
+def data_parallel_size(model: nn.Module) -> int:
+    return _group_size(data_parallel_group(model))
+
+
+def local_gradients(model: nn.Module) -> List[torch.Tensor]:
+    """This rank's gradient tensors (the local shards under FSDP2)."""
+    grads = []
+    for param in model.parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+    return grads
 
 
 def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
     """Sum over tp the gradients of replicated weights that each rank saw only part of:
     norms under sequence parallelism, QK-norms shared by heads split over ranks."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
+    if _group_size(tp_group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "allreduce_over_tp", False)]
+    grads = []
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "allreduce_over_tp", False):
+            grads.append(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=tp_group)
@@ -59,9 +132,24 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
 
 
 def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor, tp_group=None) -> None:
-    """Turn the (DDP-averaged) summed gradients into gradients of sum / total_loss_tokens."""
+    """Turn the (replica-averaged) summed gradients into gradients of sum / total_loss_tokens."""
     allreduce_tensor_parallel_partial_grads(model, tp_group)
     scale = data_parallel_size(model) / total_loss_tokens.clamp(min=1.0)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = local_gradients(model)
     if grads:
         torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
+
+
+def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every gradient gathered over the data-parallel shards (for tests and debugging)."""
+    result = {}
+    for name, param in unwrap(model).named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            result[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
+    return result
+
+
+def optimizer_sharding_group(strategy: str, group) -> Optional[dist.ProcessGroup]:
+    """The group a ZeRO-1 optimizer splits its state over (None when it keeps it whole)."""
+    return group if strategy == "optim" and _group_size(group) > 1 else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,47 +36,67 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: OptimizerConfig,
+                    zero_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+    """AdamW; with `zero_group`, ZeRO-1: each rank keeps the state of its share of the weights."""
     groups = param_groups(model, config.weight_decay)
-    on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-    # The fused kernel updates every parameter in one launch on GPU; foreach elsewhere.
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_eps, weight_decay=config.weight_decay,
-                             fused=True if on_cuda else None)
+    params = [p for group in groups for p in group["params"]]
+    # The fused kernel updates every parameter in one launch on GPU; foreach elsewhere
+    # (and for FSDP2's sharded DTensor weights).
+    fused = all(p.is_cuda for p in params) and not any(hasattr(p, "to_local") for p in params)
+    kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                  weight_decay=config.weight_decay, fused=True if fused else None)
+    if zero_group is None:
+        return torch.optim.AdamW(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None) -> torch.Tensor:
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
+                   dp_shard_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
 
     Tensor-parallel shards (param.tensor_model_parallel) are summed over tp; replicated
-    weights hold the same gradient on every tp rank and count once. A non-finite norm may
+    weights hold the same gradient on every tp rank and count once. Gradients sharded over
+    the data-parallel ranks (FSDP2) are summed over `dp_shard_group`. A non-finite norm may
     leave NaN gradients behind: the caller skips that step and zeroes them.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    sharded = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
-    device = params[0].grad.device
-    squares = [torch.zeros((), device=device, dtype=torch.float32) for _ in range(2)]
+    sharded = [_local(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [_local(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
+    device = _local(params[0].grad).device
+    squares = torch.zeros(2, device=device, dtype=torch.float32)
     for index, grads in enumerate((sharded, replicated)):
         if grads:
             squares[index] = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+    if dp_shard_group is not None and dist.get_world_size(dp_shard_group) > 1:
+        dist.all_reduce(squares, group=dp_shard_group)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(squares[0], group=tp_group)
-    norm = (squares[0] + squares[1]).sqrt()
+        tp_part = squares[:1].clone()
+        dist.all_reduce(tp_part, group=tp_group)
+        squares = torch.cat([tp_part, squares[1:]])
+    norm = squares.sum().sqrt()
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coefficient)
+        torch._foreach_mul_(sharded + replicated, coefficient)
     return norm
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
     """(elements, bytes) of the optimizer state tensors on this rank (for memory accounting)."""
     numel = nbytes = 0
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1 keeps its local optimizer here
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
+                value = value.to_local() if hasattr(value, "to_local") else value
                 numel += value.numel()
                 nbytes += value.numel() * value.element_size()
     return numel, nbytes
