@@ -6,6 +6,7 @@ step 1, every gradient assembled to its full shape match the single-process run.
 """
 
 import pytest
+import torch
 
 from tests.distributed.parity import TINY_GQA, assert_same_training, run
 
@@ -30,3 +31,40 @@ def test_tensor_parallel_layout_matches_one_process(layout, mode, tmp_path):
     argv = ARGV + model_flags + ["--model-running-mode", mode]
     assert_same_training(run(1, argv, tmp_path, "reference"),
                          run(world_size, argv + parallel_flags, tmp_path, layout))
+
+
+def _dropout_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(3)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
+                               attention_backend="math", tensor_model_parallel_size=2)
+    model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
+    ids = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(0))
+    attention_masks = []
+    with model.rng_tracker.fork():
+        attention_masks.append(torch.rand(8))
+    torch.save({"logits": model(ids).detach(), "stream": attention_masks[0]}, f"{out}.{rank}")
+
+
+def test_dropout_agrees_outside_and_differs_inside_tensor_parallel_regions(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.distributed.parity import free_port
+
+    out = str(tmp_path / "dropout")
+    mp.start_processes(_dropout_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
+    rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    # Hidden dropout acts on replicated activations: the same mask on both ranks keeps them equal.
+    torch.testing.assert_close(rank0["logits"], rank1["logits"])
+    assert not torch.equal(rank0["stream"], rank1["stream"]), "the tp stream differs per rank"

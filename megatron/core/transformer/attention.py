@@ -7,6 +7,7 @@ split the leading dimension. The fused QKV projection is laid out per query grou
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
@@ -60,6 +61,8 @@ class SelfAttention(MegatronModule):
                 # Shared by every head, but each rank sees only its own heads: partial gradients.
                 param.allreduce_over_tp = self.tp_size > 1
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.rng_tracker = None
+        """Set by GPTModel under tensor parallelism: attention dropout draws a per-tp-rank stream."""
 
     def _build_projections(self, config: TransformerConfig) -> None:
         groups, per_group, dim, hidden = self.num_groups, self.heads_per_group, self.head_dim, config.hidden_size
@@ -116,8 +119,12 @@ class SelfAttention(MegatronModule):
         return query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
     def _core_attention(self, query, key, value, attention_mask: AttentionMask) -> torch.Tensor:
-        return core_attention(query, key, value, attention_mask, backend=self.config.attention_backend,
-                              dropout_p=self.config.attention_dropout if self.training else 0.0)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        # Each tp rank holds other heads, so their dropout masks must differ.
+        stream = self.rng_tracker.fork() if dropout > 0 and self.rng_tracker is not None else nullcontext()
+        with stream:
+            return core_attention(query, key, value, attention_mask, backend=self.config.attention_backend,
+                                  dropout_p=dropout)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:

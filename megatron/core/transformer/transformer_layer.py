@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -26,8 +27,15 @@ class TransformerLayer(MegatronModule):
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.mlp = MLP(config, layer_number, pg)
 
+    rng_tracker = None
+    """Set by GPTModel under sequence parallelism: each tp rank drops out its own tokens."""
+
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(x, p=self.config.hidden_dropout, training=self.training)
+        if not self.training or self.config.hidden_dropout == 0:
+            return x
+        stream = self.rng_tracker.fork() if self.rng_tracker is not None else nullcontext()
+        with stream:
+            return nn.functional.dropout(x, p=self.config.hidden_dropout, training=True)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[AttentionMask] = None,
                 rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:

@@ -31,8 +31,10 @@ from megatron.core.parallel_state import ProcessGroups
 from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                            copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
-                                           gather_from_tensor_model_parallel_region, group_size,
-                                           vocab_parallel_cross_entropy)
+                                           gather_from_tensor_model_parallel_region, group_rank, group_size,
+                                           model_parallel_rng_tracker, vocab_parallel_cross_entropy)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.mlp import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -120,12 +122,23 @@ class GPTModel(MegatronModule):
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
                                               pg=pg)
+        self._install_rng_tracker()
         self.tied_output = config.share_embeddings_and_output_weights and pre_process
         if post_process and not self.tied_output:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
                 init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
                 params_dtype=config.params_dtype)
+
+    def _install_rng_tracker(self) -> None:
+        """Dropout inside tensor-parallel regions (and on sequence-parallel slices) must differ
+        across tp ranks; everything else draws the default stream, identical on every rank."""
+        if group_size(self.tp_group) == 1:
+            return
+        self.rng_tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(self.tp_group))
+        for module in self.decoder.modules():
+            if isinstance(module, SelfAttention) or (self.sequence_parallel and isinstance(module, TransformerLayer)):
+                module.rng_tracker = self.rng_tracker
 
     @property
     def running_mode(self) -> str:
