@@ -38,3 +38,16 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path):
         assert recorded[step] == pytest.approx(value, rel=1e-6)
     assert "validation loss at iteration 50" in result.stdout
     assert (tmp_path / "data" / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
+
+
+def test_four_processes_with_tensor_sequence_and_sharded_data_parallelism(tmp_path):
+    env = dict(os.environ, NPROC="4", TRAIN_ITERS="30", TENSORBOARD_DIR=str(tmp_path / "tb"),
+               DATA_DIR=str(tmp_path / "data"), OMP_NUM_THREADS="1")
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+    result = subprocess.run(["bash", "examples/quickstart.sh", *flags], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data-parallel sharding: optim" in result.stdout and "sequence parallel: True" in result.stdout
+    console = {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+    first, last = [console[i] for i in range(1, 6)], [console[i] for i in range(26, 31)]
+    assert sum(last) / 5 < 0.85 * sum(first) / 5, (first, last)

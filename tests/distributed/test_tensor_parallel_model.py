@@ -68,3 +68,16 @@ def test_dropout_agrees_outside_and_differs_inside_tensor_parallel_regions(tmp_p
     # Hidden dropout acts on replicated activations: the same mask on both ranks keeps them equal.
     torch.testing.assert_close(rank0["logits"], rank1["logits"])
     assert not torch.equal(rank0["stream"], rank1["stream"]), "the tp stream differs per rank"
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_tensor_parallel_composes_with_sharded_data_parallel(strategy, tmp_path):
+    """TP=2 x DP=2 with the optimizer (ZeRO-1) or everything (FSDP2) sharded over the replicas:
+    the same losses and global gradient norms as one process."""
+    argv = ARGV + ["--model-running-mode", "difflm-noshift"]
+    reference = run(1, argv, tmp_path, "reference")
+    parallel = run(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--data-parallel-sharding-strategy", strategy], tmp_path, strategy)
+    for key in ("losses", "norms"):
+        for single, multi in zip(reference[key], parallel[key]):
+            assert abs(multi - single) <= 1e-5 * abs(single), (key, reference[key], parallel[key])

@@ -217,3 +217,20 @@ def test_packing_flags_give_documents_positions_and_eod_masking(mode):
     expected_labels = tokens[:, :8] if mode != "vanilla" else tokens[:, 1:]
     assert torch.equal(labels, expected_labels)
     assert torch.equal(batch["loss_mask"], labels != eod)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor-model-parallel-size", "3"], "--num-attention-heads 4 is not divisible"),
+    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31"], "--seq-length 31"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+])
+def test_parallel_layout_problems_exit_2_before_any_model(argv, message, capsys):
+    world = 1
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+            world *= int(value)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(TINY + ["--train-iters", "1"] + argv, add_difflm_args, world_size=world)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
