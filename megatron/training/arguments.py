@@ -132,8 +132,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true", help="Same as --data-parallel-sharding-strategy optim.")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Accepted for Megatron scripts: DDP and FSDP2 always overlap the gradient reduction.")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Accepted for Megatron scripts: FSDP2 always prefetches the next layer's weights.")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="Default: nccl on GPU, gloo on CPU.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
