@@ -81,3 +81,46 @@ def test_tensor_parallel_composes_with_sharded_data_parallel(strategy, tmp_path)
     for key in ("losses", "norms"):
         for single, multi in zip(reference[key], parallel[key]):
             assert abs(multi - single) <= 1e-5 * abs(single), (key, reference[key], parallel[key])
+
+
+def _recompute_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    ids = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (dict(), dict(recompute_granularity="selective"),
+                      dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)):
+        torch.manual_seed(3)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                   ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
+                                   attention_backend="math", tensor_model_parallel_size=2, sequence_parallel=True,
+                                   **recompute)
+        model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
+        for _ in range(2):  # the second micro-batch must not reuse the first one's masks
+            _, loss = model(ids, labels=ids)
+            loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    torch.save(grads, f"{out}.{rank}")
+
+
+def test_recompute_replays_tensor_parallel_dropout(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.distributed.parity import free_port
+
+    out = str(tmp_path / "recompute")
+    mp.start_processes(_recompute_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        plain, selective, full = torch.load(f"{out}.{rank}")
+        for name, grad in plain.items():
+            torch.testing.assert_close(selective[name], grad, rtol=1e-6, atol=1e-7, msg=f"selective {name}")
+            torch.testing.assert_close(full[name], grad, rtol=1e-6, atol=1e-7, msg=f"full {name}")

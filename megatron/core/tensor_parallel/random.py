@@ -98,3 +98,32 @@ def model_parallel_rng_tracker(seed: int, tp_rank: int,
     tracker = tracker if tracker is not None else TensorParallelRNGTracker()
     tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank))
     return tracker
+
+
+def checkpoint_with_tracker(function, tracker: Optional[TensorParallelRNGTracker], *args):
+    """Activation checkpointing that also replays the tracker's streams on recompute.
+
+    torch's checkpoint restores the default generators before recomputing; dropout drawn from
+    a tracker stream (tensor-parallel regions) would otherwise get a new mask in backward. The
+    recompute runs from the streams as they were at forward time and then puts back the
+    streams of the present, which later micro-batches keep drawing from.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if tracker is None:
+        return checkpoint(function, *args, use_reentrant=False)
+    at_forward = tracker.get_states()
+    calls = [0]
+
+    def replaying(*inner):
+        calls[0] += 1
+        if calls[0] == 1:
+            return function(*inner)
+        present = tracker.get_states()
+        tracker.set_states(at_forward)
+        try:
+            return function(*inner)
+        finally:
+            tracker.set_states(present)
+
+    return checkpoint(replaying, *args, use_reentrant=False)

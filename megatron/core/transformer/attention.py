@@ -11,11 +11,12 @@ from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from functools import partial
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, divide,
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, checkpoint_with_tracker,
+                                           divide,
                                            gather_from_sequence_parallel_region, group_rank, group_size)
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
@@ -134,7 +135,8 @@ class SelfAttention(MegatronModule):
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
         if self.recompute_core_attention and torch.is_grad_enabled():
             # Selective recompute: the attention internals are cheap to redo and large to keep.
-            context = checkpoint(self._core_attention, query, key, value, attention_mask, use_reentrant=False)
+            context = checkpoint_with_tracker(partial(self._core_attention, attention_mask=attention_mask),
+                                              self.rng_tracker, query, key, value)
         else:
             context = self._core_attention(query, key, value, attention_mask)
         batch, heads, seq, dim = context.shape

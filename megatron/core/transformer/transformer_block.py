@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from megatron.core.tensor_parallel import checkpoint_with_tracker
 
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.transformer.attention import RotaryPair, build_attention_mask
@@ -37,6 +37,8 @@ class TransformerBlock(MegatronModule):
         self.layers = nn.ModuleDict({str(number): build(number) for number in range(start, end)})
         self.final_layernorm = build_norm(config, config.hidden_size) if post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
+        self.rng_tracker = None
+        """Set by GPTModel under tensor parallelism so full recompute replays tp dropout streams."""
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = input_tensor
@@ -64,7 +66,7 @@ class TransformerBlock(MegatronModule):
                     x = layer(x, attention_mask, rotary_pos_emb)
                 return x
             if recompute and torch.is_grad_enabled():
-                hidden_states = checkpoint(run, hidden_states, use_reentrant=False)
+                hidden_states = checkpoint_with_tracker(run, self.rng_tracker, hidden_states)
             else:
                 hidden_states = run(hidden_states)
         if self.final_layernorm is not None:

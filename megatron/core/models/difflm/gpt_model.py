@@ -136,6 +136,7 @@ class GPTModel(MegatronModule):
         if group_size(self.tp_group) == 1:
             return
         self.rng_tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(self.tp_group))
+        self.decoder.rng_tracker = self.rng_tracker
         for module in self.decoder.modules():
             if isinstance(module, SelfAttention) or (self.sequence_parallel and isinstance(module, TransformerLayer)):
                 module.rng_tracker = self.rng_tracker
