@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
                                                     optimal_dtype)
-from megatron.training.tokenizer import build_tokenizer  # noqa: E402
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
 
 _TOKENIZER = None  # one per worker process, built by the pool initializer
 
@@ -38,14 +38,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--output-prefix", required=True, help="Writes {prefix}_{key}_document.bin/.idx.")
     group.add_argument("--append-eod", action="store_true", help="End every document with the EOD token.")
     group.add_argument("--strict", action="store_true", help="Stop at the first malformed line.")
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True,
-                       choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    group.add_argument("--tokenizer-model", help="SentencePiece .model, or a tokenizer.json / its folder.")
-    group.add_argument("--vocab-file", help="GPT-2 vocab.json.")
-    group.add_argument("--merge-file", help="GPT-2 merges.txt.")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size.")
-    group.add_argument("--add-mask-token", action="store_true", help="Count an added mask token in the vocabulary.")
+    add_tokenizer_args(parser.add_argument_group("tokenizer"))
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="Tokenizer processes in all.")
     group.add_argument("--partitions", type=int, default=1, help="Contiguous input ranges processed in parallel.")

@@ -14,6 +14,7 @@ import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.tokenizer import add_tokenizer_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -98,13 +99,7 @@ def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--valid-data-path", nargs="*", help="Validation prefixes.")
     g.add_argument("--test-data-path", nargs="*", help="Test prefixes.")
     g.add_argument("--data-cache-path", help="Where dataset index files are cached (default: beside the data).")
-    g.add_argument("--tokenizer-type", default="NullTokenizer",
-                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
-    g.add_argument("--tokenizer-model", help="SentencePiece .model file, or a tokenizer.json or its folder.")
-    g.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
-    g.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (the last id is EOD).")
-    g.add_argument("--add-mask-token", action="store_true", help="Append a mask token to the vocabulary.")
+    add_tokenizer_args(g, default_type="NullTokenizer")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")

@@ -58,7 +58,10 @@ class TrainingLogger:
 
     def log_start(self, model: nn.Module, state=None) -> None:
         args = self.args
-        params = sum(p.numel() for p in model.parameters())
+        tp = state.tp if state is not None else 1
+        # Tensor-parallel weights hold 1/tp of the model on this rank.
+        params = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                     for p in model.parameters())
         self.print(f"> MegaDLMs: {args.dlm_config.model_running_mode} "
                    f"(attention {args.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
                    f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")

@@ -57,7 +57,19 @@ def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int,
 
 
 __all__ = [
+    "add_tokenizer_args",
     "ADDED_MASK_TOKEN", "MASK_TOKEN_NAMES", "TOKENIZER_TYPES", "MegatronTokenizer", "NullTokenizer",
     "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "build_tokenizer",
     "vocab_size_with_padding",
 ]
+
+
+def add_tokenizer_args(group, default_type: str = None) -> None:
+    """The tokenizer flags, shared by pretrain_difflm.py and tools/preprocess_data.py."""
+    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES), default=default_type,
+                       required=default_type is None, help="Which tokenizer reads the text.")
+    group.add_argument("--tokenizer-model", help="SentencePiece .model file, or a tokenizer.json or its folder.")
+    group.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
+    group.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (the last id is EOD).")
+    group.add_argument("--add-mask-token", action="store_true", help="Append a mask token to the vocabulary.")
