@@ -117,6 +117,20 @@ def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100, help="Global batches per evaluation (0 disables).")
 
 
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", help="Directory for checkpoints (iter_NNNNNNN/ and the tracker file).")
+    g.add_argument("--save-interval", type=int, help="Save every N iterations (and at the end of training).")
+    g.add_argument("--load", help="Resume from the latest checkpoint in this directory, if there is one.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"],
+                   help="Sharded torch.distributed.checkpoint, loadable under any tensor-parallel layout.")
+    g.add_argument("--no-save-optim", action="store_true", help="Save weights only.")
+    g.add_argument("--no-load-optim", action="store_true", help="Load weights only (fresh optimizer).")
+    g.add_argument("--no-load-rng", action="store_true", help="Keep this run's RNG states.")
+    g.add_argument("--finetune", action="store_true", help="Load weights only and start at iteration 0.")
+    g.add_argument("--keep-last-checkpoints", type=int, help="Delete all but the newest N checkpoints.")
+
+
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -141,6 +155,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     _add_model_args(parser)
     _add_training_args(parser)
     _add_data_and_logging_args(parser)
+    _add_checkpoint_args(parser)
     _add_distributed_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -255,6 +270,11 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
             raise ValueError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError("--save-interval needs --save DIR and a positive interval")
+    if args.save and args.data_parallel_sharding_strategy != "no_shard" and not args.no_save_optim:
+        raise ValueError(f"--save with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}: "
+                         "saving a sharded optimizer arrives later; use no_shard or --no-save-optim")
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")

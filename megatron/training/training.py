@@ -26,6 +26,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
 from megatron.training.training_log import TrainingLogger
 
@@ -89,6 +90,7 @@ class Trainer:
         self.runtime, self.logger = runtime, logger
         self.state = TrainState()
         self.history: List[StepResult] = []
+        self.save_fn: Optional[Callable[["Trainer"], object]] = None
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
                                                 enabled=args.fp16)
 
@@ -166,10 +168,14 @@ class Trainer:
                                     if args.fp16 else 1.0)
             if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
                 self.evaluate_and_log()
+            if self.save_fn is not None and args.save_interval and state.iteration % args.save_interval == 0:
+                self.save_fn(self)
             if self._should_exit(start_time):
                 break
         if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval != 0:
             self.evaluate_and_log()
+        if self.save_fn is not None and not (args.save_interval and state.iteration % args.save_interval == 0):
+            self.save_fn(self)  # the end of training is always saved
         return state
 
     def _should_exit(self, start_time: float) -> bool:
@@ -261,6 +267,12 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     args = parse_args(argv, extra_args_provider)
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
+    if args.load:
+        loaded = load_checkpoint(args, trainer)
+        trainer.logger.print(f"> loaded {args.load} at iteration {loaded}" if loaded is not None
+                             else f"> no checkpoint in {args.load}; starting from scratch")
+    if args.save:
+        trainer.save_fn = lambda t: trainer.logger.print(f"> saved {save_checkpoint(args, t)}")
     try:
         trainer.train()
     except TrainingDiverged as error:

@@ -1,0 +1,105 @@
+"""Save and load sharded state dicts with torch.distributed.checkpoint (DCP), resharding freely.
+
+Every rank describes its tensors as `ShardedTensor` boxes of layout-independent global
+tensors (`MegatronModule.sharded_state_dict`). Here each key becomes a torch
+`ShardedTensor` holding this rank's boxes; DCP writes each box once (identical boxes of
+replicas are de-duplicated) and, on load, reads whatever stored chunks overlap the boxes a
+rank asks for. A checkpoint written under one tensor-parallel layout therefore loads under
+any other, into the model's own tensors, in place.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard
+from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+Box = List[Tuple[int, int]]
+
+
+def _subtract(region: Box, box: Box) -> List[Box]:
+    """`region` minus `box` as disjoint boxes (at most two per dimension)."""
+    overlap = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(region, box)]
+    if any(low >= high for low, high in overlap):
+        return [region]
+    pieces, rest = [], list(region)
+    for dim, (low, high) in enumerate(overlap):
+        start, stop = rest[dim]
+        if start < low:
+            pieces.append(rest[:dim] + [(start, low)] + rest[dim + 1:])
+        if high < stop:
+            pieces.append(rest[:dim] + [(high, stop)] + rest[dim + 1:])
+        rest[dim] = (low, high)
+    return pieces
+
+
+def _torch_sharded(pieces: Sequence[ShardedTensor], rank: int, world: int) -> TorchShardedTensor:
+    """This rank's boxes of one global tensor as a torch ShardedTensor.
+
+    torch insists that a ShardedTensor's metadata cover the whole tensor; the parts this rank
+    does not hold are described as belonging to another rank (never read or written here).
+    """
+    device = pieces[0].data.device
+    placement = f"rank:{rank}/{device.type}" if device.type == "cpu" else f"rank:{rank}/{device}"
+    shards = [Shard(piece.data, ShardMetadata(list(piece.global_offset), list(piece.data.shape), placement))
+              for piece in pieces]
+    regions = [[(0, size) for size in pieces[0].global_shape]]
+    for piece in pieces:
+        box = [(o, o + n) for o, n in zip(piece.global_offset, piece.data.shape)]
+        regions = [part for region in regions for part in _subtract(region, box)]
+    elsewhere = f"rank:{(rank + 1) % world}/{device.type}"
+    fillers = [ShardMetadata([a for a, _ in region], [b - a for a, b in region], elsewhere) for region in regions]
+    if fillers and world == 1:
+        raise ValueError(f"{pieces[0].key}: a single process must hold the whole tensor")
+    metadata = ShardedTensorMetadata([shard.metadata for shard in shards] + fillers,
+                                     torch.Size(pieces[0].global_shape),
+                                     TensorProperties(dtype=pieces[0].data.dtype))
+    return TorchShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
+
+
+def to_dcp_state_dict(sharded: Dict[str, ShardedTensor]) -> Dict[str, object]:
+    """Group the boxes by checkpoint key; whole tensors stay plain (replicas de-duplicated)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_key: Dict[str, List[ShardedTensor]] = defaultdict(list)
+    for piece in sharded.values():
+        by_key[piece.key].append(piece)
+    state = {}
+    for key, pieces in by_key.items():
+        shapes = {tuple(p.global_shape) for p in pieces}
+        if len(shapes) != 1:
+            raise ValueError(f"{key}: pieces disagree on the global shape {sorted(shapes)}")
+        whole = len(pieces) == 1 and tuple(pieces[0].data.shape) == tuple(pieces[0].global_shape)
+        state[key] = pieces[0].data if whole else _torch_sharded(pieces, rank, world)
+    return state
+
+
+def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
+    """Collective: every rank calls it with its own boxes."""
+    dcp.save(to_dcp_state_dict(sharded), checkpoint_id=checkpoint_dir)
+
+
+def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
+    """Collective: fill every rank's boxes, in place, from the checkpoint's chunks."""
+    state = to_dcp_state_dict(sharded)
+    metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    missing = sorted(set(state) - set(metadata))
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint_dir} has no tensor {missing[0]!r} "
+                         f"({len(missing)} missing); is it a checkpoint of this model?")
+    for key, value in state.items():
+        stored = tuple(metadata[key].size)
+        expected = tuple(value.size())
+        if stored != expected:
+            raise ValueError(f"checkpoint {checkpoint_dir}: tensor {key!r} has shape {stored}, this model "
+                             f"expects {expected}; the architecture differs")
+    dcp.load(state, checkpoint_id=checkpoint_dir)

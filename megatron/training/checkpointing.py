@@ -1,0 +1,222 @@
+"""--save / --load: sharded checkpoints on torch.distributed.checkpoint, exact resume.
+
+Layout of `--save DIR`:
+    DIR/iter_0000100/            DCP shards of the model and the optimizer state (`model.*`,
+                                 `optimizer.exp_avg.*`, ...), in layout-independent global shapes
+    DIR/iter_0000100/metadata.json   format version, model/DLM config, layout, tokenizer, TrainState
+    DIR/iter_0000100/rng/rank_N.pt   every RNG of rank N (tensors only, loaded with weights_only)
+    DIR/latest_checkpointed_iteration.txt   written last, atomically, once every rank finished
+Nothing in a checkpoint is unpickled as arbitrary objects. The diffusion corruption needs no
+state: it is keyed by (seed, sample index), so a resumed run draws the same masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed.data_parallel import unwrap
+
+FORMAT_VERSION = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
+    """AdamW's per-parameter state described with the parameter's own boxes."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ValueError("checkpointing the optimizer state supports --data-parallel-sharding-strategy no_shard "
+                         "for now; pass --no-save-optim or use no_shard")
+    by_storage = {}
+    for name, piece in unwrap(model).sharded_state_dict(prefix="model.").items():
+        by_storage[(piece.data.untyped_storage().data_ptr(), piece.data.storage_offset())] = piece
+    result = {}
+    for param, state in optimizer.state.items():
+        piece = by_storage[(param.untyped_storage().data_ptr(), param.storage_offset())]
+        for field in ("exp_avg", "exp_avg_sq"):
+            key = f"optimizer.{field}.{piece.key[len('model.'):]}"
+            result[f"{key}@{piece.global_offset}"] = dataclasses.replace(
+                piece, key=key, data=state[field].view(piece.data.shape))
+    return result
+
+
+def _adam_step(optimizer) -> float:
+    steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+    return steps[0] if steps else 0.0
+
+
+def _rng_state(model) -> Dict[str, torch.Tensor]:
+    python_version, python_words, python_gauss = random.getstate()
+    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {"torch_cpu": torch.get_rng_state(),
+             "python": torch.tensor(list(python_words), dtype=torch.int64),
+             "python_meta": torch.tensor([python_version, python_gauss is not None], dtype=torch.int64),
+             "python_gauss": torch.tensor([python_gauss or 0.0], dtype=torch.float64),
+             "numpy_keys": torch.from_numpy(numpy_keys.astype(np.int64)),
+             "numpy_meta": torch.tensor([numpy_pos, numpy_has_gauss], dtype=torch.int64),
+             "numpy_gauss": torch.tensor([numpy_gauss], dtype=torch.float64)}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    tracker = getattr(unwrap(model), "rng_tracker", None)
+    if tracker is not None:
+        for name, per_device in tracker.get_states().items():
+            for device, tensor in per_device.items():
+                state[f"tracker/{name}/{device}"] = tensor
+    return state
+
+
+def _set_rng_state(model, state: Dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    version, has_gauss = (int(v) for v in state["python_meta"])
+    gauss = float(state["python_gauss"][0]) if has_gauss else None
+    random.setstate((version, tuple(int(v) for v in state["python"]), gauss))
+    position, numpy_has_gauss = (int(v) for v in state["numpy_meta"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), position, numpy_has_gauss,
+                         float(state["numpy_gauss"][0])))
+    tracker = getattr(unwrap(model), "rng_tracker", None)
+    if tracker is not None:
+        streams: Dict[str, Dict[str, torch.Tensor]] = {}
+        for key, tensor in state.items():
+            if key.startswith("tracker/"):
+                _, name, device = key.split("/")
+                streams.setdefault(name, {})[device] = tensor
+        tracker.set_states(streams)
+
+
+def _metadata(args, trainer, iteration: int) -> dict:
+    return {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
+            "adam_step": _adam_step(trainer.optimizer),
+            "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
+                                   for k, v in dataclasses.asdict(args.transformer_config).items()},
+            "dlm_config": dataclasses.asdict(args.dlm_config),
+            "layout": {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
+                       "data_parallel_size": args.data_parallel_size},
+            "tokenizer": getattr(args.tokenizer, "identity", None), "seq_length": args.seq_length}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(args, trainer) -> str:
+    """Collective. The tracker file moves only after every rank wrote its part."""
+    iteration = trainer.state.iteration
+    target = checkpoint_dir(args.save, iteration)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sharded = unwrap(trainer.model).sharded_state_dict(prefix="model.")
+    if not args.no_save_optim:
+        sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
+    serialization.save(sharded, target)
+    os.makedirs(os.path.join(target, "rng"), exist_ok=True)
+    torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(target, "metadata.json"), "w") as handle:
+            json.dump(_metadata(args, trainer, iteration), handle, indent=1)
+    _barrier()
+    if rank == 0:
+        _write_tracker(args.save, iteration)
+        _remove_old_checkpoints(args.save, args.keep_last_checkpoints, iteration)
+    _barrier()
+    return target
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    """Write to a temporary name, fsync, rename: a crash leaves the old tracker or the new one."""
+    temporary = os.path.join(root, TRACKER + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(str(iteration))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, os.path.join(root, TRACKER))
+
+
+def _remove_old_checkpoints(root: str, keep: Optional[int], newest: int) -> None:
+    if not keep:
+        return
+    iterations = sorted(int(name[5:]) for name in os.listdir(root) if name.startswith("iter_") and name[5:].isdigit())
+    for iteration in iterations[:-keep]:
+        if iteration != newest:
+            shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or remove it")
+    return int(text)
+
+
+def load_checkpoint(args, trainer) -> Optional[int]:
+    """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)."""
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        return None
+    source = checkpoint_dir(args.load, iteration)
+    with open(os.path.join(source, "metadata.json")) as handle:
+        metadata = json.load(handle)
+    _check_compatible(args, metadata, source)
+    load_optim = not (args.no_load_optim or args.finetune)
+    sharded = unwrap(trainer.model).sharded_state_dict(prefix="model.")
+    if load_optim:
+        _initialise_adam_state(trainer.optimizer, metadata["adam_step"])
+        sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
+    serialization.load(sharded, source)
+    if args.finetune:
+        return 0
+    if load_optim:
+        trainer.scheduler.load_state_dict(metadata["scheduler"])
+    trainer.state = type(trainer.state)(**metadata["train_state"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_path = os.path.join(source, "rng", f"rank_{rank}.pt")
+    if not args.no_load_rng and metadata["layout"]["world_size"] == args.world_size and os.path.exists(rng_path):
+        _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
+    return iteration
+
+
+def _initialise_adam_state(optimizer, step: float) -> None:
+    """Create the state tensors the checkpoint is read into (AdamW creates them lazily)."""
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            state = optimizer.state[param]
+            state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=param.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _check_compatible(args, metadata: dict, source: str) -> None:
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{source}: checkpoint format {metadata.get('format_version')} is not {FORMAT_VERSION}")
+    saved = metadata["transformer_config"]
+    current = dataclasses.asdict(args.transformer_config)
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                  "ffn_hidden_size", "vocab_size", "normalization", "qk_layernorm", "gated_linear_unit",
+                  "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias"):
+        if saved.get(field) != current[field]:
+            raise ValueError(f"{source}: the checkpoint has {field}={saved.get(field)!r} but this run has "
+                             f"{current[field]!r}; use the checkpoint's architecture")
+    saved_tokenizer, tokenizer = metadata.get("tokenizer"), getattr(args.tokenizer, "identity", None)
+    if saved_tokenizer and tokenizer and saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
+        raise ValueError(f"{source}: the checkpoint was trained with another tokenizer "
+                         f"({saved_tokenizer}); pass the same --tokenizer-model")
