@@ -272,9 +272,9 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError("--save-interval needs --save DIR and a positive interval")
-    if args.save and args.data_parallel_sharding_strategy != "no_shard" and not args.no_save_optim:
+    if args.save and args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
         raise ValueError(f"--save with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}: "
-                         "saving a sharded optimizer arrives later; use no_shard or --no-save-optim")
+                         "checkpointing FSDP2-sharded weights arrives later; use no_shard or optim")
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")

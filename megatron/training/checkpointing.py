@@ -36,7 +36,9 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
-    """AdamW's per-parameter state described with the parameter's own boxes."""
+    """AdamW's per-parameter state described with the parameter's own boxes. Under ZeRO-1 a
+    rank holds (and so writes and reads) the state of the weights it owns only."""
+    optimizer = getattr(optimizer, "optim", optimizer)
     if not isinstance(optimizer, torch.optim.AdamW):
         raise ValueError("checkpointing the optimizer state supports --data-parallel-sharding-strategy no_shard "
                          "for now; pass --no-save-optim or use no_shard")
@@ -51,11 +53,6 @@ def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
             result[f"{key}@{piece.global_offset}"] = dataclasses.replace(
                 piece, key=key, data=state[field].view(piece.data.shape))
     return result
-
-
-def _adam_step(optimizer) -> float:
-    steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
-    return steps[0] if steps else 0.0
 
 
 def _rng_state(model) -> Dict[str, torch.Tensor]:
@@ -101,7 +98,7 @@ def _set_rng_state(model, state: Dict[str, torch.Tensor]) -> None:
 def _metadata(args, trainer, iteration: int) -> dict:
     return {"format_version": FORMAT_VERSION, "iteration": iteration,
             "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
-            "adam_step": _adam_step(trainer.optimizer),
+            "adam_step": trainer.scheduler.num_steps,  # both advance once per applied update
             "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
                                    for k, v in dataclasses.asdict(args.transformer_config).items()},
             "dlm_config": dataclasses.asdict(args.dlm_config),
@@ -178,7 +175,7 @@ def load_checkpoint(args, trainer) -> Optional[int]:
     load_optim = not (args.no_load_optim or args.finetune)
     sharded = unwrap(trainer.model).sharded_state_dict(prefix="model.")
     if load_optim:
-        _initialise_adam_state(trainer.optimizer, metadata["adam_step"])
+        _initialise_adam_state(getattr(trainer.optimizer, "optim", trainer.optimizer), metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
     serialization.load(sharded, source)
     if args.finetune:

@@ -46,3 +46,12 @@ def test_checkpoint_from_tp2_continues_under_tp1(tmp_path):
     assert "loaded" in out and sorted(resumed) == [11, 12]
     for step in (11, 12):
         assert float(resumed[step]) == pytest.approx(float(straight[step]), rel=1e-5)
+
+
+def test_resume_with_tensor_parallelism_and_the_distributed_optimizer_is_bit_exact(tmp_path):
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+    straight, _ = train(tmp_path, 4, *flags, iters=14)
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = train(tmp_path, 4, *flags, "--save", ckpt, "--exit-interval", "7", iters=14)
+    second, _ = train(tmp_path, 4, *flags, "--load", ckpt, iters=14)
+    assert {**first, **second} == straight

@@ -39,3 +39,14 @@ def test_a_different_architecture_is_named(tmp_path):
         piece.key = "other." + piece.key
     with pytest.raises(ValueError, match="has no tensor 'other."):
         serialization.load(renamed, str(tmp_path / "ckpt"))
+
+
+def test_a_damaged_shard_is_reported_with_the_checkpoint(tmp_path):
+    serialization.save(model().sharded_state_dict(), str(tmp_path / "ckpt"))
+    shard = next((tmp_path / "ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match="could not be read.*damaged"):
+        serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / ".metadata").unlink()
+    with pytest.raises(ValueError, match="no readable .metadata"):
+        serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))

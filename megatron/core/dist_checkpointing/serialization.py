@@ -16,6 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
@@ -91,7 +92,11 @@ def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
 def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     """Collective: fill every rank's boxes, in place, from the checkpoint's chunks."""
     state = to_dcp_state_dict(sharded)
-    metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    try:
+        metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    except Exception as error:
+        raise ValueError(f"checkpoint {checkpoint_dir} has no readable .metadata ({error}); "
+                         "the save was interrupted or the directory is not a checkpoint") from error
     missing = sorted(set(state) - set(metadata))
     if missing:
         raise ValueError(f"checkpoint {checkpoint_dir} has no tensor {missing[0]!r} "
@@ -102,4 +107,9 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         if stored != expected:
             raise ValueError(f"checkpoint {checkpoint_dir}: tensor {key!r} has shape {stored}, this model "
                              f"expects {expected}; the architecture differs")
-    dcp.load(state, checkpoint_id=checkpoint_dir)
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+    except (Exception, CheckpointException) as error:  # DCP reports a damaged file deep inside its reader
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"checkpoint {checkpoint_dir} could not be read ({type(error).__name__}: {first_line}): "
+                         "a shard file is damaged or missing; load an earlier iteration") from error
