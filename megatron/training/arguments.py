@@ -129,6 +129,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="Keep this run's RNG states.")
     g.add_argument("--finetune", action="store_true", help="Load weights only and start at iteration 0.")
     g.add_argument("--keep-last-checkpoints", type=int, help="Delete all but the newest N checkpoints.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM: finish the step, save a checkpoint (with --save), exit with code 0.")
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:

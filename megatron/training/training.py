@@ -9,6 +9,7 @@ clipping, a non-finite check that skips the update, and the optimizer and LR ste
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -77,6 +78,21 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+class ExitSignalHandler:
+    """--exit-signal-handler: SIGTERM (a scheduler's preemption notice) ends the run cleanly.
+
+    The handler only records the signal; the loop checks it after each step on every rank
+    (all-reduced, so all ranks stop together), saves a checkpoint and exits with code 0.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.received = False
+        signal.signal(signum, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received = True
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
@@ -91,6 +107,7 @@ class Trainer:
         self.state = TrainState()
         self.history: List[StepResult] = []
         self.save_fn: Optional[Callable[["Trainer"], object]] = None
+        self.signal_handler: Optional[ExitSignalHandler] = None
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
                                                 enabled=args.fp16)
 
@@ -182,13 +199,18 @@ class Trainer:
         args = self.args
         if args.exit_interval and self.state.iteration % args.exit_interval == 0:
             return True
-        if args.exit_duration_in_mins is None:
+        if args.exit_duration_in_mins is None and self.signal_handler is None:
             return False
         # Ranks must agree, or one would leave the collective of the next step alone.
-        elapsed = torch.tensor([(time.time() - start_time) / 60.0], device=self.runtime.device)
+        elapsed = (time.time() - start_time) / 60.0 if args.exit_duration_in_mins is not None else 0.0
+        signalled = float(self.signal_handler is not None and self.signal_handler.received)
+        flags = torch.tensor([elapsed, signalled], device=self.runtime.device)
         if dist.get_world_size() > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed) > args.exit_duration_in_mins
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1] > 0:
+            self.logger.print(f"> exit signal received: checkpointing at iteration {self.state.iteration} and exiting")
+            return True
+        return args.exit_duration_in_mins is not None and float(flags[0]) > args.exit_duration_in_mins
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -273,6 +295,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                              else f"> no checkpoint in {args.load}; starting from scratch")
     if args.save:
         trainer.save_fn = lambda t: trainer.logger.print(f"> saved {save_checkpoint(args, t)}")
+    if args.exit_signal_handler:
+        trainer.signal_handler = ExitSignalHandler()
     try:
         trainer.train()
     except TrainingDiverged as error:

@@ -55,3 +55,38 @@ def test_resume_with_tensor_parallelism_and_the_distributed_optimizer_is_bit_exa
     first, _ = train(tmp_path, 4, *flags, "--save", ckpt, "--exit-interval", "7", iters=14)
     second, _ = train(tmp_path, 4, *flags, "--load", ckpt, iters=14)
     assert {**first, **second} == straight
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    import re
+    import signal
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, NPROC="2", TRAIN_ITERS="2000", MOCK_DATA="1", OMP_NUM_THREADS="1",
+               TENSORBOARD_DIR=str(tmp_path / "tb"))
+    process = subprocess.Popen(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--save", str(ckpt),
+                                "--exit-signal-handler"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:  # wait until training is under way
+        lines.append(line)
+        if re.search(r"iteration +3/", line):
+            break
+    # A scheduler's preemption notice reaches the training processes themselves.
+    workers = subprocess.run(["pgrep", "-f", r"python[0-9.]* -u pretrain_difflm.py"], capture_output=True,
+                             text=True).stdout.split()
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    output = "".join(lines) + process.stdout.read()
+    assert process.wait(timeout=300) == 0, output[-3000:]
+    assert "exit signal received" in output
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 3 <= saved < 2000 and (ckpt / f"iter_{saved:07d}" / "metadata.json").exists()
+    # A later save killed halfway leaves files but no tracker update: resume ignores it.
+    broken = ckpt / f"iter_{saved + 5:07d}"
+    broken.mkdir()
+    (broken / "__0_0.distcp").write_bytes(b"partial")
+    resumed, out = train(tmp_path, 2, "--load", str(ckpt), iters=saved + 12)
+    assert f"at iteration {saved}" in out and sorted(resumed) == list(range(saved + 1, saved + 13))
