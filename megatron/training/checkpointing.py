@@ -50,8 +50,11 @@ def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
         piece = by_storage[(param.untyped_storage().data_ptr(), param.storage_offset())]
         for field in ("exp_avg", "exp_avg_sq"):
             key = f"optimizer.{field}.{piece.key[len('model.'):]}"
-            result[f"{key}@{piece.global_offset}"] = dataclasses.replace(
-                piece, key=key, data=state[field].view(piece.data.shape))
+            # The same view of the state tensor as the piece is of the weight (a reshape or a row range).
+            data = state[field].as_strided(piece.data.shape, piece.data.stride(),
+                                           state[field].storage_offset() + piece.data.storage_offset()
+                                           - param.storage_offset())
+            result[f"{key}@{piece.global_offset}"] = dataclasses.replace(piece, key=key, data=data)
     return result
 
 
@@ -208,7 +211,7 @@ def _check_compatible(args, metadata: dict, source: str) -> None:
     saved = metadata["transformer_config"]
     current = dataclasses.asdict(args.transformer_config)
     for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                  "ffn_hidden_size", "vocab_size", "normalization", "qk_layernorm", "gated_linear_unit",
+                  "ffn_hidden_size", "unpadded_vocab_size", "normalization", "qk_layernorm", "gated_linear_unit",
                   "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias"):
         if saved.get(field) != current[field]:
             raise ValueError(f"{source}: the checkpoint has {field}={saved.get(field)!r} but this run has "

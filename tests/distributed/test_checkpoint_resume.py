@@ -36,8 +36,8 @@ def test_resume_is_bit_exact(mode_flags, tmp_path):
 
 
 def test_checkpoint_from_tp2_continues_under_tp1(tmp_path):
-    # 511 tokens + the mask pad to 512 rows under both layouts (vocab padding depends on tp).
-    vocab = ["--vocab-size", "511"]
+    # 512 tokens + the mask: padded to 768 rows under tp=2, 640 under tp=1; only 513 are stored.
+    vocab = ["--vocab-size", "512"]
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     straight, _ = train(tmp_path, 2, *vocab, *tp2, iters=12)
     ckpt = str(tmp_path / "ckpt")

@@ -309,3 +309,18 @@ def test_invalid_dlm_config_names_its_field(changes, field):
 
 def test_megatron_mask_name_is_accepted():
     assert dlm_config(attention_mask_type="causal_bottom_right").attention_mask_type == "causal"
+
+
+def test_vocabulary_padding_is_never_predicted():
+    ids = tokens(2, 16)
+    losses = []
+    for padded in (64, 96):
+        config = tiny_config(vocab_size=padded, unpadded_vocab_size=VOCAB)
+        torch.manual_seed(0)
+        model = GPTModel(config, dlm_config()).eval()
+        with torch.no_grad():
+            logits = model(ids)
+            if padded > VOCAB:
+                assert torch.isinf(logits[..., VOCAB:]).all()
+            losses.append(model.compute_loss(ids).loss)
+    assert torch.isfinite(losses[0])

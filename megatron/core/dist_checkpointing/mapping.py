@@ -26,11 +26,22 @@ class ShardedTensor:
     """Index of `data[0, 0, ...]` inside the full tensor."""
     replica_id: int = 0
     """0 on the rank that writes this piece; other ranks holding a copy use other ids."""
+    padded_rows: bool = False
+    """Dim 0 carries layout-dependent padding (the vocabulary, padded to a multiple of tp):
+    loading from a checkpoint with a different padding reads the rows both have."""
 
     @classmethod
     def from_local(cls, key: str, data: torch.Tensor) -> "ShardedTensor":
         """A tensor that is not split: its local data is the whole global tensor."""
         return cls(key, data, tuple(data.shape), (0,) * data.dim())
+
+    def clipped_rows(self, stored_rows: int) -> "ShardedTensor | None":
+        """This piece restricted to the first `stored_rows` rows of the global tensor."""
+        rows = min(self.data.shape[0], stored_rows - self.global_offset[0])
+        if rows <= 0:
+            return None
+        return ShardedTensor(self.key, self.data[:rows], (stored_rows, *self.global_shape[1:]),
+                             self.global_offset, self.replica_id, self.padded_rows)
 
     def __post_init__(self) -> None:
         if len(self.global_shape) != self.data.dim() or len(self.global_offset) != self.data.dim():

@@ -59,8 +59,6 @@ def _torch_sharded(pieces: Sequence[ShardedTensor], rank: int, world: int) -> To
         regions = [part for region in regions for part in _subtract(region, box)]
     elsewhere = f"rank:{(rank + 1) % world}/{device.type}"
     fillers = [ShardMetadata([a for a, _ in region], [b - a for a, b in region], elsewhere) for region in regions]
-    if fillers and world == 1:
-        raise ValueError(f"{pieces[0].key}: a single process must hold the whole tensor")
     metadata = ShardedTensorMetadata([shard.metadata for shard in shards] + fillers,
                                      torch.Size(pieces[0].global_shape),
                                      TensorProperties(dtype=pieces[0].data.dtype))
@@ -89,14 +87,36 @@ def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     dcp.save(to_dcp_state_dict(sharded), checkpoint_id=checkpoint_dir)
 
 
+def _fit_padded_rows(sharded: Dict[str, ShardedTensor], metadata) -> Dict[str, ShardedTensor]:
+    """Vocabulary tensors saved with another padding: read the rows both layouts have."""
+    fitted = {}
+    for name, piece in sharded.items():
+        stored = metadata.get(piece.key)
+        if piece.padded_rows and stored is not None and tuple(stored.size)[1:] == tuple(piece.global_shape)[1:]:
+            piece = piece.clipped_rows(stored.size[0])
+        if piece is not None:
+            fitted[name] = piece
+    return fitted
+
+
 def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     """Collective: fill every rank's boxes, in place, from the checkpoint's chunks."""
-    state = to_dcp_state_dict(sharded)
     try:
         metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
     except Exception as error:
         raise ValueError(f"checkpoint {checkpoint_dir} has no readable .metadata ({error}); "
                          "the save was interrupted or the directory is not a checkpoint") from error
+    fitted = _fit_padded_rows(sharded, metadata)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    staged = {}
+    if world == 1:
+        # One process cannot describe part of a tensor to DCP: read such tensors whole, then copy.
+        for name, piece in list(fitted.items()):
+            if tuple(piece.data.shape) != tuple(piece.global_shape):
+                buffer = staged.setdefault(piece.key, torch.empty(piece.global_shape, dtype=piece.data.dtype,
+                                                                  device=piece.data.device))
+                fitted[name] = ShardedTensor.from_local(piece.key, buffer)
+    state = to_dcp_state_dict(fitted)
     missing = sorted(set(state) - set(metadata))
     if missing:
         raise ValueError(f"checkpoint {checkpoint_dir} has no tensor {missing[0]!r} "
@@ -113,3 +133,7 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(f"checkpoint {checkpoint_dir} could not be read ({type(error).__name__}: {first_line}): "
                          "a shard file is damaged or missing; load an earlier iteration") from error
+    for name, piece in _fit_padded_rows(sharded, metadata).items():
+        if piece.key in staged:
+            box = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.data.shape))
+            piece.data.copy_(staged[piece.key][box])

@@ -56,6 +56,9 @@ class TransformerConfig:
     """Inner width of the MLP. None means 4 * hidden_size."""
     vocab_size: int = 256
     """Size of the embedding table and output layer (already padded)."""
+    unpadded_vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary before padding; checkpoints store only these rows, so a
+    checkpoint loads under any tensor-parallel size whatever padding that size needs."""
     max_position_embeddings: int = 4096
     """Longest sequence the rotary tables are built for; longer inputs are rejected."""
 
@@ -139,6 +142,9 @@ class TransformerConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
             _check_positive(owner, name, getattr(self, name))
+        if self.unpadded_vocab_size is not None and not 0 < self.unpadded_vocab_size <= self.vocab_size:
+            raise ValueError(f"{owner}.unpadded_vocab_size={self.unpadded_vocab_size} must be in (0, vocab_size="
+                             f"{self.vocab_size}]")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"{owner}.num_attention_heads={self.num_attention_heads} is not divisible by "

@@ -18,6 +18,7 @@ parallel rank can derive the same mask without communication.
 from __future__ import annotations
 
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -130,6 +131,14 @@ class GPTModel(MegatronModule):
                 init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
                 params_dtype=config.params_dtype)
 
+    def sharded_state_dict(self, prefix: str = ""):
+        """As every module's; the vocabulary tensors are marked as padded (the padding depends on tp)."""
+        sharded = super().sharded_state_dict(prefix)
+        for name in (f"{prefix}embedding.word_embeddings.weight", f"{prefix}output_layer.weight"):
+            if name in sharded:
+                sharded[name].padded_rows = True
+        return sharded
+
     def _install_rng_tracker(self) -> None:
         """Dropout inside tensor-parallel regions (and on sequence-parallel slices) must differ
         across tp ranks; everything else draws the default stream, identical on every rank."""
@@ -180,7 +189,21 @@ class GPTModel(MegatronModule):
         """Logits of every vocabulary entry (gathered over tp); hidden states pass through."""
         if not self.post_process:
             return output
-        return gather_from_tensor_model_parallel_region(output, self.tp_group)
+        return gather_from_tensor_model_parallel_region(self._without_padding(output), self.tp_group)
+
+    def _without_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf at the vocabulary padding columns of this rank's slice: the padding (a multiple of
+        tp) is never predicted, and the loss does not depend on the parallel layout."""
+        vocab = self.config.unpadded_vocab_size
+        if vocab is None or vocab >= self.config.vocab_size:
+            return logits
+        local = logits.shape[-1]
+        first = group_rank(self.tp_group) * local
+        valid = max(0, min(local, vocab - first))
+        if valid == local:
+            return logits
+        padding = torch.arange(local, device=logits.device) >= valid
+        return logits.masked_fill(padding, float("-inf"))
 
     def _autocast(self, device: torch.device):
         if self.config.bf16 or self.config.fp16:
@@ -238,10 +261,11 @@ class GPTModel(MegatronModule):
         else:
             targets = labels
         # fp32 cross-entropy: bf16 log-softmax over a large vocabulary is too coarse.
+        logits = self._without_padding(logits.float())
         if group_size(self.tp_group) > 1:
-            ce = vocab_parallel_cross_entropy(logits.float(), targets, self.tp_group)
+            ce = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
         else:
-            ce = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view(targets.shape)
         per_token = nn.functional.pad(ce, (1, 0)) if shift else ce
         weights = torch.ones_like(per_token) if loss_weights is None else loss_weights.to(per_token.dtype)
