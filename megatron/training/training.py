@@ -299,12 +299,15 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         trainer.signal_handler = ExitSignalHandler()
     try:
         trainer.train()
-    except TrainingDiverged as error:
+    except TrainingDiverged as error:  # every rank raises it at the same step
         trainer.logger.print(f"error: {error}")
-        sys.exit(1)
-    finally:
         trainer.logger.close()
-        # NCCL warns and leaks without it; gloo's teardown can block when a peer left first.
-        if runtime.owns_process_group and dist.get_backend() == "nccl":
-            dist.destroy_process_group()
+        sys.exit(1)
+    trainer.logger.close()
+    if runtime.owns_process_group:
+        # Every rank reaches teardown together: destroying while a peer is still in a collective
+        # can block, and exiting with live gloo threads can abort the process. (On an error,
+        # torchrun stops the other ranks; no teardown is attempted then.)
+        dist.barrier()
+        dist.destroy_process_group()
     return trainer
