@@ -90,3 +90,18 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     (broken / "__0_0.distcp").write_bytes(b"partial")
     resumed, out = train(tmp_path, 2, "--load", str(ckpt), iters=saved + 12)
     assert f"at iteration {saved}" in out and sorted(resumed) == list(range(saved + 1, saved + 13))
+
+
+def test_tp2_dp2_distributed_optimizer_checkpoint_reshards_to_tp1_and_tp4(tmp_path):
+    """Weights and optimizer state saved under TP=2 x DP=2 (ZeRO-1) continue under TP=1 and TP=4
+    (TP=4 splits the 2 kv heads' rows); vocab padding differs in all three layouts."""
+    vocab = ["--vocab-size", "512"]
+    saved_layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+    straight, _ = train(tmp_path, 4, *vocab, *saved_layout, iters=12)
+    ckpt = str(tmp_path / "ckpt")
+    train(tmp_path, 4, *vocab, *saved_layout, "--save", ckpt, "--exit-interval", "10", iters=12)
+    for nproc, layout in ((1, []), (4, ["--tensor-model-parallel-size", "4"])):
+        resumed, out = train(tmp_path, nproc, *vocab, *layout, "--load", ckpt, iters=12)
+        assert "loaded" in out and sorted(resumed) == [11, 12]
+        for step in (11, 12):
+            assert float(resumed[step]) == pytest.approx(float(straight[step]), rel=1e-5), (layout, step)
