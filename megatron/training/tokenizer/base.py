@@ -75,6 +75,14 @@ class MegatronTokenizer(ABC):
     def token_to_id(self, token: str) -> Optional[int]:
         """The id of a whole vocabulary entry, or None when the vocabulary has no such entry."""
 
+    def first_known_id(self, names) -> Optional[int]:
+        """The id of the first of `names` the vocabulary holds (special-token discovery)."""
+        for name in names:
+            found = self.token_to_id(name)
+            if found is not None:
+                return found
+        return None
+
     @abstractmethod
     def _encode(self, text: str) -> List[int]:
         """Ids of ``text`` without any special tokens added."""
@@ -162,11 +170,10 @@ class MegatronTokenizer(ABC):
                     f"[0, {limit}) or drop --mask-token")
             self._mask, self._mask_is_added = mask_token, mask_token == base
             return
-        for name in self._mask_token_names():
-            found = self.token_to_id(name)
-            if found is not None:
-                self._mask = found
-                return
+        found = self.first_known_id(self._mask_token_names())
+        if found is not None:
+            self._mask = found
+            return
         if add_mask_token:
             self._mask, self._mask_is_added = base, True
 

@@ -84,10 +84,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         configured = self._configured_id("eos_token")
         if configured is not None:
             return configured
-        for name in _EOD_FALLBACK_NAMES:
-            found = self.token_to_id(name)
-            if found is not None:
-                return found
+        found = self.first_known_id(_EOD_FALLBACK_NAMES)
+        if found is not None:
+            return found
         raise ValueError(f"--tokenizer-model {self.tokenizer_file}: no eos token configured and no "
                          f"token named {', '.join(_EOD_FALLBACK_NAMES)}; add eos_token to "
                          f"tokenizer_config.json next to {TOKENIZER_FILE}")

@@ -32,10 +32,9 @@ class SentencePieceTokenizer(MegatronTokenizer):
         eos = self._processor.eos_id()
         if eos >= 0:
             return eos
-        for piece in _EOD_FALLBACK_PIECES:
-            found = self.token_to_id(piece)
-            if found is not None:
-                return found
+        found = self.first_known_id(_EOD_FALLBACK_PIECES)
+        if found is not None:
+            return found
         raise ValueError(f"--tokenizer-model {self.model_file} has no eos id and no piece named "
                          f"{' or '.join(_EOD_FALLBACK_PIECES)}; retrain it with an eos_id")
 
