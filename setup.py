@@ -19,7 +19,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout"],
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.56"],
         "hf": ["transformers"],
         # Optional kernels; the package imports and runs without them.
         "kernels": ["liger-kernel", "torchao"],

@@ -124,6 +124,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", help="Resume from the latest checkpoint in this directory, if there is one.")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"],
                    help="Sharded torch.distributed.checkpoint, loadable under any tensor-parallel layout.")
+    g.add_argument("--async-save", action="store_true",
+                   help="Write checkpoints in the background: training continues once the shards are copied "
+                        "to host memory; the tracker moves when every rank finished writing.")
     g.add_argument("--no-save-optim", action="store_true", help="Save weights only.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only (fresh optimizer).")
     g.add_argument("--no-load-rng", action="store_true", help="Keep this run's RNG states.")
@@ -274,9 +277,8 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError("--save-interval needs --save DIR and a positive interval")
-    if args.save and args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
-        raise ValueError(f"--save with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}: "
-                         "checkpointing FSDP2-sharded weights arrives later; use no_shard or optim")
+    if args.async_save and not args.save:
+        raise ValueError("--async-save needs --save DIR")
     for flag in ("log_interval", "eval_interval"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -17,7 +17,9 @@ import json
 import os
 import random
 import shutil
-from typing import Dict, Optional
+import time
+from concurrent.futures import Future
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
 from megatron.core.distributed.data_parallel import unwrap
 
 FORMAT_VERSION = 1
@@ -40,22 +43,9 @@ def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
     rank holds (and so writes and reads) the state of the weights it owns only."""
     optimizer = getattr(optimizer, "optim", optimizer)
     if not isinstance(optimizer, torch.optim.AdamW):
-        raise ValueError("checkpointing the optimizer state supports --data-parallel-sharding-strategy no_shard "
-                         "for now; pass --no-save-optim or use no_shard")
-    by_storage = {}
-    for name, piece in unwrap(model).sharded_state_dict(prefix="model.").items():
-        by_storage[(piece.data.untyped_storage().data_ptr(), piece.data.storage_offset())] = piece
-    result = {}
-    for param, state in optimizer.state.items():
-        piece = by_storage[(param.untyped_storage().data_ptr(), param.storage_offset())]
-        for field in ("exp_avg", "exp_avg_sq"):
-            key = f"optimizer.{field}.{piece.key[len('model.'):]}"
-            # The same view of the state tensor as the piece is of the weight (a reshape or a row range).
-            data = state[field].as_strided(piece.data.shape, piece.data.stride(),
-                                           state[field].storage_offset() + piece.data.storage_offset()
-                                           - param.storage_offset())
-            result[f"{key}@{piece.global_offset}"] = dataclasses.replace(piece, key=key, data=data)
-    return result
+        raise ValueError(f"checkpointing the optimizer state supports AdamW, not {type(optimizer).__name__}; "
+                         "pass --no-save-optim to save the weights only")
+    return optimizer_sharded_state_dict(unwrap(model), optimizer)
 
 
 def _rng_state(model) -> Dict[str, torch.Tensor]:
@@ -107,7 +97,9 @@ def _metadata(args, trainer, iteration: int) -> dict:
             "dlm_config": dataclasses.asdict(args.dlm_config),
             "layout": {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
                        "data_parallel_size": args.data_parallel_size},
-            "tokenizer": getattr(args.tokenizer, "identity", None), "seq_length": args.seq_length}
+            "tokenizer": getattr(args.tokenizer, "identity", None), "seq_length": args.seq_length,
+            # fp16's dynamic loss scale: a resumed run continues with the scale it had reached.
+            "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None}
 
 
 def _barrier() -> None:
@@ -115,26 +107,86 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(args, trainer) -> str:
-    """Collective. The tracker file moves only after every rank wrote its part."""
+def save_checkpoint(args, trainer, process_group=None) -> Tuple[str, Optional[Future]]:
+    """Collective. Writes the shards (in the background with `--async-save`: the returned future
+    completes when this rank's files are written), RNG states and metadata. The tracker is
+    moved by `finalize_save` once every rank finished, never here."""
     iteration = trainer.state.iteration
     target = checkpoint_dir(args.save, iteration)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sharded = unwrap(trainer.model).sharded_state_dict(prefix="model.")
+    sharded = model_sharded_state_dict(unwrap(trainer.model))
     if not args.no_save_optim:
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
-    serialization.save(sharded, target)
+    if args.async_save:
+        future = serialization.save_async(sharded, target, process_group)
+    else:
+        serialization.save(sharded, target)
+        future = None
     os.makedirs(os.path.join(target, "rng"), exist_ok=True)
     torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         with open(os.path.join(target, "metadata.json"), "w") as handle:
             json.dump(_metadata(args, trainer, iteration), handle, indent=1)
+    return target, future
+
+
+def finalize_save(args, iteration: int) -> None:
+    """Collective, once every rank's files are written: move the tracker, drop old checkpoints."""
     _barrier()
-    if rank == 0:
+    if _rank() == 0:
         _write_tracker(args.save, iteration)
         _remove_old_checkpoints(args.save, args.keep_last_checkpoints, iteration)
     _barrier()
-    return target
+
+
+class Checkpointer:
+    """`--save` for the training loop: synchronous saves, or with `--async-save` one save in
+    flight while training goes on. Shards are staged to host memory before the loop
+    continues; the tracker moves only after all ranks report their writes done (polled once
+    a step, a one-element all-reduce, while a save is pending)."""
+
+    def __init__(self, args, log: Callable[[str], None] = print) -> None:
+        self.args, self.log = args, log
+        self.pending: Optional[Tuple[int, str, Future]] = None
+        # DCP's collectives run in the writer thread: they get their own group, so they never
+        # interleave with the training loop's collectives on the default one.
+        self.group = dist.new_group(backend="gloo") if args.async_save and dist.is_initialized() else None
+
+    def save(self, trainer) -> None:
+        self.finalize(blocking=True)  # one save in flight at a time
+        started = time.perf_counter()
+        target, future = save_checkpoint(self.args, trainer, self.group)
+        blocked = time.perf_counter() - started
+        if future is None:
+            finalize_save(self.args, trainer.state.iteration)
+            self.log(f"> saved {target} ({blocked:.2f} s)")
+            return
+        self.pending = (trainer.state.iteration, target, future)
+        self.log(f"> async save of {target} started; training blocked {blocked:.2f} s")
+
+    def finalize(self, blocking: bool, iteration: Optional[int] = None) -> None:
+        """Complete a pending async save if every rank is done (or wait for it, when blocking)."""
+        if self.pending is None:
+            return
+        saved_iteration, target, future = self.pending
+        if blocking:
+            future.result()  # re-raises a failed write
+        done = torch.tensor([1.0 if future.done() else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                done = done.cuda()
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() < 1.0:
+            return
+        future.result()
+        self.pending = None
+        finalize_save(self.args, saved_iteration)
+        after = "" if iteration is None else f" (completed during iteration {iteration})"
+        self.log(f"> saved {target}{after}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _write_tracker(root: str, iteration: int) -> None:
@@ -176,7 +228,7 @@ def load_checkpoint(args, trainer) -> Optional[int]:
         metadata = json.load(handle)
     _check_compatible(args, metadata, source)
     load_optim = not (args.no_load_optim or args.finetune)
-    sharded = unwrap(trainer.model).sharded_state_dict(prefix="model.")
+    sharded = model_sharded_state_dict(unwrap(trainer.model))
     if load_optim:
         _initialise_adam_state(getattr(trainer.optimizer, "optim", trainer.optimizer), metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
@@ -185,6 +237,8 @@ def load_checkpoint(args, trainer) -> Optional[int]:
         return 0
     if load_optim:
         trainer.scheduler.load_state_dict(metadata["scheduler"])
+        if metadata.get("grad_scaler") and trainer.grad_scaler.is_enabled():
+            trainer.grad_scaler.load_state_dict(metadata["grad_scaler"])
     trainer.state = type(trainer.state)(**metadata["train_state"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_path = os.path.join(source, "rng", f"rank_{rank}.pt")

@@ -27,7 +27,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import Checkpointer, load_checkpoint
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
 from megatron.training.training_log import TrainingLogger
 
@@ -106,7 +106,7 @@ class Trainer:
         self.runtime, self.logger = runtime, logger
         self.state = TrainState()
         self.history: List[StepResult] = []
-        self.save_fn: Optional[Callable[["Trainer"], object]] = None
+        self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
                                                 enabled=args.fp16)
@@ -185,14 +185,18 @@ class Trainer:
                                     if args.fp16 else 1.0)
             if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
                 self.evaluate_and_log()
-            if self.save_fn is not None and args.save_interval and state.iteration % args.save_interval == 0:
-                self.save_fn(self)
+            if self.checkpointer is not None:
+                self.checkpointer.finalize(blocking=False, iteration=state.iteration)
+                if args.save_interval and state.iteration % args.save_interval == 0:
+                    self.checkpointer.save(self)
             if self._should_exit(start_time):
                 break
         if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval != 0:
             self.evaluate_and_log()
-        if self.save_fn is not None and not (args.save_interval and state.iteration % args.save_interval == 0):
-            self.save_fn(self)  # the end of training is always saved
+        if self.checkpointer is not None:
+            if not (args.save_interval and state.iteration % args.save_interval == 0):
+                self.checkpointer.save(self)  # the end of training is always saved
+            self.checkpointer.finalize(blocking=True)
         return state
 
     def _should_exit(self, start_time: float) -> bool:
@@ -294,7 +298,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         trainer.logger.print(f"> loaded {args.load} at iteration {loaded}" if loaded is not None
                              else f"> no checkpoint in {args.load}; starting from scratch")
     if args.save:
-        trainer.save_fn = lambda t: trainer.logger.print(f"> saved {save_checkpoint(args, t)}")
+        trainer.checkpointer = Checkpointer(args, trainer.logger.print)
     if args.exit_signal_handler:
         trainer.signal_handler = ExitSignalHandler()
     try:

@@ -50,3 +50,36 @@ def test_a_damaged_shard_is_reported_with_the_checkpoint(tmp_path):
     (tmp_path / "ckpt" / ".metadata").unlink()
     with pytest.raises(ValueError, match="no readable .metadata"):
         serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5), (2, 4, 3, 2)])
+def test_linear_ranges_become_disjoint_boxes_covering_exactly_those_elements(shape):
+    from megatron.core.dist_checkpointing.model_state import linear_range_boxes
+
+    total = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    for start in range(total.numel()):
+        for stop in range(start, total.numel() + 1):
+            covered = []
+            for offset, size in linear_range_boxes(shape, start, stop):
+                box = total[tuple(slice(o, o + n) for o, n in zip(offset, size))]
+                covered.extend(box.reshape(-1).tolist())
+            assert covered == list(range(start, stop)), (shape, start, stop)
+
+
+def test_optimizer_state_is_described_with_the_parameters_boxes():
+    from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
+
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(torch.randint(0, 63, (2, 8))).sum().backward()
+    optimizer.step()
+    weights = model_sharded_state_dict(net)
+    state = optimizer_sharded_state_dict(net, optimizer)
+    assert len(state) == 2 * len([p for p in weights.values() if p.key.startswith("model.")]) > 0
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    weight = next(p for p in weights.values() if p.key == f"model.{qkv}")
+    exp_avg = next(p for p in state.values() if p.key == f"optimizer.exp_avg.{qkv}")
+    assert exp_avg.global_shape == weight.global_shape == (2, 4, 8, 32)
+    param = net.decoder.layers["0"].self_attention.linear_qkv.weight
+    assert torch.equal(exp_avg.data.reshape(param.shape), optimizer.state[param]["exp_avg"])
+    assert exp_avg.data.data_ptr() == optimizer.state[param]["exp_avg"].data_ptr(), "a view, filled in place on load"

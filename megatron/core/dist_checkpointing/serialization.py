@@ -10,7 +10,9 @@ any other, into the model's own tensors, in place.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -85,6 +87,32 @@ def to_dcp_state_dict(sharded: Dict[str, ShardedTensor]) -> Dict[str, object]:
 def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     """Collective: every rank calls it with its own boxes."""
     dcp.save(to_dcp_state_dict(sharded), checkpoint_id=checkpoint_dir)
+
+
+def stage_to_host(sharded: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
+    """A host copy of every piece (pinned when they live on a GPU), safe from later updates."""
+    staged = {}
+    on_gpu = False
+    for name, piece in sharded.items():
+        on_gpu |= piece.data.is_cuda
+        copy = torch.empty(piece.data.shape, dtype=piece.data.dtype, pin_memory=piece.data.is_cuda)
+        copy.copy_(piece.data, non_blocking=True)
+        staged[name] = dataclasses.replace(piece, data=copy)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return staged
+
+
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+
+
+def save_async(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, process_group=None) -> Future:
+    """Collective: stage this rank's boxes to host memory, then write them in a background
+    thread. The future completes when this rank's files are written (and, on the coordinating
+    rank, the metadata). `process_group` carries DCP's collectives: give the writer a group of
+    its own (gloo) so they never interleave with the training loop's."""
+    state = to_dcp_state_dict(stage_to_host(sharded))
+    return _WRITER.submit(dcp.save, state, checkpoint_id=checkpoint_dir, process_group=process_group)
 
 
 def _fit_padded_rows(sharded: Dict[str, ShardedTensor], metadata) -> Dict[str, ShardedTensor]:

@@ -1,0 +1,165 @@
+"""Checkpoints across layouts: identical logits after resharding, FSDP2 shards, async save.
+
+Training runs are real `torchrun pretrain_difflm.py` processes; the logits of a fixed batch
+are computed by spawned gloo workers that build the model under a layout and load the
+checkpoint the way `pretrain` does.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed.parity import TINY_GQA, free_port
+from tests.distributed.test_pretrain_cli import LOSS
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+# Vocabulary 121 padded to a multiple of 48 x tp: 144 rows under tp=1, 192 under tp=2 and tp=4.
+MODEL = [flag for flag in TINY_GQA if flag not in ("--train-iters", "3")] + [
+    "--make-vocab-size-divisible-by", "48",
+    "--micro-batch-size", "2", "--global-batch-size", "12", "--log-interval", "1", "--lr-warmup-iters", "2",
+    "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+TP2_DP2_ZERO1 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
+
+
+def torchrun(nproc: int, *flags: str, iters: int = 8) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "pretrain_difflm.py", *MODEL, "--train-iters", str(iters), *flags]
+    result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+
+
+def _logits_worker(rank: int, world: int, port: int, argv: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import pretrain_difflm
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.training import build_trainer
+
+    args = parse_args(argv, add_difflm_args)
+    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+    assert load_checkpoint(args, trainer) is not None
+    trainer.model.eval()
+    input_ids = torch.randint(0, 120, (3, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = trainer.model(input_ids)
+    if rank == 0:
+        torch.save(logits[..., :args.transformer_config.unpadded_vocab_size].clone(), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def logits_after_loading(tmp_path, nproc: int, layout: list, checkpoint: str) -> torch.Tensor:
+    out = str(tmp_path / f"logits_{nproc}_{'_'.join(layout)}.pt")
+    argv = [*MODEL, "--train-iters", "8", *layout, "--load", checkpoint]
+    mp.start_processes(_logits_worker, args=(nproc, free_port(), argv, out), nprocs=nproc, join=True,
+                       start_method="spawn")
+    return torch.load(out)
+
+
+def test_tp2_dp2_zero1_checkpoint_gives_the_same_logits_and_training_under_tp1_and_tp4(tmp_path):
+    """Weights and optimizer state saved under TP=2 x DP=2 (ZeRO-1); TP=4 splits the 2 kv heads'
+    rows; the vocabulary padding differs between tp=1 and the others."""
+    straight = torchrun(4, *TP2_DP2_ZERO1)
+    ckpt = str(tmp_path / "ckpt")
+    torchrun(4, *TP2_DP2_ZERO1, "--save", ckpt, "--exit-interval", "6")
+    saved_logits = logits_after_loading(tmp_path, 4, TP2_DP2_ZERO1, ckpt)
+    assert saved_logits.isfinite().all()
+    for nproc, layout in ((1, []), (4, ["--tensor-model-parallel-size", "4"])):
+        torch.testing.assert_close(logits_after_loading(tmp_path, nproc, layout, ckpt), saved_logits,
+                                   rtol=1e-5, atol=1e-5, msg=f"logits under {layout or 'one process'}")
+        resumed = torchrun(nproc, *layout, "--load", ckpt)
+        assert sorted(resumed) == [7, 8]
+        for step in (7, 8):
+            assert resumed[step] == pytest.approx(straight[step], rel=1e-5), (layout, step)
+
+
+def test_fsdp2_async_checkpoint_resumes_bit_exactly_and_reshards_to_tensor_parallel(tmp_path):
+    """ZeRO-3 over 3 ranks splits rows unevenly (a fused QKV row range crosses query groups);
+    the save is asynchronous."""
+    fsdp = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    straight = torchrun(3, *fsdp)
+    ckpt = str(tmp_path / "ckpt")
+    first = torchrun(3, *fsdp, "--save", ckpt, "--async-save", "--save-interval", "3", "--exit-interval", "6")
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
+    second = torchrun(3, *fsdp, "--load", ckpt)
+    assert {**first, **second} == straight, "lm loss must match the uninterrupted run at every iteration"
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    torch.testing.assert_close(logits_after_loading(tmp_path, 2, tp2, ckpt),
+                               logits_after_loading(tmp_path, 3, fsdp, ckpt), rtol=1e-5, atol=1e-5)
+    resumed = torchrun(2, *tp2, "--load", ckpt)
+    for step in (7, 8):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+def _async_worker(rank: int, world: int, port: int, argv: list, out: str) -> None:
+    """Trains with a checkpoint writer that cannot finish until the loop has moved on."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    import pretrain_difflm
+    from torch.distributed.checkpoint import FileSystemWriter
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
+    from megatron.training.checkpointing import Checkpointer
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.training import build_trainer
+
+    args = parse_args(argv, add_difflm_args)
+    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+    trainer.checkpointer = Checkpointer(args, log=lambda line: events.append(line))
+    events, next_step_started = [], threading.Event()
+    write_data, train_step = FileSystemWriter.write_data, trainer.train_step
+
+    def held_write(self, plan, planner):
+        released = next_step_started.wait(timeout=120)
+        events.append(f"writer released by the next step: {released}")
+        return write_data(self, plan, planner)
+
+    def observed_step(data_iterator):
+        if trainer.checkpointer.pending is not None:
+            events.append(f"step {trainer.state.iteration + 1} started while a save is in flight")
+            next_step_started.set()
+        return train_step(data_iterator)
+
+    FileSystemWriter.write_data, trainer.train_step = held_write, observed_step
+    trainer.train()
+    # The final checkpoint holds the final weights.
+    trained = model_sharded_state_dict(trainer.model)
+    fresh = {name: dataclasses.replace(piece, data=torch.zeros_like(piece.data)) for name, piece in trained.items()}
+    serialization.load(fresh, os.path.join(args.save, "iter_0000004"))
+    differences = {name: (fresh[name].data - piece.data).abs().max().item() for name, piece in trained.items()}
+    torch.save({"events": events, "differences": differences}, out)
+    dist.destroy_process_group()
+
+
+def test_async_save_lets_the_next_step_start_before_the_save_completes(tmp_path):
+    ckpt, out = tmp_path / "ckpt", str(tmp_path / "async.pt")
+    argv = [*MODEL, "--train-iters", "4", "--save", str(ckpt), "--async-save", "--save-interval", "2"]
+    mp.start_processes(_async_worker, args=(1, free_port(), argv, out), nprocs=1, join=True, start_method="spawn")
+    result = torch.load(out)
+    events = result["events"]
+    started = events.index("step 3 started while a save is in flight")
+    assert events.index("writer released by the next step: True") > started
+    assert any(line.startswith(f"> saved {ckpt / 'iter_0000002'}") for line in events), events
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+    differences = result["differences"]
+    assert differences and all(value == 0.0 for value in differences.values()), differences
