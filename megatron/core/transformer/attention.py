@@ -128,11 +128,18 @@ class SelfAttention(MegatronModule):
                                   dropout_p=dropout)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
-                rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:
+                rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        """``kv_cache`` (generation): an object with ``update(layer, start, key, value) -> (keys,
+        values)`` (megatron.core.inference.generation.KVCache). This layer's k/v (after k-norm
+        and RoPE) are written at positions ``[cache_start, cache_start + s)`` and the queries
+        attend the whole returned buffer under ``attention_mask`` (an explicit mask)."""
         query, key, value = self.get_query_key_value(hidden_states)
         if rotary_pos_emb is not None:
             cos, sin = rotary_pos_emb
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        if kv_cache is not None:
+            # Keyed by the global layer index, so a pipeline stage's slice uses its own slots.
+            key, value = kv_cache.update(self.layer_number, cache_start, key, value)
         if self.recompute_core_attention and torch.is_grad_enabled():
             # Selective recompute: the attention internals are cheap to redo and large to keep.
             context = checkpoint_with_tracker(partial(self._core_attention, attention_mask=attention_mask),
@@ -190,10 +197,10 @@ class DiffLMSelfAttention(SelfAttention):
         return build_attention_mask(self.config, self.dlm_config, document_ids)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[AttentionMask] = None,
-                rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:
+                rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
         if attention_mask is None:
             attention_mask = self.default_attention_mask()
-        return super().forward(hidden_states, attention_mask, rotary_pos_emb)
+        return super().forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache, cache_start)
 
 
 # The name MegaDLMs users look for.

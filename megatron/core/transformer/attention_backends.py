@@ -14,7 +14,8 @@ Built-ins:
 
 Shapes: q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]`` with ``hq % hkv == 0``; query head h
 uses kv head ``h // (hq // hkv)`` (the grouping of ``repeat_interleave`` and of SDPA's
-``enable_gqa``).
+``enable_gqa``). With an explicit mask (generation with a KV cache) k/v may hold a different
+number of positions than q: ``[b, hkv, k, d]`` under a ``[b, q, k]`` mask.
 """
 
 import contextlib
@@ -69,8 +70,9 @@ def resolve_backend(
     ``auto`` on CUDA: SDPA (cuDNN) for full and plain causal masks, since those need no mask
     tensor; FlexAttention for block-causal, sliding-window and document masks, where SDPA
     would read a dense ``b x s x s`` mask and skip no masked-out tiles. Flex has no dropout,
-    so dropout forces SDPA. Elsewhere (CPU tests, other devices) SDPA is the robust choice:
-    eager flex on CPU materialises scores and has no backward.
+    so dropout forces SDPA, and an explicit mask (generation) is already dense, so SDPA reads
+    it directly. Elsewhere (CPU tests, other devices) SDPA is the robust choice: eager flex on
+    CPU materialises scores and has no backward.
     """
     if backend != "auto":
         get_attention_backend(backend)  # fail early with the list of names
@@ -78,7 +80,7 @@ def resolve_backend(
     device_type = torch.device(device).type
     if device_type != "cuda":
         return "sdpa"
-    if mask.is_full or mask.is_causal or dropout_p > 0.0:
+    if mask.is_full or mask.is_causal or mask.is_explicit or dropout_p > 0.0:
         return "sdpa"
     return "flex"
 
@@ -94,14 +96,15 @@ def _validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     b, hq, s, d = q.shape
-    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+    # Only an explicit mask may pair s queries with a different number of keys (KV cache).
+    if k.shape[0] != b or k.shape[3] != d or (k.shape[2] != s and not mask.is_explicit):
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, sequence and"
-            " head dim (self-attention only)"
+            " head dim (self-attention; only an explicit mask allows other key lengths)"
         )
     if hq % k.shape[1] != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
-    mask.validate(s, batch_size=b)
+    mask.validate(s, batch_size=b, key_len=k.shape[2])
 
 
 def core_attention(
@@ -113,7 +116,7 @@ def core_attention(
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of q over k/v under ``mask``; returns ``[b, hq, s, d]`` in q's dtype.
+    """Attention of q over k/v under ``mask``; returns ``[b, hq, s, d]`` in q's dtype (s = q's length).
 
     ``softmax_scale`` defaults to ``1/sqrt(d)``. ``dropout_p`` is applied whenever it is
     non-zero: callers pass 0.0 in evaluation.
@@ -270,7 +273,13 @@ def flex_block_mask(mask: AttentionMask, seq_len: int, device: torch.device):
 
 
 def flex_attention_backend(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p: float):
-    """FlexAttention with a block mask, so fully masked tiles are skipped on GPU."""
+    """FlexAttention with a block mask, so fully masked tiles are skipped on GPU.
+
+    An explicit mask has no structure to turn into a block mask (and would need a new one
+    every decoding step), so it goes to SDPA, which reads the dense tensor directly.
+    """
+    if mask.is_explicit:
+        return sdpa_attention(q, k, v, mask, softmax_scale, dropout_p)
     if dropout_p > 0.0:
         raise ValueError("flex does not support attention dropout; use sdpa or math")
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(

@@ -5,8 +5,11 @@ A mask is described, not materialised: backends that have a fast path for a patt
 ``AttentionMask.dense`` is the one reference materialisation that everything else is
 tested against.
 
-We only do self-attention (query length == key length), so "causal" is the same
-whether it is read top-left or bottom-right aligned.
+The structured types are self-attention patterns (query length == key length), so
+"causal" is the same whether it is read top-left or bottom-right aligned. The ``explicit``
+type carries a ready-made boolean ``[b, q, k]`` tensor instead: generation builds it from
+absolute positions (left padding, KV-cache slots) with q != k, and every backend reads it
+as is.
 """
 
 from dataclasses import dataclass
@@ -14,7 +17,7 @@ from typing import Optional
 
 import torch
 
-MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window", "explicit")
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,7 +31,7 @@ class AttentionMask:
     mask_type: str
     """One of ``MASK_TYPES``: ``no_mask`` (bidirectional), ``causal``, ``block_causal``
     (query i sees key j iff ``j // block_size <= i // block_size``), ``sliding_window``
-    (query i sees key j iff ``0 <= i - j < window``)."""
+    (query i sees key j iff ``0 <= i - j < window``), ``explicit`` (the ``allowed`` tensor)."""
 
     block_size: Optional[int] = None
     """Block length for ``block_causal``; must divide the sequence length."""
@@ -40,6 +43,10 @@ class AttentionMask:
     """``[b, s]`` integer ids of packed documents: query i sees key j only if both carry
     the same id, in addition to the mask type's rule. Padding is its own id, so every
     query still sees at least itself and no softmax row is empty."""
+
+    allowed: Optional[torch.Tensor] = None
+    """``[b, q, k]`` bool, True where query i may attend key j; only for ``explicit``. The
+    caller guarantees every row has a True entry (an empty softmax row would be NaN)."""
 
     def __post_init__(self) -> None:
         # Checks that need no sequence length run at construction so a bad config
@@ -54,6 +61,10 @@ class AttentionMask:
                     "AttentionMask.block_size must be a positive int for mask_type='block_causal'"
                     f" (got {self.block_size!r}); set the block size of block diffusion"
                 )
+        if (self.mask_type == "explicit") != (self.allowed is not None):
+            raise ValueError("AttentionMask.allowed must be given exactly when mask_type='explicit'")
+        if self.mask_type == "explicit" and self.document_ids is not None:
+            raise ValueError("AttentionMask(mask_type='explicit') takes no document_ids; fold them into allowed")
         if self.mask_type == "sliding_window":
             if self.window is None or self.window < 1:
                 raise ValueError(
@@ -65,6 +76,10 @@ class AttentionMask:
     @property
     def has_documents(self) -> bool:
         return self.document_ids is not None
+
+    @property
+    def is_explicit(self) -> bool:
+        return self.mask_type == "explicit"
 
     @property
     def is_causal(self) -> bool:
@@ -95,9 +110,16 @@ class AttentionMask:
         return (self.mask_type,)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, seq_len: int, batch_size: Optional[int] = None) -> None:
+    def validate(self, seq_len: int, batch_size: Optional[int] = None, key_len: Optional[int] = None) -> None:
         """Raise ValueError naming the offending field if the mask cannot apply to
-        sequences of ``seq_len`` (and, when given, batches of ``batch_size``)."""
+        sequences of ``seq_len`` queries (and, when given, batches of ``batch_size`` and
+        ``key_len`` keys; only an explicit mask allows ``key_len != seq_len``)."""
+        if self.is_explicit:
+            self._validate_explicit(seq_len, batch_size, key_len)
+            return
+        if key_len is not None and key_len != seq_len:
+            raise ValueError(f"{key_len} keys for {seq_len} queries need an explicit mask "
+                             "(AttentionMask('explicit', allowed=...)); the structured types are self-attention")
         if self.mask_type == "block_causal" and seq_len % self.block_size != 0:
             raise ValueError(
                 f"AttentionMask.block_size={self.block_size} does not divide the sequence"
@@ -118,14 +140,26 @@ class AttentionMask:
                 f"AttentionMask.document_ids must be an integer tensor, got {ids.dtype}"
             )
 
+    def _validate_explicit(self, seq_len: int, batch_size: Optional[int], key_len: Optional[int]) -> None:
+        allowed = self.allowed
+        expected = (batch_size, seq_len, key_len)
+        if allowed.dim() != 3 or any(want is not None and got != want for got, want in zip(allowed.shape, expected)):
+            raise ValueError(f"AttentionMask.allowed has shape {tuple(allowed.shape)}, expected "
+                             f"[{batch_size or 'b'}, {seq_len}, {key_len or 'k'}]")
+        if allowed.dtype != torch.bool:
+            raise ValueError(f"AttentionMask.allowed must be a bool tensor, got {allowed.dtype}")
+
     # ------------------------------------------------------------------ materialisation
     def dense(self, seq_len: int, device=None) -> torch.Tensor:
         """Bool ``[b or 1, 1, s, s]``, True where query (dim -2) may attend key (dim -1).
 
         This is the reference definition: the math backend and SDPA's general path use
-        it, and FlexAttention's mask_mods are tested against it.
+        it, and FlexAttention's mask_mods are tested against it. An explicit mask is
+        returned as given, ``[b, 1, q, k]``.
         """
         self.validate(seq_len)
+        if self.is_explicit:
+            return self.allowed.to(device)[:, None]
         q_pos = torch.arange(seq_len, device=device)[:, None]
         k_pos = torch.arange(seq_len, device=device)[None, :]
         if self.mask_type == "no_mask":
@@ -150,6 +184,9 @@ class AttentionMask:
             return NotImplemented
         if self.structure_key != other.structure_key:
             return False
+        if self.is_explicit:
+            return self.allowed.shape == other.allowed.shape and bool(
+                torch.equal(self.allowed.cpu(), other.allowed.cpu()))
         if self.document_ids is None or other.document_ids is None:
             return self.document_ids is None and other.document_ids is None
         return self.document_ids.shape == other.document_ids.shape and bool(

@@ -57,13 +57,14 @@ class TransformerBlock(MegatronModule):
         return [([layer], index < cfg.recompute_num_layers) for index, layer in enumerate(layers)]
 
     def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: AttentionMask,
-                rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:
+                rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        """``kv_cache`` / ``cache_start``: generation only, see `SelfAttention.forward`."""
         if hidden_states is None:
             hidden_states = self.input_tensor
         for group, recompute in self._recompute_groups():
             def run(x, group=group):
                 for layer in group:
-                    x = layer(x, attention_mask, rotary_pos_emb)
+                    x = layer(x, attention_mask, rotary_pos_emb, kv_cache=kv_cache, cache_start=cache_start)
                 return x
             if recompute and torch.is_grad_enabled():
                 hidden_states = checkpoint_with_tracker(run, self.rng_tracker, hidden_states)
@@ -90,7 +91,7 @@ class DiffLMTransformerBlock(TransformerBlock):
 
     def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: Optional[AttentionMask] = None,
                 rotary_pos_emb: Optional[RotaryPair] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
         if attention_mask is None:
             attention_mask = build_attention_mask(self.config, self.dlm_config, document_ids)
-        return super().forward(hidden_states, attention_mask, rotary_pos_emb)
+        return super().forward(hidden_states, attention_mask, rotary_pos_emb, kv_cache, cache_start)

@@ -38,8 +38,10 @@ class TransformerLayer(MegatronModule):
             return nn.functional.dropout(x, p=self.config.hidden_dropout, training=True)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[AttentionMask] = None,
-                rotary_pos_emb: Optional[RotaryPair] = None) -> torch.Tensor:
-        attn_out = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+                rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        """``kv_cache`` / ``cache_start``: generation only, see `SelfAttention.forward`."""
+        attn_out = self.self_attention(self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb,
+                                       kv_cache=kv_cache, cache_start=cache_start)
         hidden_states = hidden_states + self._dropout(attn_out)
         mlp_out = self.mlp(self.pre_mlp_layernorm(hidden_states))
         return hidden_states + self._dropout(mlp_out)

@@ -25,6 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from megatron.core.inference import generation
 from megatron.core.models.difflm import diffusion
 from megatron.core.transformer.attention import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
@@ -275,6 +276,49 @@ class GPTModel(MegatronModule):
         if loss_normalizer is None:
             loss_normalizer = (weights != 0).sum().clamp(min=1)
         return per_token, (per_token * weights).sum() / loss_normalizer
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def inference_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+        """The `model_fn` of megatron.core.inference.generation: fp32 logits [b, q, V].
+
+        `attention_mask` [b, q, k] bool (True = may attend) is used as given: the sampler
+        builds it from absolute positions, so left padding, causality and KV-cache slots are
+        its business, not the model's. With `kv_cache` every layer writes its k/v at
+        [cache_start, cache_start + q) and attends the whole buffer (k == its max_length);
+        without, k == q. Dropout is assumed off (call `.eval()`).
+        """
+        if not (self.pre_process and self.post_process):
+            raise ValueError("inference_forward needs the whole model on one stage (pre_process and post_process); "
+                             "build the model for generation with pipeline_model_parallel_size=1")
+        if self.sequence_parallel:
+            raise ValueError("inference_forward does not support sequence parallelism; build the model for "
+                             "generation with sequence_parallel=False (the weights are the same)")
+        if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
+                             "must both be [batch, q]")
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        check_token_ids("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)
+        key_len = kv_cache.max_length if kv_cache is not None else input_ids.shape[1]
+        mask = AttentionMask("explicit", allowed=attention_mask)
+        mask.validate(input_ids.shape[1], input_ids.shape[0], key_len)
+        rotary = self.rotary_pos_emb(position_ids)
+        with self._autocast(input_ids.device):
+            hidden = self.embedding(input_ids)
+            hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
+            logits = self._local_logits(hidden)
+        return self._full_vocabulary(logits.transpose(0, 1)).float()
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 **options) -> torch.Tensor:
+        """Generate in this model's running mode; see megatron.core.inference.generation.generate
+        for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained."""
+        pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
+                       attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
+        return generation.generate(self.inference_forward, input_ids, attention_mask,
+                                   running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
+                                   **(pattern | options))
 
     # ------------------------------------------------------------------ diffusion helpers
     def maskable_positions(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

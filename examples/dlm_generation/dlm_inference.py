@@ -1,0 +1,121 @@
+"""Generate text with a MegaDLMs model: a checkpoint of ours, or a tiny random model.
+
+    python examples/dlm_generation/dlm_inference.py            # random model + bundled tokenizer, CPU, seconds
+    python examples/dlm_generation/dlm_inference.py --load ckpts/run1 --tokenizer-model tokenizer.model \\
+        --prompt "Fellow-Citizens of the Senate" --max-new-tokens 64 --sample-steps 64 --inference-block-size 32
+
+The checkpoint's metadata.json gives the architecture and the running mode (diffusion or AR);
+it loads into one fp32 process whatever parallel layout it was saved with. The tokenizer type
+comes from the metadata; its file from --tokenizer-model (checkpoints record only a hash).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from argparse import Namespace
+
+import torch
+
+# Runnable from a checkout without `pip install -e .`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.checkpointing import checkpoint_dir, latest_iteration
+from megatron.training.tokenizer import build_tokenizer
+
+BUNDLED_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "data", "tokenizer", "spm_8k.model")
+SINGLE_PROCESS = dict(params_dtype=torch.float32, bf16=False, fp16=False, tensor_model_parallel_size=1,
+                      pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
+                      sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                      recompute_num_layers=None)
+
+
+def load_checkpoint_model(root: str):
+    """(GPTModel in eval mode, tokenizer identity) of the latest checkpoint under `root`."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise SystemExit(f"--load {root}: no latest_checkpointed_iteration.txt; point it at a --save directory")
+    source = checkpoint_dir(root, iteration)
+    with open(os.path.join(source, "metadata.json")) as handle:
+        metadata = json.load(handle)
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
+    # Checkpoints store only the real vocabulary rows, so the model is built without padding.
+    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]
+    config = TransformerConfig(**{**saved, **SINGLE_PROCESS, "vocab_size": vocab, "unpadded_vocab_size": vocab})
+    model = GPTModel(config, DLMConfig(**metadata["dlm_config"]))
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
+        warnings.simplefilter("ignore")
+        serialization.load(model.sharded_state_dict(prefix="model."), source)
+    print(f"loaded {source} ({model.running_mode}, {sum(p.numel() for p in model.parameters()):,} parameters)")
+    return model.eval(), metadata.get("tokenizer") or {}
+
+
+def random_model(vocab_size: int, mask_token_id: int) -> GPTModel:
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=128, vocab_size=vocab_size, max_position_embeddings=512,
+                               qk_layernorm=True, init_method_std=0.5)
+    print("no --load: a random 2-layer model (expect gibberish)")
+    return GPTModel(config, DLMConfig(mask_token_id=mask_token_id)).eval()
+
+
+def build_text_tokenizer(args, identity: dict):
+    """The tokenizer, or None when prompts are given as ids (NullTokenizer or no tokenizer file)."""
+    tokenizer_type = args.tokenizer_type or identity.get("type")
+    tokenizer_model = args.tokenizer_model or (BUNDLED_TOKENIZER if not args.load else None)
+    if tokenizer_type in (None, "NullTokenizer") and not args.load:
+        tokenizer_type = "SentencePieceTokenizer"
+    if tokenizer_type in (None, "NullTokenizer") or (tokenizer_model is None and args.vocab_file is None):
+        return None
+    tokenizer = build_tokenizer(Namespace(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
+                                          vocab_file=args.vocab_file, merge_file=args.merge_file))
+    if identity.get("sha256") and tokenizer.identity.get("sha256") != identity["sha256"]:
+        print("warning: this tokenizer's files differ from the ones the checkpoint was trained with")
+    return tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", help="A --save directory of pretrain_difflm.py; none: a random model.")
+    parser.add_argument("--tokenizer-type", help="Default: the checkpoint's.")
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model / tokenizer.json (or its folder).")
+    parser.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
+    parser.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
+    parser.add_argument("--prompt", default="Fellow-Citizens of the Senate and House of Representatives:",
+                        help="Text, or whitespace-separated token ids without a tokenizer.")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--sample-steps", type=int, default=32, help="Diffusion steps (DLMs only).")
+    parser.add_argument("--inference-block-size", type=int, default=8, help="Semi-AR block length (DLMs only).")
+    parser.add_argument("--cfg", type=float, default=0.0, help="Classifier-free guidance (DLMs only).")
+    parser.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
+    parser.add_argument("--threshold", type=float, help="Fast-dLLM parallel decoding threshold (DLMs only).")
+    parser.add_argument("--cache", choices=["prefix", "dual"], help="Fast-dLLM block KV cache (DLMs only).")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model, identity = load_checkpoint_model(args.load) if args.load else (None, {})
+    tokenizer = build_text_tokenizer(args, identity)
+    if model is None:
+        model = random_model(tokenizer.vocab_size if tokenizer else 256, tokenizer.mask if tokenizer else 255)
+    ids = tokenizer.tokenize(args.prompt) if tokenizer else [int(token) for token in args.prompt.split()]
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   eos_token_id=tokenizer.eod if tokenizer else identity.get("eod"),
+                   generator=torch.Generator().manual_seed(args.seed))
+    if model.running_mode != "vanilla":
+        options.update(sample_steps=args.sample_steps, inference_block_size=args.inference_block_size, cfg=args.cfg,
+                       remasking=args.remasking, threshold=args.threshold, cache=args.cache)
+    output = model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist()
+    print(f"prompt:    {args.prompt}")
+    print(f"generated: {tokenizer.detokenize(output) if tokenizer else output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,545 @@
+"""Generation: masked-diffusion sampling (LLaDA-compatible) and autoregressive decoding.
+
+This file imports only the standard library and torch: the Hugging Face exporter copies it
+next to an exported ``modeling_dlm.py``, so it must run without megatron installed.
+
+The model callable
+------------------
+``model_fn(input_ids, position_ids, attention_mask, kv_cache, cache_start) -> logits``
+
+* ``input_ids``, ``position_ids``: ``[B, q]`` long. Positions count from each row's first
+  real token, so a left-padded prompt gets the same positions as when run alone.
+* ``attention_mask``: ``[B, q, K]`` bool, True where query i may attend key j. Every row has
+  at least one True entry (a padding query sees itself), so no softmax row is empty.
+* ``kv_cache``: None or a `KVCache`; ``cache_start``: the canvas index of ``input_ids[:, 0]``.
+* returns ``[B, q, V]`` float logits over the full vocabulary.
+
+Without a cache, K == q and the q tokens are the whole sequence. With a cache, every
+attention layer computes k/v of its q tokens (after k-norm and RoPE), calls
+``kv_cache.update(layer_index, cache_start, k, v)`` and attends its queries against the
+returned buffers (K == ``kv_cache.max_length``) under ``attention_mask``. The sampler builds
+every mask from absolute positions (left padding, causal for AR, bidirectional for DLMs,
+block-causal or sliding-window if the model was trained so), so the model has no mask logic.
+
+Diffusion sampling (``difflm-noshift``, ``difflm-shift``)
+-------------------------------------------------------
+LLaDA's ``generate()``: the canvas is the prompt followed by ``gen_length`` mask tokens,
+decoded in ``gen_length / block_length`` semi-autoregressive blocks with ``steps / blocks``
+steps each; each step predicts every masked token of the block (Gumbel-max in float64 at
+``temperature``, after optional top-k / top-p filtering) and commits the ones LLaDA's
+schedule asks for, chosen by ``remasking``: ``low_confidence`` (probability of the predicted
+token) or ``random``. ``cfg_scale`` > 0 adds LLaDA's classifier-free guidance. In
+``difflm-shift`` the logits at position i predict token i+1. Greedy decoding (and random
+remasking under a fixed generator) reproduces LLaDA token for token; the deliberate
+differences: the mask token is never predicted, Gumbel noise is drawn for the current
+block only (same distribution, other draws), and steps left with nothing to commit are
+skipped. Opt-in speed-ups (Fast-dLLM): ``threshold`` commits every masked token of the
+block whose confidence exceeds it (at least one per step, until the block is full;
+``steps`` is then unused), and ``cache`` = ``"prefix"`` / ``"dual"`` refreshes a KV cache
+with one full pass at each block start, then re-runs only ``[block_start, end)`` (prefix)
+or the block itself (dual) against it.
+
+End of sequence (both kinds)
+----------------------------
+With ``eos_token_id`` set, a row is finished once it holds a committed EOS in the generated
+part and no mask token at or before that (first) EOS. Everything after that EOS is then
+overwritten with ``pad_token_id`` (EOS when no pad id is given) and the row never changes
+again. Generation stops as soon as every row is finished. For AR decoding a row is
+finished when it emits EOS. The result always has the full shape
+``[B, prompt_length + gen_length]``, left padding included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["KVCache", "GenerationOptions", "generate", "resolve_options", "RUNNING_MODES"]
+
+ModelFn = Callable[..., torch.Tensor]
+RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
+MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+REMASKING = ("low_confidence", "random")
+CACHE_MODES = (None, "prefix", "dual")
+
+# MegaDLMs' generation-config names -> LLaDA's names (the canonical ones here).
+ALIASES = {"max_new_tokens": "gen_length", "sample_steps": "steps", "inference_block_size": "block_length",
+           "cfg": "cfg_scale"}
+_DLM_ONLY = ("steps", "block_length", "remasking", "cfg_scale", "threshold", "cache")
+_AR_ONLY = ("use_cache",)
+
+
+class KVCache:
+    """Per-layer key/value buffers ``[B, kv_heads, max_length, head_dim]`` over canvas positions.
+
+    Buffers are allocated on a layer's first `update` with the incoming dtype and device, so
+    the cache needs no knowledge of the model: ``num_layers`` may be None (any layer index).
+    """
+
+    def __init__(self, num_layers: Optional[int], max_length: int) -> None:
+        if max_length < 1:
+            raise ValueError(f"KVCache.max_length={max_length} must be positive")
+        self.num_layers, self.max_length = num_layers, max_length
+        self.keys: Dict[int, torch.Tensor] = {}
+        self.values: Dict[int, torch.Tensor] = {}
+        self.filled_length = 0
+        """One past the highest position written so far (by any layer)."""
+
+    def reset(self) -> None:
+        self.keys.clear()
+        self.values.clear()
+        self.filled_length = 0
+
+    def update(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key``/``value`` ``[B, kv_heads, q, d]`` at ``[start, start + q)``; return the full buffers."""
+        if key.dim() != 4 or key.shape != value.shape:
+            raise ValueError(f"KVCache.update expects key and value [B, kv_heads, q, d] of one shape, got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+        if self.num_layers is not None and not 0 <= layer < self.num_layers:
+            raise ValueError(f"KVCache layer {layer} is outside [0, {self.num_layers})")
+        end = start + key.shape[2]
+        if start < 0 or end > self.max_length:
+            raise ValueError(f"KVCache positions [{start}, {end}) fall outside [0, {self.max_length})")
+        if layer not in self.keys:
+            # Zeros, not empty: unwritten slots are masked out, but 0 * NaN garbage in
+            # probs @ V would still poison the output.
+            shape = (key.shape[0], key.shape[1], self.max_length, key.shape[3])
+            self.keys[layer] = torch.zeros(shape, dtype=key.dtype, device=key.device)
+            self.values[layer] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        keys, values = self.keys[layer], self.values[layer]
+        if keys.shape[:2] != key.shape[:2] or keys.shape[3] != key.shape[3]:
+            raise ValueError(f"KVCache layer {layer} holds [B, heads, _, d] = {tuple(keys.shape)} but got "
+                             f"{tuple(key.shape)}; call reset() before reusing the cache for another batch")
+        keys[:, :, start:end] = key.to(keys.dtype)
+        values[:, :, start:end] = value.to(values.dtype)
+        self.filled_length = max(self.filled_length, end)
+        return keys, values
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Resolved generation options (LLaDA's names; MegaDLMs' names are aliases)."""
+
+    gen_length: int = 128
+    """Tokens to generate (alias ``max_new_tokens``)."""
+    steps: Optional[int] = None
+    """DLM: denoising steps over all blocks, a multiple of the number of blocks; None means
+    gen_length, one token per step (alias ``sample_steps``)."""
+    block_length: Optional[int] = None
+    """DLM: semi-autoregressive block length dividing gen_length; None means gen_length, pure
+    diffusion (alias ``inference_block_size``)."""
+    temperature: float = 0.0
+    """0 is greedy; otherwise Gumbel-max sampling from softmax(logits / temperature)."""
+    top_k: Optional[int] = None
+    """Keep only the k most likely tokens before sampling (and for confidences)."""
+    top_p: Optional[float] = None
+    """Keep the smallest set of tokens whose probability reaches top_p (nucleus)."""
+    remasking: str = "low_confidence"
+    """DLM: which predictions to commit: low_confidence (most probable first) or random."""
+    cfg_scale: float = 0.0
+    """DLM: classifier-free guidance w; logits = un + (w + 1)(cond - un) (alias ``cfg``)."""
+    threshold: Optional[float] = None
+    """DLM: commit every masked token of the block with confidence above it (at least one)."""
+    cache: Optional[str] = None
+    """DLM: block KV cache, None, "prefix" or "dual" (Fast-dLLM; approximate unless the
+    attention keeps finished blocks from seeing later ones)."""
+    use_cache: bool = True
+    """AR: decode with a KV cache (prefill, then one token per step)."""
+    attention_mask_type: Optional[str] = None
+    """The attention the model was trained with: no_mask, causal, block_causal or
+    sliding_window; None means no_mask for DLMs and causal for AR."""
+    attention_block_size: Optional[int] = None
+    """Block size of block_causal attention (not the sampler's block_length)."""
+    sliding_window: Optional[int] = None
+    """Window of sliding_window attention."""
+    generator: Optional[torch.Generator] = None
+    """Random source of Gumbel noise and random remasking, for reproducible samples."""
+
+
+def _label(name: str) -> str:
+    aliases = [alias for alias, canonical in ALIASES.items() if canonical == name]
+    return f"{name} ({aliases[0]})" if aliases else name
+
+
+def _canonical_options(running_mode: str, options: dict) -> dict:
+    """Map aliases to LLaDA's names, rejecting unknown names, conflicts and wrong-mode options."""
+    known = {field.name for field in dataclasses.fields(GenerationOptions)}
+    values: dict = {}
+    for name, value in options.items():
+        canonical = ALIASES.get(name, name)
+        if canonical not in known:
+            raise ValueError(f"unknown generation option {name!r}; known options: "
+                             f"{', '.join(sorted(known | set(ALIASES)))}")
+        if canonical in values and values[canonical] != value:
+            raise ValueError(f"generation option {_label(canonical)} is given twice with different values "
+                             f"({values[canonical]!r} and {value!r}); pass only one spelling")
+        values[canonical] = value
+    wrong = _DLM_ONLY if running_mode == "vanilla" else _AR_ONLY
+    for name in wrong:
+        if name in values:
+            kind = "diffusion (difflm-*)" if running_mode == "vanilla" else "autoregressive (vanilla)"
+            raise ValueError(f"generation option {_label(name)} applies to {kind} running modes only, "
+                             f"not {running_mode!r}; drop it")
+    return values
+
+
+def resolve_options(running_mode: str, **options) -> GenerationOptions:
+    """Validated `GenerationOptions`; one ValueError naming the option and the fix."""
+    if running_mode not in RUNNING_MODES:
+        raise ValueError(f"running_mode={running_mode!r} is not one of {RUNNING_MODES}")
+    opts = GenerationOptions(**_canonical_options(running_mode, options))
+    _check_int("gen_length (max_new_tokens)", opts.gen_length)
+    if running_mode != "vanilla":
+        opts = _resolve_dlm(opts)
+    if opts.temperature is None or opts.temperature < 0:
+        raise ValueError(f"temperature={opts.temperature!r} must be >= 0 (0 is greedy)")
+    if opts.top_k is not None:
+        _check_int("top_k", opts.top_k)
+    if opts.top_p is not None and not 0.0 < opts.top_p <= 1.0:
+        raise ValueError(f"top_p={opts.top_p!r} must be in (0, 1]; use 1.0 or None to disable it")
+    default_type = "causal" if running_mode == "vanilla" else "no_mask"
+    opts = dataclasses.replace(opts, attention_mask_type=opts.attention_mask_type or default_type)
+    _check_attention(running_mode, opts)
+    if opts.generator is not None and not isinstance(opts.generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(opts.generator).__name__}")
+    return opts
+
+
+def _check_int(label: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label}={value!r} must be a positive integer")
+
+
+def _resolve_dlm(opts: GenerationOptions) -> GenerationOptions:
+    block_length = opts.block_length if opts.block_length is not None else opts.gen_length
+    steps = opts.steps if opts.steps is not None else opts.gen_length
+    _check_int("block_length (inference_block_size)", block_length)
+    _check_int("steps (sample_steps)", steps)
+    if opts.gen_length % block_length:
+        raise ValueError(f"gen_length (max_new_tokens)={opts.gen_length} is not a multiple of block_length "
+                         f"(inference_block_size)={block_length}; choose a block length that divides it")
+    blocks = opts.gen_length // block_length
+    if opts.threshold is None and steps % blocks:
+        raise ValueError(f"steps (sample_steps)={steps} is not divisible by the {blocks} blocks "
+                         f"(gen_length / block_length); use a multiple of {blocks}")
+    if opts.remasking not in REMASKING:
+        raise ValueError(f"remasking={opts.remasking!r} is not one of {REMASKING}")
+    if opts.cfg_scale is None or opts.cfg_scale < 0:
+        raise ValueError(f"cfg_scale (cfg)={opts.cfg_scale!r} must be >= 0 (0 disables guidance)")
+    if opts.cache not in CACHE_MODES:
+        raise ValueError(f"cache={opts.cache!r} is not one of {CACHE_MODES}")
+    if opts.threshold is not None:
+        if not 0.0 <= opts.threshold <= 1.0:
+            raise ValueError(f"threshold={opts.threshold!r} must be in [0, 1] (a token probability)")
+        if opts.remasking != "low_confidence":
+            raise ValueError("threshold decoding compares model confidences; use remasking='low_confidence'")
+    return dataclasses.replace(opts, block_length=block_length, steps=steps)
+
+
+def _check_attention(running_mode: str, opts: GenerationOptions) -> None:
+    mask_type = opts.attention_mask_type
+    if mask_type not in MASK_TYPES:
+        raise ValueError(f"attention_mask_type={mask_type!r} is not one of {MASK_TYPES}")
+    if running_mode == "vanilla" and mask_type not in ("causal", "sliding_window"):
+        raise ValueError(f"attention_mask_type={mask_type!r} cannot decode autoregressively; "
+                         "vanilla models use 'causal' (or 'sliding_window')")
+    if mask_type == "block_causal":
+        _check_int("attention_block_size (needed by attention_mask_type='block_causal')", opts.attention_block_size)
+    if mask_type == "sliding_window":
+        _check_int("sliding_window (needed by attention_mask_type='sliding_window')", opts.sliding_window)
+
+
+# ---------------------------------------------------------------------------- canvas and masks
+@dataclass
+class _Layout:
+    """Which canvas slots hold real tokens, their positions, and the trained attention rule."""
+
+    real: torch.Tensor
+    """[B, L] bool: False on left padding."""
+    positions: torch.Tensor
+    """[B, L] long: counted from the row's first real token (0 on padding)."""
+    opts: GenerationOptions
+
+    def repeat(self, times: int) -> "_Layout":
+        return _Layout(self.real.repeat(times, 1), self.positions.repeat(times, 1), self.opts)
+
+    def attention_mask(self, q0: int, q1: int, key_length: int) -> torch.Tensor:
+        """[B, q1 - q0, key_length] bool for queries at canvas slots [q0, q1) over keys [0, key_length)."""
+        query = self.positions[:, q0:q1, None]
+        key = self.positions[:, None, :key_length]
+        mask_type = self.opts.attention_mask_type
+        if mask_type == "no_mask":
+            allowed = torch.ones_like(query == key)
+        elif mask_type == "causal":
+            allowed = key <= query
+        elif mask_type == "block_causal":
+            block = self.opts.attention_block_size
+            allowed = (key // block) <= (query // block)
+        else:
+            allowed = (query - key >= 0) & (query - key < self.opts.sliding_window)
+        allowed = allowed & self.real[:, None, :key_length]
+        # A padding query sees only its own slot: its output is discarded, but an empty row
+        # would put NaNs through the softmax. A real query always sees itself anyway.
+        slots = torch.arange(key_length, device=query.device)
+        own = slots[None, :] == torch.arange(q0, q1, device=query.device)[:, None]
+        return allowed | own
+
+
+def _call_model(model_fn: ModelFn, ids: torch.Tensor, layout: _Layout, q0: int, q1: int,
+                cache: Optional[KVCache]) -> torch.Tensor:
+    """Logits [B, q1 - q0, V] for canvas slots [q0, q1); without a cache the run must start at 0."""
+    key_length = cache.max_length if cache is not None else q1
+    mask = layout.attention_mask(q0, q1, key_length)
+    logits = model_fn(ids[:, q0:q1], layout.positions[:, q0:q1], mask, cache, q0)
+    return logits.float()
+
+
+def _check_inputs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], running_mode: str,
+                  mask_token_id: Optional[int], eos_token_id: Optional[int],
+                  pad_token_id: Optional[int]) -> torch.Tensor:
+    """Validate the prompt batch; return its real-token mask [B, P] (bool)."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be a [batch, prompt_length] integer tensor, got "
+                         f"{tuple(input_ids.shape)} {input_ids.dtype}")
+    if attention_mask is None:
+        real = torch.ones_like(input_ids, dtype=torch.bool)
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+                             f"{tuple(input_ids.shape)}")
+        real = attention_mask.bool()
+        # Left padding: once a row's real tokens start, they run to the end.
+        if (real[:, :-1] & ~real[:, 1:]).any():
+            raise ValueError("attention_mask must use left padding (zeros before the prompt, ones after); "
+                             "pad prompts on the left (tokenizer.padding_side = 'left')")
+    if running_mode != "difflm-noshift" and (input_ids.shape[1] == 0 or not real[:, -1].all()):
+        raise ValueError(f"running_mode={running_mode!r} predicts from the previous token, so every prompt "
+                         "needs at least one real token")
+    if running_mode != "vanilla" and not isinstance(mask_token_id, int):
+        raise ValueError(f"running_mode={running_mode!r} needs mask_token_id (an int), got {mask_token_id!r}")
+    for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if value is not None and not isinstance(value, int):
+            raise ValueError(f"{name} must be an int or None, got {value!r}")
+    return real
+
+
+def _build_layout(prompt_real: torch.Tensor, gen_length: int, opts: GenerationOptions) -> _Layout:
+    batch = prompt_real.shape[0]
+    generated = torch.ones(batch, gen_length, dtype=torch.bool, device=prompt_real.device)
+    real = torch.cat([prompt_real, generated], dim=1)
+    positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+    return _Layout(real, positions, opts)
+
+
+# ---------------------------------------------------------------------------- token choice
+def _filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """-inf outside the top-k tokens and outside the top-p nucleus (the best token always stays)."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _predict(logits: torch.Tensor, opts: GenerationOptions) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their probability) for logits [..., V], in float64 as LLaDA.
+
+    Sampling is Gumbel-max, argmax of exp(logit) / (-log u)^T, which draws from
+    softmax(logit / T); float64 because low-precision Gumbel noise measurably skews the
+    samples (LLaDA, arXiv 2409.02908). T = 0 is the plain argmax.
+    """
+    logits = _filter_logits(logits.double(), opts.top_k, opts.top_p)
+    if opts.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        noise = torch.rand(logits.shape, generator=opts.generator, dtype=torch.float64, device=logits.device)
+        # Shifting by the row maximum keeps exp() finite and leaves the argmax unchanged.
+        scores = (logits - logits.amax(dim=-1, keepdim=True)).exp() / (-torch.log(noise)) ** opts.temperature
+        tokens = scores.argmax(dim=-1)
+    probability = logits.softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, probability
+
+
+def transfer_schedule(masked: torch.Tensor, steps: int) -> torch.Tensor:
+    """LLaDA's tokens to commit per step [B, steps]: floor(masked / steps) each, the remainder
+    spread one by one over the first steps."""
+    count = masked.sum(dim=1, keepdim=True)
+    schedule = (count // steps).repeat(1, steps)
+    schedule += torch.arange(steps, device=masked.device)[None, :] < (count % steps)
+    return schedule
+
+
+def _finish_at_eos(canvas: torch.Tensor, gen_start: int, finished: torch.Tensor, eos_token_id: int,
+                   fill_id: int, mask_token_id: Optional[int]) -> torch.Tensor:
+    """Apply the EOS rule of the module docstring in place; return the updated finished flags."""
+    generated = canvas[:, gen_start:]
+    is_eos = generated == eos_token_id
+    first_eos = is_eos.int().argmax(dim=1, keepdim=True)
+    slots = torch.arange(generated.shape[1], device=canvas.device)[None, :]
+    newly = is_eos.any(dim=1) & ~finished
+    if mask_token_id is not None:
+        newly &= ~((generated == mask_token_id) & (slots <= first_eos)).any(dim=1)
+    tail = newly[:, None] & (slots > first_eos)
+    canvas[:, gen_start:] = generated.masked_fill(tail, fill_id)
+    return finished | newly
+
+
+# ---------------------------------------------------------------------------- diffusion
+class _DiffusionSampler:
+    """One LLaDA-style generation over a batch; the canvas is updated in place."""
+
+    def __init__(self, model_fn: ModelFn, canvas: torch.Tensor, layout: _Layout, prompt_length: int,
+                 shift: bool, mask_token_id: int, eos_token_id: Optional[int], fill_id: Optional[int]) -> None:
+        self.model_fn, self.canvas, self.opts = model_fn, canvas, layout.opts
+        self.prompt_length, self.shift = prompt_length, int(shift)
+        self.mask_token_id, self.eos_token_id, self.fill_id = mask_token_id, eos_token_id, fill_id
+        self.finished = torch.zeros(canvas.shape[0], dtype=torch.bool, device=canvas.device)
+        self.prompt_slots = layout.real.clone()
+        self.prompt_slots[:, prompt_length:] = False
+        # CFG runs the conditional and the unconditional rows as one doubled batch.
+        self.run_layout = layout.repeat(2) if self.opts.cfg_scale > 0 else layout
+        self.cache = KVCache(None, canvas.shape[1]) if self.opts.cache else None
+
+    def run(self) -> torch.Tensor:
+        opts = self.opts
+        for block in range(opts.gen_length // opts.block_length):
+            start = self.prompt_length + block * opts.block_length
+            self._denoise_block(start, start + opts.block_length)
+            if self.finished.all():
+                break
+        return self.canvas
+
+    def _denoise_block(self, start: int, end: int) -> None:
+        opts = self.opts
+        steps = opts.steps // (opts.gen_length // opts.block_length)
+        schedule = transfer_schedule(self.canvas[:, start:end] == self.mask_token_id, steps)
+        step = 0
+        # Steps that would commit nothing (schedule 0 once the block is full) are skipped.
+        while (self.canvas[:, start:end] == self.mask_token_id).any():
+            if opts.threshold is None and step == steps:
+                break
+            logits = self._block_logits(start, end, first_step=step == 0)
+            tokens, confidence = _predict(logits, opts)
+            if opts.remasking == "random":
+                # Drawn over the whole canvas in float32, as LLaDA does, so a fixed generator
+                # reproduces LLaDA's choices.
+                scores = torch.rand(self.canvas.shape, generator=opts.generator, device=self.canvas.device)
+                confidence = scores[:, start:end].double()
+            masked = self.canvas[:, start:end] == self.mask_token_id
+            count = None if opts.threshold is not None else schedule[:, step]
+            commit = _select(confidence, masked, count, opts.threshold)
+            self.canvas[:, start:end] = torch.where(commit, tokens, self.canvas[:, start:end])
+            if self.eos_token_id is not None:
+                self.finished = _finish_at_eos(self.canvas, self.prompt_length, self.finished, self.eos_token_id,
+                                               self.fill_id, self.mask_token_id)
+            step += 1
+
+    def _block_logits(self, start: int, end: int, first_step: bool) -> torch.Tensor:
+        """Logits predicting canvas slots [start, end) (read one slot earlier in the shift mode).
+
+        Without a cache every step runs the whole canvas (LLaDA). With one, the first step
+        of a block runs the whole canvas and refreshes every slot of the cache; later steps
+        run [start, end of canvas) (prefix) or the block (dual) against it, from start - 1
+        in the shift mode.
+        """
+        first_needed = start - self.shift
+        if self.cache is None or first_step:
+            q0, q1 = 0, self.canvas.shape[1]
+        else:
+            q0 = first_needed
+            q1 = end if self.opts.cache == "dual" else self.canvas.shape[1]
+        ids = self.canvas
+        if self.opts.cfg_scale > 0:
+            # Unconditional input: the prompt replaced by mask tokens, length preserved.
+            ids = torch.cat([ids, ids.masked_fill(self.prompt_slots, self.mask_token_id)])
+        logits = _call_model(self.model_fn, ids, self.run_layout, q0, q1, self.cache)
+        if self.opts.cfg_scale > 0:
+            conditional, unconditional = logits.chunk(2)
+            logits = unconditional + (self.opts.cfg_scale + 1) * (conditional - unconditional)
+        logits = logits[:, first_needed - q0:end - self.shift - q0]
+        # Committing the mask token would leave the slot masked forever; a trained model
+        # gives it ~0 probability, so ruling it out changes nothing there.
+        return logits.index_fill(-1, torch.tensor([self.mask_token_id], device=logits.device), float("-inf"))
+
+
+def _select(confidence: torch.Tensor, masked: torch.Tensor, count: Optional[torch.Tensor],
+            threshold: Optional[float]) -> torch.Tensor:
+    """Which masked slots [B, n] to commit: the `count` most confident per row (LLaDA's
+    schedule), or every one above `threshold` plus the most confident (Fast-dLLM)."""
+    confidence = confidence.masked_fill(~masked, float("-inf"))
+    has_masked = masked.any(dim=1)
+    if threshold is not None:
+        commit = masked & (confidence > threshold)
+        best = confidence.argmax(dim=1)
+        commit[has_masked, best[has_masked]] = True
+        return commit
+    commit = torch.zeros_like(masked)
+    # Never more than the row still has: finished rows (EOS) have no masks left.
+    count = torch.minimum(count, masked.sum(dim=1))
+    for row in range(masked.shape[0]):
+        chosen = confidence[row].topk(int(count[row])).indices
+        commit[row, chosen] = True
+    return commit
+
+
+# ---------------------------------------------------------------------------- autoregressive
+def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: _Layout, prompt_length: int,
+                           eos_token_id: Optional[int], fill_id: Optional[int]) -> torch.Tensor:
+    """Greedy / sampled next-token decoding: prefill the prompt, then one token per step."""
+    opts = layout.opts
+    cache = KVCache(None, canvas.shape[1]) if opts.use_cache else None
+    finished = torch.zeros(canvas.shape[0], dtype=torch.bool, device=canvas.device)
+    for index in range(prompt_length, canvas.shape[1]):
+        # Without a cache, the whole prefix every step; with one, the prompt once, then the
+        # last token only. The logits at index - 1 predict the token at index.
+        q0 = 0 if cache is None or index == prompt_length else index - 1
+        logits = _call_model(model_fn, canvas, layout, q0, index, cache)
+        tokens, _ = _predict(logits[:, -1], opts)
+        if eos_token_id is not None:
+            tokens = tokens.masked_fill(finished, fill_id)
+            finished = finished | (tokens == eos_token_id)
+        canvas[:, index] = tokens
+        if eos_token_id is not None and finished.all():
+            canvas[:, index + 1:] = fill_id
+            break
+    return canvas
+
+
+# ---------------------------------------------------------------------------- entry point
+@torch.no_grad()
+def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+             running_mode: str, mask_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
+             pad_token_id: Optional[int] = None, **options) -> torch.Tensor:
+    """Generate ``gen_length`` tokens after each (left-padded) prompt; returns
+    ``[B, prompt_length + gen_length]``, the prompts included.
+
+    ``running_mode``: difflm-noshift / difflm-shift (diffusion sampling) or vanilla (AR).
+    ``options``: the `GenerationOptions` fields, under LLaDA's names (gen_length, steps,
+    block_length, cfg_scale) or MegaDLMs' (max_new_tokens, sample_steps,
+    inference_block_size, cfg). Everything is validated before the model is called.
+    """
+    opts = resolve_options(running_mode, **options)
+    prompt_real = _check_inputs(input_ids, attention_mask, running_mode, mask_token_id, eos_token_id,
+                                pad_token_id)
+    batch, prompt_length = input_ids.shape
+    fill_id = pad_token_id if pad_token_id is not None else eos_token_id
+    layout = _build_layout(prompt_real.to(input_ids.device), opts.gen_length, opts)
+    placeholder = mask_token_id if running_mode != "vanilla" else (fill_id if fill_id is not None else 0)
+    generated = torch.full((batch, opts.gen_length), placeholder, dtype=torch.long, device=input_ids.device)
+    canvas = torch.cat([input_ids.long(), generated], dim=1)
+    if running_mode == "vanilla":
+        return _decode_autoregressive(model_fn, canvas, layout, prompt_length, eos_token_id, fill_id)
+    sampler = _DiffusionSampler(model_fn, canvas, layout, prompt_length, running_mode == "difflm-shift",
+                                mask_token_id, eos_token_id, fill_id)
+    return sampler.run()
