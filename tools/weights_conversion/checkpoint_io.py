@@ -1,0 +1,221 @@
+"""MegaDLMs training checkpoints outside the training loop: read them in one process, write new ones.
+
+A checkpoint `DIR/iter_NNNNNNN/` holds torch.distributed.checkpoint (DCP) shards whose keys
+(`model.<name>`) name layout-independent global tensors, whatever tensor-parallel layout wrote
+them, plus `metadata.json` (configs, layout, tokenizer identity). So one process can read any
+checkpoint tensor by tensor (`read_tensors`), or fill a single-process GPTModel with the
+framework's own resharding loader (`load_model`).
+
+Writing (`write_checkpoint`) produces what `pretrain_difflm.py --load` accepts. With
+tensor_parallel=1 the global tensors are saved directly (one process, memory = one model).
+A larger tensor_parallel spawns that many gloo processes on CPU, each building the TP-sharded
+GPTModel and saving its own slices through the framework's save path, so the files are exactly
+those of a TP=N training run. Both load under any layout, since loading reshards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import warnings
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.transformer.rope import RotaryEmbedding
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.checkpointing import FORMAT_VERSION, TRACKER, checkpoint_dir, latest_iteration
+from megatron.training.tokenizer import vocab_size_with_padding
+
+MODEL_PREFIX = "model."
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------- reading
+def resolve_checkpoint(load: str, iteration: Optional[int] = None) -> Tuple[str, int]:
+    """(iter directory, iteration) of `load`: a save directory (latest or `iteration`) or an iter_ directory."""
+    if os.path.isfile(os.path.join(load, "metadata.json")):
+        with open(os.path.join(load, "metadata.json")) as handle:
+            return load, int(json.load(handle).get("iteration", 0))
+    if iteration is None:
+        iteration = latest_iteration(load)
+        if iteration is None:
+            raise CheckpointError(f"{load} has no {TRACKER} and no metadata.json: pass a checkpoint directory "
+                                  "written by --save (or one of its iter_NNNNNNN folders), or --iteration N")
+    path = checkpoint_dir(load, iteration)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path}/metadata.json does not exist: no checkpoint of iteration {iteration} in {load}")
+    return path, iteration
+
+
+def read_metadata(iter_dir: str) -> dict:
+    with open(os.path.join(iter_dir, "metadata.json")) as handle:
+        metadata = json.load(handle)
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{iter_dir}: checkpoint format {metadata.get('format_version')} is not "
+                              f"{FORMAT_VERSION}, the one this converter reads")
+    return metadata
+
+
+def _known_fields(cls, values: dict) -> dict:
+    names = {field.name for field in dataclasses.fields(cls)}
+    return {key: value for key, value in values.items() if key in names}
+
+
+def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]:
+    """The model's configs for one fp32 process: no parallelism, the unpadded vocabulary."""
+    saved = _known_fields(TransformerConfig, metadata["transformer_config"])
+    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]
+    config = TransformerConfig(**{**saved, "params_dtype": torch.float32, "bf16": False, "fp16": False,
+                                  "vocab_size": vocab, "unpadded_vocab_size": vocab,
+                                  "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                  "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                                  "sequence_parallel": False, "recompute_granularity": None,
+                                  "recompute_method": None, "recompute_num_layers": None})
+    dlm = DLMConfig(**_known_fields(DLMConfig, metadata.get("dlm_config") or {"model_running_mode": "vanilla"}))
+    return config, dlm
+
+
+def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """{model tensor name (without `model.`): (global shape, dtype)} of a checkpoint."""
+    metadata = dcp.FileSystemReader(iter_dir).read_metadata().state_dict_metadata
+    shapes = {}
+    for key, item in metadata.items():
+        if key.startswith(MODEL_PREFIX) and hasattr(item, "size"):
+            shapes[key[len(MODEL_PREFIX):]] = (tuple(item.size), item.properties.dtype)
+    return shapes
+
+
+def read_tensors(iter_dir: str, names: Iterable[str], shapes=None) -> Dict[str, torch.Tensor]:
+    """Whole global tensors `names` (without `model.`) read in this process, however they were sharded."""
+    shapes = shapes or stored_shapes(iter_dir)
+    missing = [name for name in names if name not in shapes]
+    if missing:
+        raise CheckpointError(f"{iter_dir} has no tensor model.{missing[0]} ({len(missing)} missing); "
+                              "is it a checkpoint of this architecture?")
+    state = {MODEL_PREFIX + name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
+    with warnings.catch_warnings():  # DCP notes that it runs without a process group: intended
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=iter_dir)
+    return {name[len(MODEL_PREFIX):]: tensor for name, tensor in state.items()}
+
+
+def load_model(load: str, iteration: Optional[int] = None):
+    """(fp32 single-process GPTModel in eval mode, metadata, iter directory) of a checkpoint of any layout."""
+    from megatron.core.models.difflm.gpt_model import GPTModel
+
+    iter_dir, _ = resolve_checkpoint(load, iteration)
+    metadata = read_metadata(iter_dir)
+    config, dlm = configs_from_metadata(metadata)
+    with torch.device("meta"):  # no random init of weights that are read next
+        model = GPTModel(config, dlm)
+    model.to_empty(device="cpu")
+    for module in model.modules():  # the only state not in a checkpoint: tables derived from the config
+        if isinstance(module, RotaryEmbedding):
+            for name, table in RotaryEmbedding(config).named_buffers():
+                getattr(module, name).copy_(table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        serialization.load(model.sharded_state_dict(prefix=MODEL_PREFIX), iter_dir)
+    return model.eval(), metadata, iter_dir
+
+
+# ---------------------------------------------------------------------- writing
+def metadata_for(config: TransformerConfig, dlm: DLMConfig, tensor_parallel: int, tokenizer: Optional[dict],
+                 seq_length: Optional[int], source: dict, iteration: int = 0) -> dict:
+    """metadata.json of a converted checkpoint: the fields training writes, iteration 0, no optimizer."""
+    from megatron.training.training import TrainState
+
+    saved = {key: str(value) if isinstance(value, torch.dtype) else value
+             for key, value in dataclasses.asdict(config).items()}
+    return {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "train_state": dataclasses.asdict(TrainState(iteration=iteration)), "scheduler": None, "adam_step": 0,
+            "transformer_config": saved, "dlm_config": dataclasses.asdict(dlm),
+            "layout": {"world_size": tensor_parallel, "tensor_model_parallel_size": tensor_parallel,
+                       "data_parallel_size": 1},
+            "tokenizer": tokenizer, "seq_length": seq_length, "converted_from": source}
+
+
+def padded_config(config: TransformerConfig, tensor_parallel: int, divisible_by: int) -> TransformerConfig:
+    """The config a TP=N training run would build: vocabulary padded to a multiple of divisible_by * N."""
+    vocab = config.unpadded_vocab_size or config.vocab_size
+    return config.replace(vocab_size=vocab_size_with_padding(vocab, divisible_by, tensor_parallel),
+                          unpadded_vocab_size=vocab, tensor_model_parallel_size=tensor_parallel)
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    temporary = os.path.join(root, TRACKER + ".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(str(iteration))
+    os.replace(temporary, os.path.join(root, TRACKER))
+
+
+def write_checkpoint(save: str, tensors: Dict[str, torch.Tensor], metadata: dict, tensor_parallel: int = 1) -> str:
+    """Write `tensors` (our names, global shapes) as iteration `metadata['iteration']` of `save`."""
+    iteration = metadata["iteration"]
+    target = checkpoint_dir(save, iteration)
+    if os.path.exists(target) and os.listdir(target):
+        raise CheckpointError(f"{target} already exists; choose another --save directory or remove it")
+    os.makedirs(save, exist_ok=True)
+    staged = target if tensor_parallel == 1 else os.path.join(save, f".staging_tp1_{iteration:07d}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({MODEL_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()}, checkpoint_id=staged)
+    if tensor_parallel > 1:
+        try:
+            reshard_with_processes(staged, target, metadata, tensor_parallel)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+    with open(os.path.join(target, "metadata.json"), "w") as handle:
+        json.dump(metadata, handle, indent=1)
+    _write_tracker(save, iteration)
+    return target
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def reshard_with_processes(source: str, target: str, metadata: dict, tensor_parallel: int) -> None:
+    """Load `source` into a TP=`tensor_parallel` GPTModel in as many gloo processes and save it to `target`."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_reshard_worker, args=(tensor_parallel, _free_port(), source, target, metadata),
+                       nprocs=tensor_parallel, join=True, start_method="spawn")
+
+
+def _reshard_worker(rank: int, world_size: int, port: int, source: str, target: str, metadata: dict) -> None:
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # DCP's notes about ShardedTensor deprecation, once per process
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        state = initialize_model_parallel(world_size)
+        base, dlm = configs_from_metadata(metadata)
+        saved = metadata["transformer_config"]
+        config = base.replace(vocab_size=saved["vocab_size"], tensor_model_parallel_size=world_size)
+        with torch.device("meta"):  # no random init: every weight is read from `source`
+            model = GPTModel(config, dlm, pg=state.groups)
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # vocabulary padding rows are not in `source`: zeros, never NaN
+            for param in model.parameters():
+                param.zero_()
+        pieces = model.sharded_state_dict(prefix=MODEL_PREFIX)
+        serialization.load(pieces, source)
+        serialization.save(pieces, target)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,171 @@
+"""Convert a Hugging Face Llama / Qwen2 / Qwen3 folder (or a MegaDLMs export) to a MegaDLMs checkpoint.
+
+    python tools/weights_conversion/hf_to_megatron.py --hf-path HF_DIR --save CKPT_DIR \
+        [--tensor-model-parallel-size N] [--model-running-mode difflm-shift --mask-token-id ID]
+
+Writes CKPT_DIR/iter_0000000/ (DCP shards of the model, metadata.json) and
+latest_checkpointed_iteration.txt. Continue training with the same architecture flags and
+`pretrain_difflm.py --load CKPT_DIR --finetune` (weights only, iteration 0); `--model-running-mode
+difflm-shift` adapts an AR model into a diffusion LM (position i keeps predicting token i+1).
+Any layout loads any checkpoint (loading reshards), so --tensor-model-parallel-size only picks
+the layout written: N > 1 spawns N gloo processes on CPU that write the shards a TP=N run would
+(and pads the vocabulary as that run does); 1 (default) writes whole tensors from one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, RUNNING_MODES,  # noqa: E402
+                                                          DLMConfig, TransformerConfig)
+from tools.weights_conversion import checkpoint_io, hf_config, mapping  # noqa: E402
+from tools.weights_conversion.megatron_to_hf import progress_bar  # noqa: E402
+from tools.weights_conversion.safetensors_io import LazyWeights  # noqa: E402
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--hf-path", required=True, help="Hugging Face folder (config.json + safetensors).")
+    parser.add_argument("--save", required=True, help="Output checkpoint directory (as for --save in training).")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                        help="Layout of the written shards (any layout loads it).")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="Vocabulary padding recorded for the layout (as the training flag).")
+    parser.add_argument("--model-running-mode", choices=RUNNING_MODES,
+                        help="Objective to continue with (default: vanilla for AR models, the export's own mode "
+                             "for MegaDLMs exports); difflm-shift adapts an AR model to a DLM.")
+    parser.add_argument("--attention-mask-type", choices=ATTENTION_MASK_TYPES,
+                        help="Attention of the DLM modes (default no_mask, bidirectional).")
+    parser.add_argument("--mask-token-id", type=int, help="Mask token of the DLM modes (default: the "
+                        "tokenizer's mask token, if the folder's tokenizer has one).")
+    parser.add_argument("--max-position-embeddings", type=int, help="Override the RoPE table length.")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar (tqdm) over the layers.")
+    return parser.parse_args(argv)
+
+
+def _bias_presence(weights: LazyWeights) -> dict:
+    """Which bias tensors the layers hold (layer 0 speaks for all). MegaDLMs has no biases, QKV-only
+    biases or biases everywhere; an all-zero o_proj/MLP bias is dropped when that makes the set one
+    of those (e.g. Llama's attention_bias without mlp_bias, when o_proj's bias is unused)."""
+    prefix = "model.layers.0."
+    names = {"qkv": prefix + "self_attn.q_proj.bias", "o_proj": prefix + "self_attn.o_proj.bias",
+             "mlp": prefix + "mlp.down_proj.bias"}
+    present = {kind: name in weights for kind, name in names.items()}
+    if len(set(present.values())) == 1 or present == {"qkv": True, "o_proj": False, "mlp": False}:
+        return present
+    return {kind: exists and (kind == "qkv" or bool(weights.get(names[kind]).any()))
+            for kind, exists in present.items()}
+
+
+def _tokenizer_identity(hf_path: str, add_mask: bool, mask_token_id: Optional[int]) -> Optional[dict]:
+    """The identity our HuggingFaceTokenizer gives the folder's tokenizer.json (what training with
+    `--tokenizer-model HF_DIR` will compare against), with the files recorded; None without one."""
+    if not os.path.isfile(os.path.join(hf_path, "tokenizer.json")):
+        return None
+    from megatron.training.tokenizer import HuggingFaceTokenizer
+
+    try:
+        tokenizer = HuggingFaceTokenizer(hf_path, add_mask_token=add_mask, mask_token=mask_token_id)
+    except ValueError:  # e.g. a mask id among the model's rows beyond the tokenizer's vocabulary
+        tokenizer = HuggingFaceTokenizer(hf_path)
+    return {**tokenizer.identity, "files": [os.path.abspath(path) for path in tokenizer._source_files()]}
+
+
+def _dlm_config(args, fields: dict, vocab: int, hf_path: str) -> DLMConfig:
+    mode = args.model_running_mode or fields.get("model_running_mode", "vanilla")
+    values = {**fields, "model_running_mode": mode}
+    if args.attention_mask_type:
+        values["attention_mask_type"] = args.attention_mask_type
+    if args.mask_token_id is not None:
+        values["mask_token_id"] = args.mask_token_id
+    if mode != "vanilla" and values.get("mask_token_id") is None:
+        identity = _tokenizer_identity(hf_path, add_mask=False, mask_token_id=None)
+        values["mask_token_id"] = identity.get("mask") if identity else None
+        if values["mask_token_id"] is None:
+            raise ValueError(f"--model-running-mode {mode} needs a mask token and the folder's tokenizer has none; "
+                             f"pass --mask-token-id ID (an id below the vocabulary size {vocab})")
+    dlm = DLMConfig(**hf_config.dataclass_fields(DLMConfig, values))
+    dlm.validate(vocab)
+    return dlm
+
+
+def convert(args: argparse.Namespace) -> str:
+    with open(os.path.join(args.hf_path, "config.json")) as handle:
+        hf = json.load(handle)
+    weights = LazyWeights(args.hf_path)
+    architecture, fields, dlm_fields = hf_config.import_configs(
+        hf, _bias_presence(weights), "lm_head.weight" in weights)
+    if args.max_position_embeddings:
+        fields["max_position_embeddings"] = args.max_position_embeddings
+    config = TransformerConfig(**fields).validate()
+    dlm = _dlm_config(args, dlm_fields, config.vocab_size, args.hf_path)
+    expected = set(mapping.hf_names(config))
+    unexpected = sorted(name for name in weights.names()
+                        if name not in expected and not name.endswith(_IGNORED_SUFFIXES)
+                        and not (name == "lm_head.weight" and config.share_embeddings_and_output_weights))
+    zero_biases = {name for name in unexpected if name.endswith(("o_proj.bias", "down_proj.bias", "gate_proj.bias",
+                                                                  "up_proj.bias")) and not weights.get(name).any()}
+    unexpected = [name for name in unexpected if name not in zero_biases]
+    if unexpected:
+        raise ValueError(f"{args.hf_path}: tensor {unexpected[0]} ({len(unexpected)} in all) has no place in the "
+                         f"{architecture} layout this config describes; is config.json the weights' config?")
+    missing = sorted(expected - set(weights.names()))
+    if missing:
+        raise ValueError(f"{args.hf_path}: the weights lack tensor {missing[0]} ({len(missing)} missing) that the "
+                         f"{architecture} config implies")
+    tensors = {name: tensor.float() for name, tensor in mapping.globals_from_hf(config, weights.get).items()}
+    bar = progress_bar(config.num_layers, not args.no_progress, "reading")
+    for index in range(config.num_layers):
+        layer = mapping.layer_from_hf(config, index, weights.get)
+        tensors.update({f"decoder.layers.{index}.{name}": tensor.float() for name, tensor in layer.items()})
+        bar.update()
+    bar.close()
+    tp = args.tensor_model_parallel_size
+    layout = checkpoint_io.padded_config(config, tp, args.make_vocab_size_divisible_by)
+    if tp > 1:
+        _check_tensor_parallel(layout, tp)
+    # A MegaDLMs export records the training tokenizer's identity: keep it, so the same training
+    # flags pass the tokenizer check; otherwise describe the folder's own tokenizer.json.
+    tokenizer = (hf.get("megadlms") or {}).get("tokenizer") or _tokenizer_identity(
+        args.hf_path, add_mask=False, mask_token_id=dlm.mask_token_id if dlm.is_diffusion else None)
+    source = {"hf_path": os.path.abspath(args.hf_path), "architecture": architecture}
+    metadata = checkpoint_io.metadata_for(layout, dlm, tp, tokenizer, None, source)
+    return checkpoint_io.write_checkpoint(args.save, tensors, metadata, tp)
+
+
+def _check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    groups = config.num_query_groups
+    problems = []
+    if config.num_attention_heads % tp:
+        problems.append(f"num_attention_heads={config.num_attention_heads}")
+    if groups % tp and (tp % groups or (tp // groups) % 2):
+        problems.append(f"num_key_value_heads={groups}")
+    if config.ffn_hidden_size % tp:
+        problems.append(f"intermediate_size={config.ffn_hidden_size}")
+    if problems:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {', '.join(problems)}; choose another "
+                         "size (or 1: any layout loads a TP=1 checkpoint)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    try:
+        target = convert(args)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"> wrote {target} (tensor-parallel layout {args.tensor_model_parallel_size}); continue with "
+          f"pretrain_difflm.py --load {args.save} --finetune and the same architecture flags")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
