@@ -84,26 +84,55 @@ def to_dcp_state_dict(sharded: Dict[str, ShardedTensor]) -> Dict[str, object]:
     return state
 
 
+# Files each rank writes in parallel: one writer thread left a ~1B model's save disk-latency bound.
+WRITER_THREADS = 4
+
+
+def _writer(checkpoint_dir: str) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(checkpoint_dir, thread_count=WRITER_THREADS)
+
+
 def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     """Collective: every rank calls it with its own boxes."""
-    dcp.save(to_dcp_state_dict(sharded), checkpoint_id=checkpoint_dir)
+    dcp.save(to_dcp_state_dict(sharded), storage_writer=_writer(checkpoint_dir))
 
 
-def stage_to_host(sharded: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
-    """A host copy of every piece (pinned when they live on a GPU), safe from later updates."""
-    staged = {}
-    on_gpu = False
-    for name, piece in sharded.items():
-        on_gpu |= piece.data.is_cuda
-        copy = torch.empty(piece.data.shape, dtype=piece.data.dtype, pin_memory=piece.data.is_cuda)
-        copy.copy_(piece.data, non_blocking=True)
-        staged[name] = dataclasses.replace(piece, data=copy)
-    if on_gpu:
-        torch.cuda.synchronize()
-    return staged
+class _HostStaging:
+    """Host copies of the pieces for the background writer. Pinned buffers are slow to
+    allocate, so they are kept and reused by the next save, once the previous write finished."""
+
+    def __init__(self) -> None:
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.writing: Future | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+
+    def _buffer(self, name: str, data: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+            buffer = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
+            self.buffers[name] = buffer
+        return buffer
+
+    def stage(self, sharded: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
+        if self.writing is not None:
+            self.writing.result()  # its buffers are about to be overwritten
+        staged, on_gpu = {}, False
+        for name, piece in sharded.items():
+            on_gpu |= piece.data.is_cuda
+            copy = self._buffer(name, piece.data)
+            copy.copy_(piece.data, non_blocking=True)
+            staged[name] = dataclasses.replace(piece, data=copy)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return staged
+
+    def write(self, state: Dict[str, object], checkpoint_dir: str, process_group) -> Future:
+        self.writing = self.executor.submit(dcp.save, state, storage_writer=_writer(checkpoint_dir),
+                                            process_group=process_group)
+        return self.writing
 
 
-_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+_STAGING = _HostStaging()
 
 
 def save_async(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, process_group=None) -> Future:
@@ -111,8 +140,8 @@ def save_async(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, process_g
     thread. The future completes when this rank's files are written (and, on the coordinating
     rank, the metadata). `process_group` carries DCP's collectives: give the writer a group of
     its own (gloo) so they never interleave with the training loop's."""
-    state = to_dcp_state_dict(stage_to_host(sharded))
-    return _WRITER.submit(dcp.save, state, checkpoint_id=checkpoint_dir, process_group=process_group)
+    state = to_dcp_state_dict(_STAGING.stage(sharded))
+    return _STAGING.write(state, checkpoint_dir, process_group)
 
 
 def _fit_padded_rows(sharded: Dict[str, ShardedTensor], metadata) -> Dict[str, ShardedTensor]:

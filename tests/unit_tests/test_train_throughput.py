@@ -1,0 +1,210 @@
+"""tools/benchmark/train_throughput.py on CPU: both rows, the FLOPs it reports, the baseline's
+bidirectional attention and LLaDA loss, the fp8/compile seams and bad flag combinations.
+No speed is asserted."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.flops import training_flops_per_iteration
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
+import train_throughput as tt  # noqa: E402
+
+TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
+
+
+def expected_flops(config: dict, mode: str) -> float:
+    """The project's formula for the shape the JSON says was run, built here independently."""
+    transformer = TransformerConfig(
+        num_layers=config["num_layers"], hidden_size=config["hidden_size"],
+        num_attention_heads=config["num_attention_heads"], num_query_groups=config["num_query_groups"],
+        kv_channels=config["kv_channels"], ffn_hidden_size=config["ffn_hidden_size"],
+        vocab_size=config["vocab_size"], gated_linear_unit=True)
+    return training_flops_per_iteration(transformer, config["seq_length"], config["micro_batch_size"],
+                                        mask_type="no_mask" if mode == "dlm" else "causal")
+
+
+def check_result(result: dict, mode: str) -> None:
+    assert [row["name"] for row in result["rows"]] == ["MegaDLMs", "HF transformers"]
+    assert result["flops_per_step"] == pytest.approx(expected_flops(result["config"], mode), rel=1e-12)
+    tokens = result["config"]["micro_batch_size"] * result["config"]["seq_length"]
+    assert result["tokens_per_step"] == tokens
+    for row in result["rows"]:
+        assert len(row["step_ms"]) == result["config"]["steps"]
+        for key in ("median_step_ms", "tokens_per_sec_per_gpu", "tflops_per_gpu", "parameters"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
+        assert math.isfinite(row["final_loss"]) and row["final_loss"] > 0
+        seconds = row["median_step_ms"] / 1e3
+        assert row["tokens_per_sec_per_gpu"] == pytest.approx(tokens / seconds)
+        assert row["tflops_per_gpu"] == pytest.approx(result["flops_per_step"] / seconds / 1e12)
+        assert row["mfu"] is None and row["peak_memory_gib"] is None  # CPU: no peak, no CUDA memory
+    ours, baseline = result["rows"]
+    assert ours["parameters"] == baseline["parameters"]  # the same shape in both implementations
+    for key in ("tokens_per_sec_per_gpu", "tflops_per_gpu"):
+        assert result["ratio"][key] == pytest.approx(ours[key] / baseline[key], rel=1e-12)
+    assert result["torch_version"] == torch.__version__ and result["device"] == "cpu"
+
+
+def test_cli_dlm_with_hf_baseline_writes_json(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "x.json"
+    proc = subprocess.run([sys.executable, "tools/benchmark/train_throughput.py", *TINY, "--mode", "dlm",
+                           "--baseline", "hf", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "| MegaDLMs |" in proc.stdout and "| HF transformers |" in proc.stdout and "ours / baseline" in proc.stdout
+    result = json.loads(out.read_text())
+    check_result(result, "dlm")
+    assert result["attention_mask_type"] == "no_mask"
+    assert result["rows"][1]["attention"] != "causal"
+
+
+def test_ar_in_process_and_dlm_counts_more_flops(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "y.json"
+    result = tt.main([*TINY, "--mode", "ar", "--baseline", "hf", "--json", str(out)])
+    check_result(json.loads(out.read_text()), "ar")
+    assert result["rows"][1]["attention"] == "causal"
+    dlm_flops = expected_flops(result["config"], "dlm")
+    assert dlm_flops > result["flops_per_step"]  # bidirectional counts s keys, causal s/2
+
+
+def tiny_hf(family: str):
+    spec = tt.MODELS["tiny"]
+    if family == "llama":
+        spec = tt.ModelSpec("llama", 2, 64, 4, 2, 16, 192, 1024, True, 10000.0, 256)
+    torch.manual_seed(0)
+    return tt.hf_model(spec), spec
+
+
+def first_position_logits(model, tokens, forward_kwargs) -> torch.Tensor:
+    return model(input_ids=tokens, **forward_kwargs(tokens)).logits[:, 0].detach()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_hf_baseline_attention_is_bidirectional(family):
+    pytest.importorskip("transformers")
+    model, spec = tiny_hf(family)
+    tokens = torch.randint(0, spec.vocab_size - 1, (2, 12), generator=torch.Generator().manual_seed(3))
+    later_changed = tokens.clone()
+    later_changed[:, -1] = (later_changed[:, -1] + 7) % (spec.vocab_size - 1)
+    # As built, the model is causal: position 0 cannot see the last token.
+    plain = lambda t: {}  # noqa: E731
+    assert torch.equal(first_position_logits(model, tokens, plain), first_position_logits(model, later_changed, plain))
+    forward_kwargs, how = tt.make_bidirectional(model, spec.vocab_size)
+    model.train()  # the timed steps run in training mode
+    before = first_position_logits(model, tokens, forward_kwargs)
+    after = first_position_logits(model, later_changed, forward_kwargs)
+    assert (before - after).abs().max() > 1e-4, how
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' whose logits depend only on the input ids (enough to check the loss)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, input_ids):
+        return type("Output", (), {"logits": self.table[input_ids]})()
+
+
+def test_llada_loss_weights_masked_tokens_by_inverse_p_over_all_tokens():
+    vocab, batch, seq, mask_id = 16, 3, 10, 15
+    model = FixedLogits(vocab)
+    tokens = torch.randint(0, mask_id, (batch, seq), generator=torch.Generator().manual_seed(1))
+    loss = tt.llada_loss(model, tokens, {}, mask_id, torch.Generator().manual_seed(5))
+    # The same draws, in the same order, by hand.
+    generator = torch.Generator().manual_seed(5)
+    p = (1 - tt.DLM_EPS) * torch.rand(batch, 1, generator=generator) + tt.DLM_EPS
+    masked = torch.rand(batch, seq, generator=generator) < p
+    total = 0.0
+    for row in range(batch):
+        noisy = torch.where(masked[row], mask_id, tokens[row])
+        for position in range(seq):
+            if masked[row, position]:
+                log_probs = torch.log_softmax(model.table[noisy[position]].detach(), dim=-1)
+                total += -float(log_probs[tokens[row, position]]) / float(p[row])
+    assert masked.any() and not masked.all()
+    assert float(loss.detach()) == pytest.approx(total / (batch * seq), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(tt.MODELS))
+def test_named_shapes_have_the_same_parameters_in_both_implementations(name):
+    pytest.importorskip("transformers")
+    spec = tt.MODELS[name]
+    with torch.device("meta"):  # shapes only: no memory, no init
+        ours = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
+        baseline = tt.hf_model(spec)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in baseline.parameters())
+
+
+def test_fp8_row_when_torchao_is_installed():
+    pytest.importorskip("torchao.float8")
+    result = tt.main([*TINY, "--mode", "dlm", "--fp8"])
+    row = result["rows"][0]
+    assert row["precision"] == "fp8" and row["fp8_linears"] == 4 * tt.MODELS["tiny"].num_layers
+    assert math.isfinite(row["final_loss"])
+
+
+def test_parallel_linears_swap_to_nn_linear_exactly():
+    """The fp8 seam: torchao converts nn.Linear; the swapped modules compute the same thing."""
+    spec = tt.MODELS["tiny"]
+    torch.manual_seed(0)
+    model = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1)).eval()
+    names = [name for name, _ in model.named_parameters()]
+    tokens = torch.randint(0, spec.vocab_size - 1, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(tokens)
+    swapped = tt.swap_parallel_linears(model.decoder)
+    assert swapped == 4 * spec.num_layers  # qkv, proj, fc1, fc2
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.decoder.modules()) == swapped
+    assert [name for name, _ in model.named_parameters()] == names
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference)
+
+
+def test_compile_seam_compiles_every_layer_in_place():
+    spec = tt.MODELS["tiny"]
+    model = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
+    names = list(model.state_dict())
+    assert tt.compile_layers(model) == spec.num_layers
+    assert all(layer._compiled_call_impl is not None for layer in model.decoder.layers.values())
+    assert list(model.state_dict()) == names
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt-9"], "unknown --model 'gpt-9'; choose one of qwen3-1.7b"),
+    (["--model", "tiny", "--seq-length", "512"], "--seq-length 512 is outside [1, 256]"),
+    (["--model", "qwen3-1.7b", "--seq-length", "65536"], "--seq-length 65536 is outside [1, 40960]"),
+    (["--model", "tiny", "--steps", "0"], "--steps 0 must be at least 1"),
+    (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
+])
+def test_bad_flags_give_one_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tt.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("module, flag, message", [
+    ("transformers", ["--baseline", "hf"], "--baseline hf needs the transformers package: pip install transformers"),
+    ("torchao", ["--fp8"], "--fp8 needs torchao's float8 training: pip install torchao"),
+])
+def test_missing_optional_package_is_named(module, flag, message, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    monkeypatch.setitem(sys.modules, f"{module}.float8", None)
+    with pytest.raises(SystemExit) as exit_info:
+        tt.main(["--model", "tiny", *flag])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"train_throughput.py: error: {message}"

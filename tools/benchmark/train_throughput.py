@@ -1,0 +1,506 @@
+"""Training-step throughput of MegaDLMs, optionally next to a plain Hugging Face step of the same shape.
+
+    python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
+        --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
+        [--attention-backend auto] [--json OUT]
+
+Our row is the real thing on one device: `GPTModel` built from `TransformerConfig`/`DLMConfig`
+(bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
+AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (the keyed
+diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
+gradient clipping, optimizer step and zero-grad, on seeded random tokens.
+
+`--baseline hf` builds the equivalent transformers model (Qwen3ForCausalLM or LlamaForCausalLM,
+random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager) and runs the step a
+user would write: in DLM mode LLaDA's recipe (mask at rate p = (1 - eps) t + eps, cross-entropy
+on the masked tokens weighted 1/p, divided by B*L) with bidirectional attention, which is
+checked before timing; in AR mode the model's own shifted loss.
+
+Both rows are counted with the FLOPs formula of megatron/training/flops.py (the one the
+console MFU uses): bidirectional attention counts the full s keys, causal s/2. MFU is against
+the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on CPU. Step times are the
+median of the timed steps (CUDA events on GPU, wall clock on CPU), after --warmup steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from megatron.core.models.difflm import diffusion  # noqa: E402
+from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
+                                                          TransformerConfig)
+from megatron.training import flops  # noqa: E402
+
+# The optimizer settings of the launch scripts (examples/dlm_training/dlm_pretrain_1.7b.sh).
+LR, WEIGHT_DECAY, BETAS, CLIP_GRAD, DLM_EPS = 2e-4, 0.1, (0.9, 0.95), 1.0, 1e-3
+
+
+class UsageError(Exception):
+    """A bad flag combination: printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named shape, and which transformers class is its plain equivalent."""
+
+    family: str
+    """'qwen3' (Qwen3ForCausalLM, QK-norm) or 'llama' (LlamaForCausalLM)."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    rotary_base: float
+    max_positions: int
+    default_seq_length: int = 4096
+    norm_epsilon: float = 1e-6
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return self.family == "qwen3"
+
+
+MODELS: Dict[str, ModelSpec] = {
+    # Qwen3-1.7B: the shape of examples/dlm_training/dlm_pretrain_1.7b.sh.
+    "qwen3-1.7b": ModelSpec("qwen3", 28, 2048, 16, 8, 128, 6144, 151936, True, 1e6, 40960),
+    # Llama-3.2-1B (plain RoPE: the llama3 frequency scaling changes no FLOP and no kernel).
+    "llama-1b": ModelSpec("llama", 16, 2048, 32, 8, 64, 8192, 128256, True, 500000.0, 131072, norm_epsilon=1e-5),
+    # The width of a 7-8B model (Llama-3-8B: GQA 32/8, SwiGLU 14336, untied) with 8 layers, so
+    # weights, gradients and AdamW state (16 bytes a parameter, ~3B parameters) fit one H200.
+    "7b-shape": ModelSpec("llama", 8, 4096, 32, 8, 128, 14336, 151936, False, 1e6, 32768),
+    # A few hundred thousand parameters: runs on CPU in seconds (tests).
+    "tiny": ModelSpec("qwen3", 2, 64, 4, 2, 16, 192, 1024, True, 10000.0, 256, default_seq_length=128),
+}
+
+
+# ---------------------------------------------------------------------- configuration
+def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto") -> TransformerConfig:
+    """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere."""
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden_size,
+        vocab_size=spec.vocab_size, max_position_embeddings=spec.max_positions, normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
+        activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
+        params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend)
+
+
+def dlm_config(spec: ModelSpec, mode: str, seed: int) -> DLMConfig:
+    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normaliser), fixed length."""
+    if mode == "ar":
+        return DLMConfig(model_running_mode="vanilla", seed=seed)
+    return DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask",
+                     mask_token_id=mask_token_id(spec), eps=DLM_EPS, t_sampling="antithetic",
+                     loss_weight="inverse_p", loss_normalizer="tokens", seed=seed)
+
+
+def mask_token_id(spec: ModelSpec) -> int:
+    """The last vocabulary row; the random batches never contain it."""
+    return spec.vocab_size - 1
+
+
+def flops_per_step(config: TransformerConfig, mode: str, seq_length: int, micro_batch_size: int) -> float:
+    mask_type = "causal" if mode == "ar" else "no_mask"
+    return flops.training_flops_per_iteration(config, seq_length, micro_batch_size, mask_type=mask_type)
+
+
+def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_length: int, seed: int,
+                   device: torch.device) -> List[torch.Tensor]:
+    """`count` seeded [b, s] batches of ids below the mask token, made on the device before timing."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, mask_token_id(spec), (micro_batch_size, seq_length), generator=generator).to(device)
+            for _ in range(count)]
+
+
+# ---------------------------------------------------------------------- our step
+def swap_parallel_linears(model: nn.Module) -> int:
+    """Replace single-rank ColumnParallelLinear/RowParallelLinear of the decoder by `nn.Linear`
+    modules that share their parameters (the same forward at tp=1 without sequence parallel),
+    so that torchao, which converts `nn.Linear`, can see them. Returns how many were swapped."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            if child.tp_size != 1 or child.sequence_parallel:
+                raise UsageError("--fp8 here supports tensor-parallel size 1 without sequence parallel only")
+            linear = nn.Linear(child.input_size, child.output_size, bias=child.bias is not None, device="meta")
+            linear.weight = child.weight
+            linear.bias = child.bias
+            setattr(parent, name, linear)
+            swapped += 1
+    return swapped
+
+
+def enable_float8(model: nn.Module) -> int:
+    """torchao's float8 training on the decoder's linear layers (the output layer stays bf16)."""
+    from torchao.float8 import convert_to_float8_training
+
+    swap_parallel_linears(model.decoder)
+
+    def eligible(module: nn.Module, fqn: str) -> bool:  # fp8 GEMMs need dims divisible by 16
+        return fqn.startswith("decoder.") and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=eligible)
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def compile_layers(model: GPTModel) -> int:
+    """torch.compile each transformer layer in place (parameter names unchanged).
+
+    GPTModel has no compile hook yet; the layers are the natural unit (one graph reused by every
+    layer of the same shape, the embedding/loss left eager)."""
+    layers = list(model.decoder.layers.values())
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
+    """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
+    config = transformer_config(spec, device, args.attention_backend)
+    dlm = dlm_config(spec, args.mode, args.seed)
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # like build_trainer: no host-side init of billions of weights
+        model = GPTModel(config, dlm)
+    model = model.to(device).train()
+    info = {"fp8_linears": enable_float8(model) if args.fp8 else 0,
+            "compiled_layers": compile_layers(model) if args.torch_compile else 0}
+    optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+                                                       adam_beta2=BETAS[1], clip_grad=CLIP_GRAD))
+    batch = args.micro_batch_size
+
+    def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
+        # The key of a training micro-batch: a new corruption every step, as in training.
+        key = diffusion.CorruptionKey.for_batch(args.seed, iteration=index, global_batch_size=batch,
+                                                first_sample_index=index * batch, batch_size=batch, device=device)
+        loss = model.compute_loss(tokens, key=key if dlm.is_diffusion else None).loss
+        loss.backward()
+        clip_grad_norm(model.parameters(), CLIP_GRAD)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, optimizer, step, info
+
+
+# ---------------------------------------------------------------------- the Hugging Face step
+def hf_model(spec: ModelSpec):
+    """The plain transformers model of the shape (random init, SDPA, fp32 weights)."""
+    import transformers
+
+    config_class, model_class = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+                                 "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[spec.family]
+    config = config_class(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_query_groups, head_dim=spec.kv_channels,
+        max_position_embeddings=spec.max_positions, rms_norm_eps=spec.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rotary_base},
+        tie_word_embeddings=spec.tied_embeddings, attention_bias=False, attention_dropout=0.0,
+        initializer_range=0.02, use_cache=False, attn_implementation="sdpa")
+    return model_class(config)
+
+
+def leaks_future(model: nn.Module, vocab_size: int, forward_kwargs: Callable[[torch.Tensor], dict]) -> bool:
+    """True when the logits at position 0 change if only the last token changes, i.e. when
+    attention is bidirectional (a causal model's position 0 cannot see the future)."""
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, vocab_size - 1, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % (vocab_size - 1)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        first = model(input_ids=tokens, **forward_kwargs(tokens)).logits[0, 0].float()
+        second = model(input_ids=changed, **forward_kwargs(changed)).logits[0, 0].float()
+    model.train(was_training)
+    return not torch.allclose(first, second, rtol=0.0, atol=1e-6)
+
+
+def make_bidirectional(model: nn.Module, vocab_size: int) -> tuple[Callable[[torch.Tensor], dict], str]:
+    """Turn a transformers decoder bidirectional; returns (forward kwargs of a batch, how).
+
+    First the flags (config.is_causal, read by transformers 5's mask creation and SDPA
+    integration, and each attention module's is_causal): no mask is built, so SDPA keeps its
+    flash/cuDNN kernels. Versions that ignore them get an explicit all-True 4-D mask instead
+    (slower kernels, still correct). Each way is verified with `leaks_future`."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config.is_causal = False
+        if hasattr(module, "is_causal"):
+            module.is_causal = False
+
+    def no_kwargs(tokens: torch.Tensor) -> dict:
+        return {}
+
+    def full_mask(tokens: torch.Tensor) -> dict:
+        batch, seq = tokens.shape
+        ones = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
+        return {"attention_mask": ones.expand(batch, 1, seq, seq)}
+
+    for forward_kwargs, how in ((no_kwargs, "is_causal=False flags"), (full_mask, "explicit all-True 4-D mask")):
+        if leaks_future(model, vocab_size, forward_kwargs):
+            return forward_kwargs, how
+    raise RuntimeError("could not make the transformers model bidirectional (is_causal flags and a 4-D mask both "
+                       f"left it causal); transformers {_transformers_version()} is not supported for --mode dlm")
+
+
+def llada_loss(model: nn.Module, tokens: torch.Tensor, forward_kwargs: dict, mask_id: int,
+               generator: torch.Generator) -> torch.Tensor:
+    """LLaDA's pretraining loss: mask each token with probability p = (1 - eps) t + eps,
+    cross-entropy on the masked tokens weighted 1/p, divided by B*L."""
+    batch, seq = tokens.shape
+    t = torch.rand(batch, 1, device=tokens.device, generator=generator)
+    p_mask = ((1 - DLM_EPS) * t + DLM_EPS).expand(batch, seq)
+    masked = torch.rand(batch, seq, device=tokens.device, generator=generator) < p_mask
+    noisy = torch.where(masked, torch.full_like(tokens, mask_id), tokens)
+    logits = model(input_ids=noisy, **forward_kwargs).logits
+    token_loss = nn.functional.cross_entropy(logits[masked].float(), tokens[masked], reduction="none")
+    return (token_loss / p_mask[masked]).sum() / (batch * seq)
+
+
+def build_hf(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
+    """The transformers model, fused AdamW, its step (batch, step index) -> detached loss, and notes."""
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = hf_model(spec)
+    model = model.to(device).train()
+    forward_kwargs, how = (lambda tokens: {}), "causal"
+    if args.mode == "dlm":
+        forward_kwargs, how = make_bidirectional(model, spec.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                  fused=device.type == "cuda")
+    generator = torch.Generator(device).manual_seed(args.seed)
+
+    def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            if args.mode == "dlm":
+                loss = llada_loss(model, tokens, forward_kwargs(tokens), mask_token_id(spec), generator)
+            else:
+                loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, optimizer, step, {"attention": how}
+
+
+# ---------------------------------------------------------------------- timing and reporting
+def _mark(device: torch.device):
+    """A point in time: a CUDA event on the current stream (GPU time), else the wall clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _milliseconds(start, end) -> float:
+    return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+
+
+def time_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor], warmup: int,
+               device: torch.device) -> tuple[List[float], float]:
+    """Milliseconds of every step after the first `warmup`, and the last loss.
+
+    No synchronisation between timed steps (the host runs ahead as in training); CUDA events
+    are read once at the end."""
+    for index in range(warmup):
+        step(batches[index], index)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    marks, loss = [], None
+    for index in range(warmup, len(batches)):
+        start = _mark(device)
+        loss = step(batches[index], index)
+        marks.append((start, _mark(device)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return [_milliseconds(start, end) for start, end in marks], float(loss)
+
+
+def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespace, device: torch.device,
+            flops_per_iteration: float, precision: str) -> dict:
+    """Build one implementation, time its steps and return its row (the model is freed on return)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model, optimizer, step, info = build(spec, args, device)
+    batches = random_batches(spec, args.warmup + args.steps, args.micro_batch_size, args.seq_length,
+                             args.seed, device)
+    times, loss = time_steps(step, batches, args.warmup, device)
+    median_ms = statistics.median(times)
+    tokens = args.micro_batch_size * args.seq_length
+    peak = flops.peak_tflops(_device_name(device), precision) if device.type == "cuda" else None
+    metrics = flops.throughput_metrics(flops_per_iteration, tokens, median_ms / 1e3, world_size=1, peak=peak)
+    row = {"name": name, "precision": precision, "parameters": sum(p.numel() for p in model.parameters()),
+           "step_ms": times, "median_step_ms": median_ms, **metrics, "peak_tflops": peak,
+           "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None),
+           "final_loss": loss, **info}
+    del model, optimizer, step, batches
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _device_name(device: torch.device) -> Optional[str]:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def _transformers_version() -> Optional[str]:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+def _cell(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(result: dict) -> None:
+    cfg = result["config"]
+    print(f"\n{cfg['model']} ({cfg['mode']}, {result['attention_mask_type']}), seq {cfg['seq_length']} x micro-batch "
+          f"{cfg['micro_batch_size']}, {cfg['steps']} timed steps after {cfg['warmup']}, {result['device']}, "
+          f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
+    print("| implementation | precision | parameters | median ms/step | tokens/s/GPU | TFLOP/s/GPU | MFU | "
+          "peak memory GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+        print(f"| {row['name']} | {row['precision']} | {row['parameters'] / 1e6:,.1f}M | {row['median_step_ms']:.1f} | "
+              f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | "
+              f"{_cell(row['peak_memory_gib'], '.1f')} |")
+    if result.get("ratio"):
+        ratio = result["ratio"]
+        print(f"ours / baseline: tokens/s {ratio['tokens_per_sec_per_gpu']:.3f}x, "
+              f"TFLOP/s {ratio['tflops_per_gpu']:.3f}x")
+
+
+# ---------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help=f"One of {', '.join(MODELS)}.")
+    parser.add_argument("--mode", choices=("dlm", "ar"), default="dlm",
+                        help="dlm: masked diffusion, bidirectional attention; ar: next-token loss, causal.")
+    parser.add_argument("--seq-length", type=int, help="Tokens per sequence (default: 4096; 128 for tiny).")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="Timed steps.")
+    parser.add_argument("--warmup", type=int, default=5, help="Untimed steps first (allocator, autotuning, compile).")
+    parser.add_argument("--baseline", choices=("none", "hf"), default="none",
+                        help="hf: also time the equivalent transformers model in this process.")
+    parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
+    parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
+    parser.add_argument("--attention-backend", default="auto", help=f"One of {', '.join(ATTENTION_BACKENDS)}.")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", help="Default: cuda when available, else cpu.")
+    parser.add_argument("--json", help="Write every number, the exact config and versions here.")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> ModelSpec:
+    """The spec of --model with --seq-length filled in; UsageError on a bad combination."""
+    if args.model not in MODELS:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)}")
+    spec = MODELS[args.model]
+    if args.seq_length is None:
+        args.seq_length = spec.default_seq_length
+    if args.seq_length < 1 or args.seq_length > spec.max_positions:
+        raise UsageError(f"--seq-length {args.seq_length} is outside [1, {spec.max_positions}], the max positions "
+                         f"of {args.model}; pass a shorter --seq-length")
+    for flag in ("micro_batch_size", "steps"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup} must be at least 0")
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    if args.baseline == "hf" and _transformers_version() is None:
+        raise UsageError("--baseline hf needs the transformers package: pip install transformers")
+    if args.fp8:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
+    return spec
+
+
+def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: List[str]) -> dict:
+    """Time our step (and the baseline's) and collect everything the table and JSON show."""
+    config = transformer_config(spec, device, args.attention_backend)
+    step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size)
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    rows = [measure("MegaDLMs" + (" fp8" if args.fp8 else "") + (" compiled" if args.torch_compile else ""),
+                    build_ours, spec, args, device, step_flops, "fp8" if args.fp8 else precision)]
+    if args.baseline == "hf":
+        rows.append(measure("HF transformers", build_hf, spec, args, device, step_flops, precision))
+    ratio = None
+    if len(rows) == 2:
+        ratio = {key: rows[0][key] / rows[1][key] for key in ("tokens_per_sec_per_gpu", "tflops_per_gpu")}
+    return {
+        "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
+                   "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
+                   "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
+                   "torch_compile": args.torch_compile, "attention_backend": args.attention_backend,
+                   "seed": args.seed},
+        "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
+                               for name, value in dataclasses.asdict(config).items()},
+        "attention_mask_type": "causal" if args.mode == "ar" else "no_mask",
+        "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
+        "rows": rows, "ratio": ratio, "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
+        "torch_version": torch.__version__, "transformers_version": _transformers_version(),
+        "device": _device_name(device) or "cpu",
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # the memory-stats calls want an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        spec = validate(args)
+    except UsageError as error:
+        print(f"train_throughput.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    result = run(args, spec, device, argv)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
