@@ -265,11 +265,18 @@ def _check_compatible(args, metadata: dict, source: str) -> None:
     saved = metadata["transformer_config"]
     current = dataclasses.asdict(args.transformer_config)
     for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                  "ffn_hidden_size", "unpadded_vocab_size", "normalization", "qk_layernorm", "gated_linear_unit",
+                  "ffn_hidden_size", "normalization", "qk_layernorm", "gated_linear_unit",
                   "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias"):
         if saved.get(field) != current[field]:
             raise ValueError(f"{source}: the checkpoint has {field}={saved.get(field)!r} but this run has "
                              f"{current[field]!r}; use the checkpoint's architecture")
+    # More stored rows than this tokenizer has (Hugging Face models pad their embeddings, e.g. Qwen's
+    # 151,936 rows for 151,665 tokens) load as padding. Fewer (tokens added, say a mask token) leave
+    # the new rows at their initialisation: only for a new run.
+    saved_vocab, vocab = saved.get("unpadded_vocab_size"), current["unpadded_vocab_size"]
+    if saved_vocab is not None and vocab is not None and saved_vocab < vocab and not args.finetune:
+        raise ValueError(f"{source}: the checkpoint has {saved_vocab} vocabulary rows but this run's tokenizer "
+                         f"has {vocab} tokens; pass --finetune to start from it with the new rows initialised")
     saved_tokenizer, tokenizer = metadata.get("tokenizer"), getattr(args.tokenizer, "identity", None)
     if saved_tokenizer and tokenizer and saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
         raise ValueError(f"{source}: the checkpoint was trained with another tokenizer "
