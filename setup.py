@@ -1,10 +1,15 @@
 """MegaDLMs: Megatron-style pretraining of masked diffusion and autoregressive language models."""
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "megatron" / "__init__.py").read_text())[1]
 
 setup(
     name="megadlms",
-    version="0.1.0",
+    version=VERSION,
     description="Megatron-style pretraining of masked diffusion language models and AR LMs on PyTorch",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*", "custom_args", "custom_args.*"]),

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import megatron
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
@@ -90,6 +91,7 @@ def _set_rng_state(model, state: Dict[str, torch.Tensor]) -> None:
 
 def _metadata(args, trainer, iteration: int) -> dict:
     return {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "framework": {"megadlms": megatron.__version__, "torch": torch.__version__},
             "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
             "adam_step": trainer.scheduler.num_steps,  # both advance once per applied update
             "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v

@@ -163,3 +163,12 @@ def test_async_save_lets_the_next_step_start_before_the_save_completes(tmp_path)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
     differences = result["differences"]
     assert differences and all(value == 0.0 for value in differences.values()), differences
+
+
+def test_fsdp2_zero2_resume_is_bit_exact(tmp_path):
+    zero2 = ["--data-parallel-sharding-strategy", "optim_grads", "--model-running-mode", "vanilla"]
+    straight = torchrun(2, *zero2, iters=6)
+    ckpt = str(tmp_path / "ckpt")
+    first = torchrun(2, *zero2, "--save", ckpt, "--exit-interval", "3", iters=6)
+    second = torchrun(2, *zero2, "--load", ckpt, iters=6)
+    assert sorted(second) == [4, 5, 6] and {**first, **second} == straight
