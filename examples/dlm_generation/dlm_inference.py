@@ -6,7 +6,8 @@
 
 The checkpoint's metadata.json gives the architecture and the running mode (diffusion or AR);
 it loads into one fp32 process whatever parallel layout it was saved with. The tokenizer type
-comes from the metadata; its file from --tokenizer-model (checkpoints record only a hash).
+comes from the metadata; its files from --tokenizer-model / --vocab-file / --merge-file, else
+from the absolute paths the checkpoint records (when they still exist on this machine).
 """
 
 import argparse
@@ -64,16 +65,35 @@ def random_model(vocab_size: int, mask_token_id: int) -> GPTModel:
     return GPTModel(config, DLMConfig(mask_token_id=mask_token_id)).eval()
 
 
+def recorded_tokenizer_files(identity: dict) -> dict:
+    """tokenizer_model / vocab_file / merge_file from the paths the checkpoint's identity records;
+    empty when it records none or they are not on this machine."""
+    files = identity.get("files") or []
+    if not files:
+        return {}
+    missing = [path for path in files if not os.path.isfile(path)]
+    if missing:
+        print(f"note: the checkpoint's tokenizer files {missing} are not here; pass --tokenizer-model "
+              "(or --vocab-file/--merge-file) to use text prompts")
+        return {}
+    if identity.get("type") == "GPT2BPETokenizer" and len(files) == 2:
+        return {"vocab_file": files[0], "merge_file": files[1]}
+    if identity.get("type") == "HuggingFaceTokenizer" and len(files) > 1:
+        return {"tokenizer_model": os.path.dirname(files[0])}  # tokenizer.json + configs: the folder
+    return {"tokenizer_model": files[0]}
+
+
 def build_text_tokenizer(args, identity: dict):
     """The tokenizer, or None when prompts are given as ids (NullTokenizer or no tokenizer file)."""
     tokenizer_type = args.tokenizer_type or identity.get("type")
-    tokenizer_model = args.tokenizer_model or (BUNDLED_TOKENIZER if not args.load else None)
+    paths = dict(tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    if not any(paths.values()):
+        paths.update(recorded_tokenizer_files(identity) if args.load else {"tokenizer_model": BUNDLED_TOKENIZER})
     if tokenizer_type in (None, "NullTokenizer") and not args.load:
         tokenizer_type = "SentencePieceTokenizer"
-    if tokenizer_type in (None, "NullTokenizer") or (tokenizer_model is None and args.vocab_file is None):
+    if tokenizer_type in (None, "NullTokenizer") or not (paths["tokenizer_model"] or paths["vocab_file"]):
         return None
-    tokenizer = build_tokenizer(Namespace(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
-                                          vocab_file=args.vocab_file, merge_file=args.merge_file))
+    tokenizer = build_tokenizer(Namespace(tokenizer_type=tokenizer_type, **paths))
     if identity.get("sha256") and tokenizer.identity.get("sha256") != identity["sha256"]:
         print("warning: this tokenizer's files differ from the ones the checkpoint was trained with")
     return tokenizer

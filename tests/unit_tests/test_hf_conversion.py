@@ -284,8 +284,10 @@ def test_spm_tokenizer_export_encodes_like_sentencepiece(tmp_path):
     tokenizer, identity = spm_identity()
     dlm = DLMConfig(model_running_mode="difflm-noshift", mask_token_id=tokenizer.mask)
     config = tiny_config(vocab_size=8192, unpadded_vocab_size=8192)
+    # An older checkpoint, whose identity does not record the tokenizer's files...
+    identity = {key: value for key, value in identity.items() if key != "files"}
     save_checkpoint(tmp_path / "ckpt", config, dlm, tokenizer=identity)
-    # The checkpoint does not record the tokenizer's path: the export asks for it...
+    # ...the export asks for them...
     assert megatron_to_hf.main(["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "x"), "--no-progress"]) == 1
     # ...and refuses a file with another hash.
     from sentencepiece import sentencepiece_model_pb2
@@ -332,6 +334,31 @@ def test_bpe_tokenizer_export_with_an_appended_mask_token(kind, tmp_path):
     assert hf_tokenizer.eos_token_id == tokenizer.eod
     for text in CORPUS[:5]:
         assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.tokenize(text)
+
+
+@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"])
+def test_tokenizer_export_finds_the_files_the_identity_records(kind, tmp_path):
+    """Training records the tokenizer's absolute paths: the export needs no tokenizer flag."""
+    from tests.unit_tests.test_tokenizers import save_gpt2, save_hf
+
+    if kind == "SentencePieceTokenizer":
+        tokenizer = SentencePieceTokenizer(SPM)
+    elif kind == "HuggingFaceTokenizer":  # a folder with config files: several files, one folder
+        folder = save_hf(tmp_path / "tok", configs={"tokenizer_config.json": {"eos_token": "<|endoftext|>"}})
+        tokenizer = HuggingFaceTokenizer(str(folder), add_mask_token=True)
+    else:
+        tokenizer = GPT2BPETokenizer(*save_gpt2(tmp_path / "tok"), add_mask_token=True)
+    identity = tokenizer.identity
+    assert identity["files"] and all(os.path.isabs(path) for path in identity["files"])
+    dlm = DLMConfig(model_running_mode="difflm-noshift", mask_token_id=tokenizer.mask)
+    vocab = tokenizer.vocab_size
+    save_checkpoint(tmp_path / "ckpt", tiny_config(vocab_size=vocab, unpadded_vocab_size=vocab), dlm,
+                    tokenizer=identity)
+    hf_config = export(tmp_path / "ckpt", tmp_path / "hf")  # no --tokenizer-model / --vocab-file
+    assert hf_config["mask_token_id"] == tokenizer.mask and hf_config["eos_token_id"] == tokenizer.eod
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    text = "Fellow-Citizens of the Senate and House of Representatives"
+    assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.tokenize(text)
 
 
 def test_spm_merges_replay_sentencepiece_priorities():

@@ -162,6 +162,10 @@ def test_mask_override_is_checked_against_the_vocabulary(files):
             build(mask_token=-1, **kwargs)
 
 
+def without_files(identity: dict) -> dict:
+    return {key: value for key, value in identity.items() if key != "files"}
+
+
 def test_identity_is_json_and_follows_file_content(files, tmp_path):
     for kind, tokenizer in build_each(files).items():
         identity = tokenizer.identity
@@ -169,18 +173,24 @@ def test_identity_is_json_and_follows_file_content(files, tmp_path):
         assert identity["type"] == type(tokenizer).type_name and len(identity["sha256"]) == 64
         assert (identity["vocab_size"], identity["eod"], identity["mask"]) == \
             (tokenizer.vocab_size, tokenizer.eod, None)
-    # Same bytes elsewhere: same identity. Different bytes: different sha256.
+        # Where it came from: the absolute paths of the files that were hashed.
+        assert identity["files"] == [os.path.abspath(path) for path in tokenizer._source_files()]
+        assert all(os.path.isabs(path) and os.path.isfile(path) for path in identity["files"])
+    # Same bytes elsewhere: same sha256 (the files differ). Different bytes: different sha256.
     moved = tmp_path / "moved.model"
     shutil.copy(files.sp, moved)
     original = SentencePieceTokenizer(files.sp).identity
-    assert SentencePieceTokenizer(str(moved)).identity == original
+    relocated = SentencePieceTokenizer(str(moved)).identity
+    assert relocated["files"] == [str(moved)] and relocated["files"] != original["files"]
+    assert without_files(relocated) == without_files(original)
     retrained = train_sentencepiece(tmp_path, "other", vocab_size=100)
     assert SentencePieceTokenizer(retrained).identity["sha256"] != original["sha256"]
 
     hf_copy = tmp_path / "hf_copy"
     shutil.copytree(files.hf, hf_copy)
     same = HuggingFaceTokenizer(str(hf_copy)).identity
-    assert same == HuggingFaceTokenizer(str(files.hf)).identity
+    assert without_files(same) == without_files(HuggingFaceTokenizer(str(files.hf)).identity)
+    assert same["files"][0] == str(hf_copy / "tokenizer.json")
     content = json.loads((hf_copy / "tokenizer.json").read_text())
     content["model"]["merges"] = content["model"]["merges"][:-1]
     (hf_copy / "tokenizer.json").write_text(json.dumps(content))

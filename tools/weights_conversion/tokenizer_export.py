@@ -41,7 +41,11 @@ def tokenizer_source_args(identity: dict, tokenizer_model: Optional[str] = None,
     kind = identity.get("type")
     files = identity.get("files") or []
     if kind == "SentencePieceTokenizer" or kind == "HuggingFaceTokenizer":
-        tokenizer_model = tokenizer_model or (files[0] if files else None)
+        recorded = files[0] if files else None
+        if kind == "HuggingFaceTokenizer" and len(files) > 1:
+            # tokenizer.json plus its folder's config files: it was loaded from the folder.
+            recorded = os.path.dirname(files[0])
+        tokenizer_model = tokenizer_model or recorded
         if not tokenizer_model:
             raise TokenizerExportError(
                 f"the checkpoint was trained with a {kind} (sha256 {identity.get('sha256')}) but does not record "

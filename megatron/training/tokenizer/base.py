@@ -145,14 +145,24 @@ class MegatronTokenizer(ABC):
 
     @property
     def identity(self) -> Dict[str, object]:
-        """A small JSON-able record for checkpoint metadata, to catch a tokenizer mix-up."""
-        return {
+        """A small JSON-able record for checkpoint metadata, to catch a tokenizer mix-up.
+
+        ``sha256`` is what compatibility checks compare (the same bytes anywhere are the same
+        tokenizer). ``files``, the absolute paths the tokenizer was loaded from, only says where
+        it came from, so exporters and generation scripts can find it again without flags; it is
+        absent for tokenizers without files (NullTokenizer).
+        """
+        files = self._source_files()
+        identity: Dict[str, object] = {
             "type": self.type_name,
             "vocab_size": self.vocab_size,
             "eod": self.eod,
             "mask": self.mask,
-            "sha256": sha256_of_files(self._source_files()),
+            "sha256": sha256_of_files(files),
         }
+        if files:
+            identity["files"] = [os.path.abspath(path) for path in files]
+        return identity
 
     # ----- mask resolution -----------------------------------------------------------------
     def _init_mask_token(self, mask_token: Optional[int] = None, add_mask_token: bool = False) -> None:

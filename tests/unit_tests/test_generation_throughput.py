@@ -1,0 +1,114 @@
+"""tools/benchmark/generation_throughput.py on CPU: the JSON it writes, the forward counts of each
+variant, the comparison with the baseline, and bad flags. No speed is asserted."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
+import generation_throughput as gt  # noqa: E402
+
+TINY = ["--model", "tiny", "--gen-length", "16", "--block-length", "8", "--prompt-length", "8"]
+
+
+def test_cli_writes_json_with_counts_and_baseline_comparison(tmp_path):
+    out = tmp_path / "g.json"
+    proc = subprocess.run([sys.executable, "tools/benchmark/generation_throughput.py", *TINY, "--batch-sizes", "1,2",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "| (a) no cache, no threshold |" in proc.stdout and "weights: random init" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["torch_version"] == torch.__version__
+    assert "generation_throughput.py" in result["command"] and "--json" in result["command"]
+    config = result["config"]
+    steps, gen_length = config["steps"], config["gen_length"]
+    assert steps == gen_length == 16 and result["dtype"] == "torch.float32"
+    rows = result["rows"]
+    assert [(row["batch_size"], row["variant"]) for row in rows] == [(b, v) for b in (1, 2) for v in gt.VARIANTS]
+    for row in rows:
+        for key in ("tokens_per_sec", "seconds_per_batch", "speedup_vs_baseline", "generated_tokens_per_forward"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["variant"], key, row[key])
+        assert len(row["seconds_all"]) == config["repeats"]
+        assert row["tokens_per_sec"] == pytest.approx(gen_length * row["batch_size"] / row["seconds_per_batch"])
+        assert 0.0 <= row["token_diff_fraction_vs_baseline"] <= 1.0
+        assert 0.0 <= row["identical_sequence_fraction_vs_baseline"] <= 1.0
+        assert 1 <= row["forward_calls"] <= steps  # cfg off: at most one forward a step
+        if row["threshold"] is None:
+            assert row["forward_calls"] == steps  # one token a step: exactly `steps` forwards
+        if row["variant"] == "baseline":
+            assert row["token_diff_fraction_vs_baseline"] == 0.0
+            assert row["identical_sequence_fraction_vs_baseline"] == 1.0
+            assert row["speedup_vs_baseline"] == 1.0
+    # The caches run fewer tokens per forward: the block (dual) or block onward (prefix) after
+    # one full pass per block; without a cache every forward runs the whole canvas.
+    canvas, blocks = config["prompt_length"] + gen_length, gen_length // config["block_length"]
+    by_name = {(row["batch_size"], row["variant"]): row for row in rows}
+    for batch in (1, 2):
+        assert by_name[(batch, "baseline")]["model_tokens"] == batch * steps * canvas
+        full_passes = batch * blocks * canvas
+        later = (steps // blocks - 1) * batch
+        assert by_name[(batch, "dual")]["model_tokens"] == full_passes + blocks * later * config["block_length"]
+        prefix_tokens = sum(later * (canvas - config["prompt_length"] - block * config["block_length"])
+                            for block in range(blocks))
+        assert by_name[(batch, "prefix")]["model_tokens"] == full_passes + prefix_tokens
+
+
+def test_threshold_that_always_fires_needs_one_forward_per_block(tmp_path):
+    """threshold 0: every masked token of the block commits at once, so one forward a block."""
+    result = gt.main([*TINY, "--batch-sizes", "2", "--threshold", "0", "--variants", "threshold,dual+threshold",
+                      "--repeats", "1", "--warmup", "0"])
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert rows["baseline"]["forward_calls"] == 16
+    assert rows["threshold"]["forward_calls"] == rows["dual+threshold"]["forward_calls"] == 2
+    assert rows["threshold"]["generated_tokens_per_forward"] == 8.0
+    assert result["config"]["variants"] == ["baseline", "threshold", "dual+threshold"]  # baseline always first
+
+
+def test_text_prompts_use_the_bundled_tokenizer_for_the_tiny_model():
+    result = gt.main([*TINY, "--batch-sizes", "1", "--prompt", "text", "--variants", "baseline", "--repeats", "1",
+                      "--warmup", "0"])
+    assert result["shape"]["vocab_size"] == 8192 and result["config"]["prompt"] == "text"
+
+
+def test_checkpoint_of_ours_with_text_prompts_from_the_recorded_tokenizer(tmp_path):
+    """--load builds the checkpoint's shape and tokenizes with the files its identity records."""
+    pytest.importorskip("transformers")
+    from megatron.core.transformer.transformer_config import DLMConfig
+    from megatron.training.tokenizer import SentencePieceTokenizer
+    from tests.unit_tests.test_hf_conversion import SPM, save_checkpoint, tiny_config
+
+    tokenizer = SentencePieceTokenizer(SPM)
+    dlm = DLMConfig(model_running_mode="difflm-shift", mask_token_id=tokenizer.mask)
+    save_checkpoint(tmp_path / "ckpt", tiny_config(vocab_size=8192, unpadded_vocab_size=8192), dlm,
+                    tokenizer=tokenizer.identity)
+    result = gt.main(["--load", str(tmp_path / "ckpt"), "--gen-length", "16", "--block-length", "8",
+                      "--prompt-length", "8", "--batch-sizes", "2", "--prompt", "text", "--variants", "prefix",
+                      "--repeats", "1", "--warmup", "0"])
+    assert result["weights"].startswith("checkpoint ") and result["running_mode"] == "difflm-shift"
+    assert result["shape"]["num_layers"] == 2 and result["shape"]["hidden_size"] == 32
+    assert [row["forward_calls"] for row in result["rows"]] == [16, 16]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt-9"], "unknown --model 'gpt-9'"),
+    (["--model", "qwen3-1.7b", "--prompt", "text"], "--prompt text needs a tokenizer"),
+    ([*TINY, "--block-length", "5"], "is not a multiple of block_length"),
+    ([*TINY, "--steps", "3"], "is not divisible by the 2 blocks"),
+    ([*TINY, "--variants", "baseline,fast"], "unknown --variants fast"),
+    ([*TINY, "--batch-sizes", "0"], "--batch-sizes [0] must be positive"),
+    (["--model", "tiny"], "--prompt-length + --gen-length = 384 exceeds the model's max positions 256"),
+])
+def test_bad_flags_give_one_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gt.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

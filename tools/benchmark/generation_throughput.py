@@ -1,0 +1,403 @@
+"""DLM generation throughput: LLaDA's sampler against the Fast-dLLM speed-ups (KV cache, threshold).
+
+    python tools/benchmark/generation_throughput.py --model qwen3-1.7b --batch-sizes 1,8 \
+        [--gen-length 256 --block-length 32 --steps 256 --threshold 0.9] [--prompt-length 128] \
+        [--prompt random|text] [--load CKPT [--tokenizer-model FILE]] [--variants ...] [--json OUT]
+
+The model is our `GPTModel` (random init of the named shape, or `--load` a checkpoint of ours,
+whose metadata gives the shape), bf16 weights on CUDA, fp32 on CPU, driven through
+`megatron.core.inference.generation.generate` with `GPTModel.inference_forward`, greedy
+(temperature 0) and without an EOS stop, so every variant generates all `--gen-length` tokens.
+Variants (a) baseline: no cache, no threshold, `--steps` steps (default one token per step,
+LLaDA's default); (b) dual cache + threshold; (c) prefix cache + threshold; and the cache or the
+threshold alone. Per batch size and variant: tokens/s (generated tokens x batch / seconds), the
+median seconds of one `generate` call over `--repeats` calls after `--warmup` calls (CUDA events
+on GPU, wall clock on CPU), the model forward calls and the tokens they ran, the speed-up over
+(a), and how far the output moves from (a): the fraction of generated tokens that differ and
+the fraction of sequences that are identical.
+
+A random-init model has flat confidences: the threshold then almost never fires (threshold
+variants make as many forwards as (a)) and near-ties make the cached outputs diverge more than a
+trained model's would. `--load` a trained checkpoint to measure the threshold's effect; the
+table header says which weights were used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
+
+from megatron.core.dist_checkpointing import serialization  # noqa: E402
+from megatron.core.inference import generation  # noqa: E402
+from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
+                                                          TransformerConfig)
+from megatron.training.checkpointing import checkpoint_dir, latest_iteration  # noqa: E402
+
+BUNDLED_TOKENIZER = os.path.join(ROOT, "examples", "data", "tokenizer", "spm_8k.model")
+BUNDLED_TEXT = os.path.join(ROOT, "examples", "data", "sotu_1790_1928.jsonl.gz")
+UsageError = shapes.UsageError
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    cache: Optional[str]
+    use_threshold: bool
+
+
+VARIANTS: Dict[str, Variant] = {
+    "baseline": Variant("(a) no cache, no threshold", None, False),
+    "dual+threshold": Variant("(b) dual cache + threshold", "dual", True),
+    "prefix+threshold": Variant("(c) prefix cache + threshold", "prefix", True),
+    "dual": Variant("dual cache only", "dual", False),
+    "prefix": Variant("prefix cache only", "prefix", False),
+    "threshold": Variant("threshold only", None, True),
+}
+
+
+@dataclass
+class Bench:
+    """The model under test and what generation needs to know about it."""
+
+    model: GPTModel
+    mask_token_id: int
+    pattern: dict
+    """The attention the model was trained with (as GPTModel.generate passes it)."""
+    weights: str
+    """A line for the table header: random init or which checkpoint."""
+    max_positions: int
+    tokenizer: object = None
+
+
+# ---------------------------------------------------------------------- the model
+def _finish(model: GPTModel, device: torch.device) -> GPTModel:
+    """Inference precision: bf16 weights on CUDA (no per-forward casts of fp32 masters), fp32 on CPU."""
+    model = model.to(device)
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    return model.eval()
+
+
+def _bench_of(model: GPTModel, weights: str, tokenizer=None) -> Bench:
+    dlm = model.dlm_config
+    pattern = dict(attention_mask_type=dlm.effective_mask_type, attention_block_size=dlm.block_size,
+                   sliding_window=model.config.sliding_window)
+    return Bench(model, dlm.mask_token_id, pattern, weights, model.config.max_position_embeddings, tokenizer)
+
+
+def random_bench(args: argparse.Namespace, device: torch.device) -> Bench:
+    """The named shape at random init; the tiny model takes the bundled tokenizer's vocabulary for text prompts."""
+    spec = shapes.MODELS[args.model]
+    tokenizer = None
+    if args.prompt == "text":
+        tokenizer = _build_tokenizer("SentencePieceTokenizer", BUNDLED_TOKENIZER)
+        spec = dataclasses.replace(spec, vocab_size=tokenizer.vocab_size)
+    mask = tokenizer.mask if tokenizer is not None and tokenizer.mask is not None else spec.vocab_size - 1
+    config = shapes.transformer_config(spec, device, args.attention_backend)
+    dlm = DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask", mask_token_id=mask,
+                    seed=args.seed)
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # no host-side init of billions of weights
+        model = GPTModel(config, dlm)
+    return _bench_of(_finish(model, device), f"random init (seed {args.seed}; flat confidences, see the docstring)",
+                     tokenizer)
+
+
+def checkpoint_bench(args: argparse.Namespace, device: torch.device) -> Bench:
+    """The latest checkpoint under --load, in one process whatever layout it was saved with."""
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        raise UsageError(f"--load {args.load}: no latest_checkpointed_iteration.txt; point it at a --save directory")
+    source = checkpoint_dir(args.load, iteration)
+    with open(os.path.join(source, "metadata.json")) as handle:
+        metadata = json.load(handle)
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
+    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
+    single = dict(params_dtype=torch.float32, bf16=device.type == "cuda", fp16=False, tensor_model_parallel_size=1,
+                  pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
+                  sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                  recompute_num_layers=None, attention_backend=args.attention_backend)
+    config = TransformerConfig(**{**saved, **single, "vocab_size": vocab, "unpadded_vocab_size": vocab})
+    dlm = DLMConfig(**metadata["dlm_config"])
+    if dlm.model_running_mode == "vanilla":
+        raise UsageError(f"--load {args.load}: an autoregressive (vanilla) checkpoint; "
+                         "this benchmark times DLM sampling")
+    with torch.device(device):
+        model = GPTModel(config, dlm)
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
+        warnings.simplefilter("ignore")
+        serialization.load(model.sharded_state_dict(prefix="model."), source)
+    tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt == "text" else None
+    return _bench_of(_finish(model, device), f"checkpoint {os.path.abspath(source)}", tokenizer)
+
+
+def _build_tokenizer(kind: str, tokenizer_model: str):
+    from megatron.training.tokenizer import build_tokenizer
+
+    return build_tokenizer(argparse.Namespace(tokenizer_type=kind, tokenizer_model=tokenizer_model))
+
+
+def _checkpoint_tokenizer(identity: dict, args: argparse.Namespace):
+    """The training tokenizer: --tokenizer-model or the files the checkpoint records, checked by sha256."""
+    from tools.weights_conversion.tokenizer_export import TokenizerExportError, rebuild_training_tokenizer
+
+    try:
+        tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=args.tokenizer_model)
+    except (TokenizerExportError, OSError, ValueError) as error:
+        raise UsageError(f"--prompt text: {error}") from None
+    if tokenizer is None:
+        raise UsageError("--prompt text: the checkpoint was trained with a NullTokenizer; use --prompt random")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------- prompts
+def text_tokens(tokenizer, count: int) -> List[int]:
+    """The first `count` tokens of the bundled speeches, document after document."""
+    tokens: List[int] = []
+    with gzip.open(BUNDLED_TEXT, "rt") as handle:
+        for line in handle:
+            tokens += [t for t in tokenizer.tokenize(json.loads(line)["text"]) if t != tokenizer.mask]
+            if len(tokens) >= count:
+                return tokens[:count]
+    raise UsageError(f"the bundled text has only {len(tokens)} tokens; lower --prompt-length or the batch size")
+
+
+def prompt_batch(bench: Bench, args: argparse.Namespace, batch_size: int, device: torch.device) -> torch.Tensor:
+    """[batch, prompt_length]: seeded random ids (never the mask id) or consecutive slices of real text."""
+    length = args.prompt_length
+    if args.prompt == "text":
+        flat = torch.tensor(text_tokens(bench.tokenizer, batch_size * length))
+        return flat.view(batch_size, length).to(device)
+    vocab = bench.model.config.vocab_size
+    ids = torch.randint(0, vocab - 1, (batch_size, length), generator=torch.Generator().manual_seed(args.seed))
+    ids[ids >= bench.mask_token_id] += 1  # skip the mask id, stay inside the vocabulary
+    return ids.to(device)
+
+
+# ---------------------------------------------------------------------- timing
+def _now(device: torch.device):
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds(start, end, device: torch.device) -> float:
+    if device.type == "cuda":
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return end - start
+
+
+def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, args: argparse.Namespace,
+                device: torch.device) -> dict:
+    """Warm up, then time `--repeats` generate calls; forwards, model tokens and the output of the last."""
+    counts = {"forwards": 0, "tokens": 0}
+
+    def model_fn(ids, positions, mask, cache, start):
+        counts["forwards"] += 1
+        counts["tokens"] += ids.numel()
+        return bench.model.inference_forward(ids, positions, mask, cache, start)
+
+    options = dict(bench.pattern, gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                   temperature=0.0, cache=variant.cache, threshold=args.threshold if variant.use_threshold else None)
+
+    def once() -> torch.Tensor:
+        return generation.generate(model_fn, prompts, running_mode=bench.model.running_mode,
+                                   mask_token_id=bench.mask_token_id, **options)
+
+    for _ in range(args.warmup):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, outputs, per_call = [], [], []
+    for _ in range(args.repeats):
+        counts.update(forwards=0, tokens=0)
+        start = _now(device)
+        outputs.append(once())
+        seconds.append(_seconds(start, _now(device), device))
+        per_call.append(dict(counts))
+    if any(call != per_call[0] for call in per_call):
+        raise RuntimeError(f"{variant.label}: the forward count changed between identical calls: {per_call}")
+    return {"seconds": seconds, "forward_calls": per_call[0]["forwards"], "model_tokens": per_call[0]["tokens"],
+            "output": outputs[-1], "repeats_identical": all(torch.equal(o, outputs[0]) for o in outputs),
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+def measure(bench: Bench, args: argparse.Namespace, device: torch.device) -> List[dict]:
+    """One row per (batch size, variant); the first variant of each batch size is the baseline (a)."""
+    rows = []
+    prompt_length = args.prompt_length
+    for batch_size in args.batch_sizes:
+        prompts = prompt_batch(bench, args, batch_size, device)
+        baseline = None
+        for name in args.variants:
+            run = run_variant(bench, prompts, VARIANTS[name], args, device)
+            generated = run.pop("output")[:, prompt_length:]
+            if baseline is None:
+                baseline = dict(run, generated=generated)
+            seconds = statistics.median(run["seconds"])
+            same_tokens = generated == baseline["generated"]
+            rows.append({
+                "batch_size": batch_size, "variant": name, "label": VARIANTS[name].label,
+                "cache": VARIANTS[name].cache,
+                "threshold": args.threshold if VARIANTS[name].use_threshold else None,
+                "seconds_per_batch": seconds, "seconds_all": run["seconds"],
+                "tokens_per_sec": args.gen_length * batch_size / seconds,
+                "forward_calls": run["forward_calls"], "model_tokens": run["model_tokens"],
+                "generated_tokens_per_forward": args.gen_length / run["forward_calls"],
+                "speedup_vs_baseline": statistics.median(baseline["seconds"]) / seconds,
+                "token_diff_fraction_vs_baseline": 1.0 - same_tokens.float().mean().item(),
+                "identical_sequence_fraction_vs_baseline": same_tokens.all(dim=1).float().mean().item(),
+                "repeats_identical": run["repeats_identical"], "peak_memory_gib": run["peak_memory_gib"]})
+    return rows
+
+
+# ---------------------------------------------------------------------- report
+def print_table(result: dict) -> None:
+    config = result["config"]
+    print(f"\nDLM generation throughput: {result['model']} on {result['device']} (torch {result['torch_version']})")
+    print(f"weights: {result['weights']}")
+    print(f"prompt {config['prompt']} x {config['prompt_length']} tokens, gen_length {config['gen_length']}, "
+          f"block_length {config['block_length']}, steps {config['steps']}, threshold {config['threshold']}, "
+          f"greedy, no EOS stop; median of {config['repeats']} calls after {config['warmup']} warm-up\n")
+    print("| batch | variant | tokens/s | s / batch | forwards | model tokens | gen tokens / forward "
+          "| speed-up vs (a) | tokens ≠ (a) | sequences = (a) | peak GiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in result["rows"]:
+        peak = "-" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f}"
+        print(f"| {row['batch_size']} | {row['label']} | {row['tokens_per_sec']:.1f} | {row['seconds_per_batch']:.3f} "
+              f"| {row['forward_calls']} | {row['model_tokens']:,} | {row['generated_tokens_per_forward']:.2f} "
+              f"| {row['speedup_vs_baseline']:.2f}x | {100 * row['token_diff_fraction_vs_baseline']:.1f}% "
+              f"| {100 * row['identical_sequence_fraction_vs_baseline']:.0f}% | {peak} |")
+    if not all(row["repeats_identical"] for row in result["rows"]):
+        print("note: some variant gave different outputs on identical calls (nondeterministic kernels)")
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-1.7b", help=f"A named shape: {', '.join(shapes.MODELS)}.")
+    parser.add_argument("--load", help="A --save directory of ours (its shape wins over --model).")
+    parser.add_argument("--tokenizer-model", help="With --load --prompt text: the training tokenizer "
+                        "(default: the files the checkpoint records).")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    parser.add_argument("--gen-length", type=int, default=256)
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--steps", type=int, help="Denoising steps of (a); default gen-length (one token a step).")
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--prompt", choices=["random", "text"], default="random",
+                        help="Seeded random ids, or the bundled speeches (bundled tokenizer for the tiny model, "
+                             "the checkpoint's with --load).")
+    parser.add_argument("--variants", type=lambda text: [v for v in text.split(",") if v],
+                        default=list(VARIANTS), help=f"Comma-separated, from {', '.join(VARIANTS)}; "
+                        "the baseline is always run first.")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", help="Default: cuda when available, else cpu.")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--json", help="Write every number, the command and versions here.")
+    return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    if args.load is None and args.model not in shapes.MODELS:
+        raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(shapes.MODELS)}")
+    if args.prompt == "text" and args.load is None and args.model != "tiny":
+        raise UsageError("--prompt text needs a tokenizer of the model's vocabulary: use --model tiny "
+                         "(bundled tokenizer) or --load a checkpoint; else --prompt random")
+    unknown = [name for name in args.variants if name not in VARIANTS]
+    if unknown:
+        raise UsageError(f"unknown --variants {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    args.variants = ["baseline"] + [name for name in dict.fromkeys(args.variants) if name != "baseline"]
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise UsageError(f"--batch-sizes {args.batch_sizes} must be positive integers")
+    for flag in ("prompt_length", "repeats"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup} must be at least 0")
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    args.steps = args.steps or args.gen_length
+    for threshold in (None, args.threshold):
+        try:
+            generation.resolve_options("difflm-noshift", gen_length=args.gen_length, block_length=args.block_length,
+                                       steps=args.steps, threshold=threshold)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        validate(args)
+        bench = checkpoint_bench(args, device) if args.load else random_bench(args, device)
+        if args.prompt_length + args.gen_length > bench.max_positions:
+            raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
+                             f"model's max positions {bench.max_positions}; shorten them")
+    except UsageError as error:
+        print(f"generation_throughput.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    config = bench.model.config
+    result = {
+        "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *argv]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_version": torch.__version__,
+        "model": args.load or args.model, "weights": bench.weights, "running_mode": bench.model.running_mode,
+        "parameters": sum(p.numel() for p in bench.model.parameters()),
+        "dtype": str(next(bench.model.parameters()).dtype),
+        "shape": {name: getattr(config, name) for name in ("num_layers", "hidden_size", "num_attention_heads",
+                                                           "num_query_groups", "kv_channels", "ffn_hidden_size",
+                                                           "vocab_size", "qk_layernorm")},
+        "config": {name: getattr(args, name) for name in ("batch_sizes", "gen_length", "block_length", "steps",
+                                                          "threshold", "prompt", "prompt_length", "variants",
+                                                          "warmup", "repeats", "seed", "attention_backend")},
+        "rows": measure(bench, args, device),
+    }
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
