@@ -25,7 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.models.difflm import diffusion
-from megatron.core.models.difflm.gpt_model import GPTModel, positions_from_documents
+from megatron.core.models.difflm.gpt_model import GPTModel, check_token_ids, positions_from_documents
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training import pretrain
 from megatron.training.training import StepContext
@@ -33,8 +33,10 @@ from megatron.training.training import StepContext
 
 def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
                    pg: Optional[ProcessGroups] = None) -> GPTModel:
-    return GPTModel(args.transformer_config, args.dlm_config, pre_process=pre_process, post_process=post_process,
-                    pg=pg)
+    # get_batch checks every batch's ids on the host before the copy, so the model need not read
+    # them back from the device (a host sync per micro-batch); it keeps a device-side assert.
+    config = args.transformer_config.replace(check_token_ids=False)
+    return GPTModel(config, args.dlm_config, pre_process=pre_process, post_process=post_process, pg=pg)
 
 
 def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
@@ -64,6 +66,8 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
               device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
     """Tokens, targets, loss mask and packing metadata of one micro-batch on `device`."""
     sample = next(data_iterator)
+    # Still on the host: the range check costs no device sync here (the model skips its own).
+    check_token_ids("tokens", sample["tokens"], args.padded_vocab_size)
     tokens = sample["tokens"].to(device, non_blocking=True)
     length = args.seq_length
     dlm = args.dlm_config
@@ -85,10 +89,9 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
             "index": sample["index"].to(device)}
 
 
-def loss_func(loss_weights: torch.Tensor, normalizer: torch.Tensor,
-              per_token_loss: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def loss_func(normalizer: torch.Tensor, loss_sum: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sum of weighted token losses, loss tokens): the loop divides once per global batch."""
-    return (per_token_loss * loss_weights).sum(), normalizer
+    return loss_sum, normalizer
 
 
 def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, args: argparse.Namespace):
@@ -107,10 +110,11 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
         weights = batch["loss_mask"].float()
         normalizer = weights.sum()
         model_input = batch["inputs"]
-    per_token_loss, _ = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
-                              loss_weights=weights, loss_normalizer=normalizer.clamp(min=1.0),
-                              document_ids=batch["document_ids"])
-    return per_token_loss, partial(loss_func, weights, normalizer)
+    # A normaliser of 1 makes the model return the weighted sum itself: its gradient then flows
+    # through the model's loss, which the masked-only output layer prepares in its forward.
+    _, loss_sum = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
+                        loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"])
+    return loss_sum, partial(loss_func, normalizer)
 
 
 def main(argv: Optional[List[str]] = None):

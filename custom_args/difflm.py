@@ -31,4 +31,10 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Probability that a training micro-batch is cut to a random length (LLaDA: 0.01).")
     g.add_argument("--difflm-per-document-t", action="store_true",
                    help="With --reset-attention-mask, draw t per packed document.")
+    g.add_argument("--difflm-masked-only-loss", action="store_true",
+                   help="Output layer and cross-entropy only at positions with a loss weight (the masked "
+                        "tokens), in chunks: no full fp32 logits. Same loss and gradients; one host sync "
+                        "per micro-batch.")
+    g.add_argument("--difflm-loss-chunk-size", type=int, default=4096,
+                   help="Tokens per chunk of --difflm-masked-only-loss (memory ~ 8 bytes x chunk x vocab / tp).")
     return parser

@@ -53,6 +53,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], help="Activation recompute.")
     g.add_argument("--recompute-method", choices=["uniform", "block"], help="Which layers full recompute covers.")
     g.add_argument("--recompute-num-layers", type=int, help="Layers per group (uniform) or recomputed (block).")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile every transformer layer in place (one graph shared by all layers; "
+                        "embedding and loss stay eager). The first steps pay the compile time.")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -346,4 +349,5 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
         t_sampling=args.difflm_t_sampling, loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
-        per_document_t=args.difflm_per_document_t, seed=args.seed)
+        per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
+        loss_chunk_size=args.difflm_loss_chunk_size, seed=args.seed)

@@ -26,6 +26,7 @@ from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
+from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, load_checkpoint
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
@@ -274,6 +275,8 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     with torch.device(runtime.device):  # no host-side init of billions of weights
         model = model_provider(args, pre_process=True, post_process=True, pg=state.groups)
     model = model.to(runtime.device)
+    if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
+        compile_transformer_layers(model)
     logger = TrainingLogger(args, runtime, model.config)
     logger.log_start(model, state)
     model = wrap_data_parallel(model, runtime.device, state.groups.dp, args.data_parallel_sharding_strategy)

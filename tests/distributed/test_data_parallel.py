@@ -23,6 +23,16 @@ def test_two_data_parallel_ranks_match_one_process(strategy, mode, tmp_path):
     assert_same_training(single, parallel, by_name=True)
 
 
+def test_masked_only_loss_under_fsdp2_matches_one_process_with_full_logits(tmp_path):
+    """The chunked masked-only loss saves the (tied) output weight for its backward: FSDP2's
+    unsharded parameters must still be the ones it saw."""
+    argv = ARGV + ["--model-running-mode", "difflm-noshift"]
+    single = run(1, argv, tmp_path, "single")
+    parallel = run(2, argv + ["--data-parallel-sharding-strategy", "optim_grads_params",
+                              "--difflm-masked-only-loss", "--difflm-loss-chunk-size", "16"], tmp_path, "fsdp2")
+    assert_same_training(single, parallel, by_name=True)
+
+
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_sharded_optimizer_state_is_a_quarter_on_four_replicas(strategy, tmp_path):
     argv = TINY_GQA + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4",

@@ -33,6 +33,17 @@ def test_tensor_parallel_layout_matches_one_process(layout, mode, tmp_path):
                          run(world_size, argv + parallel_flags, tmp_path, layout))
 
 
+@pytest.mark.parametrize("layout,mode", [("tp2_tied", "difflm-noshift"), ("tp2_sp", "difflm-shift")])
+def test_masked_only_loss_under_tensor_parallel_matches_full_logits_in_one_process(layout, mode, tmp_path):
+    """The chunked vocab-parallel output layer + cross-entropy at the masked positions only (chunks
+    of 16 tokens, vocabulary padded 121 -> 128) against one process computing every logit."""
+    world_size, model_flags, parallel_flags = LAYOUTS[layout]
+    argv = ARGV + model_flags + ["--model-running-mode", mode]
+    masked_only = ["--difflm-masked-only-loss", "--difflm-loss-chunk-size", "16"]
+    assert_same_training(run(1, argv, tmp_path, "reference"),
+                         run(world_size, argv + parallel_flags + masked_only, tmp_path, layout))
+
+
 def _dropout_worker(rank: int, port: int, out: str) -> None:
     import os
 

@@ -274,6 +274,21 @@ def test_token_ids_outside_the_vocabulary_are_rejected_clearly():
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
+@pytest.mark.parametrize("check_token_ids", [True, False])
+def test_bad_labels_fail_before_the_decoder_runs(check_token_ids, monkeypatch):
+    """One check of every id up front (without check_token_ids a device-side assert, exact on CPU)."""
+    model = build(config=tiny_config(check_token_ids=check_token_ids))
+
+    def decoder_must_not_run(*args, **kwargs):
+        raise AssertionError("the decoder ran before the labels were checked")
+
+    monkeypatch.setattr(model.decoder, "forward", decoder_must_not_run)
+    with pytest.raises(ValueError, match="labels.*outside.*--vocab-size"):
+        model(tokens(1, 8), labels=torch.full((1, 8), VOCAB))
+    with pytest.raises(ValueError, match="position_ids.*max-position-embeddings"):
+        model.compute_loss(tokens(1, 8), position_ids=torch.full((1, 8), 64))
+
+
 @pytest.mark.parametrize("changes,field", [
     (dict(num_attention_heads=4, num_query_groups=3), "num_query_groups"),
     (dict(normalization="BatchNorm"), "normalization"),

@@ -177,9 +177,40 @@ def test_compile_seam_compiles_every_layer_in_place():
     spec = tt.MODELS["tiny"]
     model = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
     names = list(model.state_dict())
-    assert tt.compile_layers(model) == spec.num_layers
+    assert tt.compile_transformer_layers(model) == spec.num_layers
     assert all(layer._compiled_call_impl is not None for layer in model.decoder.layers.values())
     assert list(model.state_dict()) == names
+
+
+def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
+    result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path)])
+    row = result["rows"][0]
+    assert row["name"] == "MegaDLMs masked-only" and row["masked_only_loss"] and result["config"]["masked_only_loss"]
+    profile = row["profile"]
+    assert profile["steps"] == tt.PROFILED_STEPS and profile["time"].startswith("CPU")
+    assert set(profile["ms_per_step"]) == set(tt.kernel_breakdown.CATEGORIES)
+    assert sum(profile["ms_per_step"].values()) == pytest.approx(profile["total_ms_per_step"])
+    for category in ("attention", "gemm", "loss", "optimizer"):  # each is found in a real step
+        assert profile["ms_per_step"][category] > 0, category
+    assert os.path.getsize(profile["trace"]) > 0
+
+
+@pytest.mark.parametrize("kernel, callers, category", [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128", ["aten::_cudnn_attention"],
+     "attention"),
+    ("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", ["aten::mm", "_LinearCrossEntropy"], "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ["aten::addmm", "aten::linear"], "gemm"),
+    ("void at::native::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>",
+     ["aten::_log_softmax", "aten::log_softmax"], "loss"),
+    ("void at::native::vectorized_elementwise_kernel<4, exp_kernel_cuda>", ["aten::exp_", "_LinearCrossEntropy"],
+     "loss"),
+    ("void at::native::vectorized_elementwise_kernel<4, mul>",
+     ["aten::mul_", "autograd::engine::evaluate_function: _VocabParallelCrossEntropyBackward"], "loss"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", ["aten::_fused_adamw_"], "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, add>", ["aten::add", "aten::silu"], "other"),
+])
+def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, callers, category):
+    assert tt.kernel_breakdown.classify(kernel, callers) == category
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -234,3 +234,15 @@ def test_parallel_layout_problems_exit_2_before_any_model(argv, message, capsys)
         parse_args(TINY + ["--train-iters", "1"] + argv, add_difflm_args, world_size=world)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_get_batch_rejects_out_of_range_tokens_on_the_host():
+    """The data path owns the id check in training (the model skips its host sync there)."""
+    from megatron.training.training import StepContext
+
+    args = parse_args(TINY + ["--train-iters", "1", "--seq-length", "8"], add_difflm_args, world_size=1)
+    assert not pretrain_difflm.model_provider(args).config.check_token_ids
+    tokens = torch.tensor([[5, 6, 7, args.padded_vocab_size, 8, 9, 10, 11, 12]])
+    with pytest.raises(ValueError, match=r"tokens holds values in \[5, 128\].*--vocab-size"):
+        pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), args,
+                                  StepContext(0, 0, 1, 0), torch.device("cpu"))

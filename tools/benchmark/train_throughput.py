@@ -2,13 +2,16 @@
 
     python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
-        [--attention-backend auto] [--json OUT]
+        [--masked-only-loss] [--attention-backend auto] [--profile DIR] [--json OUT]
 
 Our row is the real thing on one device: `GPTModel` built from `TransformerConfig`/`DLMConfig`
 (bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
 AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (the keyed
 diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
-gradient clipping, optimizer step and zero-grad, on seeded random tokens.
+gradient clipping, optimizer step and zero-grad, on seeded random tokens. The levers of the
+library are flags here as in pretrain_difflm.py: `--masked-only-loss` (DLMConfig.masked_only_loss:
+output layer and cross-entropy at the loss positions only, chunked) and `--torch-compile`
+(megatron.core.transformer.compilation, every transformer layer compiled in place).
 
 `--baseline hf` builds the equivalent transformers model (Qwen3ForCausalLM or LlamaForCausalLM,
 random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager) and runs the step a
@@ -20,6 +23,10 @@ Both rows are counted with the FLOPs formula of megatron/training/flops.py (the 
 console MFU uses): bidirectional attention counts the full s keys, causal s/2. MFU is against
 the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on CPU. Step times are the
 median of the timed steps (CUDA events on GPU, wall clock on CPU), after --warmup steps.
+
+`--profile DIR` then runs 3 more steps of each row under torch.profiler, prints where the time
+went (attention, gemm, loss, optimizer, other; CUDA kernel time on GPU, CPU time on CPU, see
+kernel_breakdown.py), stores it in the row's "profile" and writes a Chrome trace per row to DIR.
 """
 
 from __future__ import annotations
@@ -40,17 +47,22 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kernel_breakdown  # noqa: E402
 
 from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training import flops  # noqa: E402
 
 # The optimizer settings of the launch scripts (examples/dlm_training/dlm_pretrain_1.7b.sh).
 LR, WEIGHT_DECAY, BETAS, CLIP_GRAD, DLM_EPS = 2e-4, 0.1, (0.9, 0.95), 1.0, 1e-3
+PROFILED_STEPS = 3
 
 
 class UsageError(Exception):
@@ -96,23 +108,26 @@ MODELS: Dict[str, ModelSpec] = {
 
 # ---------------------------------------------------------------------- configuration
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto") -> TransformerConfig:
-    """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere."""
+    """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
+    batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host."""
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden_size,
         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_positions, normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
         activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
-        params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend)
+        params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
+        check_token_ids=False)
 
 
-def dlm_config(spec: ModelSpec, mode: str, seed: int) -> DLMConfig:
+def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False) -> DLMConfig:
     """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normaliser), fixed length."""
     if mode == "ar":
-        return DLMConfig(model_running_mode="vanilla", seed=seed)
+        return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss)
     return DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask",
                      mask_token_id=mask_token_id(spec), eps=DLM_EPS, t_sampling="antithetic",
-                     loss_weight="inverse_p", loss_normalizer="tokens", seed=seed)
+                     loss_weight="inverse_p", loss_normalizer="tokens", seed=seed,
+                     masked_only_loss=masked_only_loss)
 
 
 def mask_token_id(spec: ModelSpec) -> int:
@@ -166,27 +181,17 @@ def enable_float8(model: nn.Module) -> int:
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
-def compile_layers(model: GPTModel) -> int:
-    """torch.compile each transformer layer in place (parameter names unchanged).
-
-    GPTModel has no compile hook yet; the layers are the natural unit (one graph reused by every
-    layer of the same shape, the embedding/loss left eager)."""
-    layers = list(model.decoder.layers.values())
-    for layer in layers:
-        layer.compile()
-    return len(layers)
-
-
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend)
-    dlm = dlm_config(spec, args.mode, args.seed)
+    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
     model = model.to(device).train()
     info = {"fp8_linears": enable_float8(model) if args.fp8 else 0,
-            "compiled_layers": compile_layers(model) if args.torch_compile else 0}
+            "compiled_layers": compile_transformer_layers(model) if args.torch_compile else 0,
+            "masked_only_loss": args.masked_only_loss}
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD))
     batch = args.micro_batch_size
@@ -350,9 +355,10 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model, optimizer, step, info = build(spec, args, device)
-    batches = random_batches(spec, args.warmup + args.steps, args.micro_batch_size, args.seq_length,
-                             args.seed, device)
-    times, loss = time_steps(step, batches, args.warmup, device)
+    timed = args.warmup + args.steps
+    batches = random_batches(spec, timed + (PROFILED_STEPS if args.profile else 0), args.micro_batch_size,
+                             args.seq_length, args.seed, device)
+    times, loss = time_steps(step, batches[:timed], args.warmup, device)
     median_ms = statistics.median(times)
     tokens = args.micro_batch_size * args.seq_length
     peak = flops.peak_tflops(_device_name(device), precision) if device.type == "cuda" else None
@@ -361,6 +367,10 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
            "step_ms": times, "median_step_ms": median_ms, **metrics, "peak_tflops": peak,
            "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None),
            "final_loss": loss, **info}
+    if args.profile:  # after the timing, which the profiler would slow down
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
+        row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
     del model, optimizer, step, batches
     gc.collect()
     if device.type == "cuda":
@@ -401,6 +411,9 @@ def print_table(result: dict) -> None:
         ratio = result["ratio"]
         print(f"ours / baseline: tokens/s {ratio['tokens_per_sec_per_gpu']:.3f}x, "
               f"TFLOP/s {ratio['tflops_per_gpu']:.3f}x")
+    for row in result["rows"]:
+        if row.get("profile"):
+            print(kernel_breakdown.format_table(row["name"], row["profile"]))
 
 
 # ---------------------------------------------------------------------- command line
@@ -418,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hf: also time the equivalent transformers model in this process.")
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
+    parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
+                        help="Our output layer and cross-entropy only at the loss positions, in chunks "
+                             "(DLMConfig.masked_only_loss).")
+    parser.add_argument("--profile", metavar="DIR",
+                        help=f"After timing, profile {PROFILED_STEPS} more steps of each row: print the time "
+                             "by attention/gemm/loss/optimizer/other, write Chrome traces to DIR.")
     parser.add_argument("--attention-backend", default="auto", help=f"One of {', '.join(ATTENTION_BACKENDS)}.")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
@@ -458,7 +477,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     config = transformer_config(spec, device, args.attention_backend)
     step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size)
     precision = "bf16" if device.type == "cuda" else "fp32"
-    rows = [measure("MegaDLMs" + (" fp8" if args.fp8 else "") + (" compiled" if args.torch_compile else ""),
+    levers = [(args.fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only")]
+    rows = [measure("MegaDLMs" + "".join(label for on, label in levers if on),
                     build_ours, spec, args, device, step_flops, "fp8" if args.fp8 else precision)]
     if args.baseline == "hf":
         rows.append(measure("HF transformers", build_hf, spec, args, device, step_flops, precision))
@@ -469,7 +489,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
-                   "torch_compile": args.torch_compile, "attention_backend": args.attention_backend,
+                   "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
+                   "profile": args.profile, "attention_backend": args.attention_backend,
                    "seed": args.seed},
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
                                for name, value in dataclasses.asdict(config).items()},

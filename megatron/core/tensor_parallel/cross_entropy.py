@@ -68,16 +68,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+                                 tp_group: Optional[dist.ProcessGroup], check_targets: bool = True) -> torch.Tensor:
     """Per-token fp32 loss `[...]` from local logits `[..., V/tp]` and global targets `[...]`.
 
     Equals `F.cross_entropy(full_logits, target, reduction="none")` without ever forming
     the full vocabulary. Targets must lie in `[0, V)`; padded vocabulary rows are ordinary
     logits (give them a large negative value upstream if they must never be predicted).
+    `check_targets=False` skips the range check (a host sync) for targets the caller validated.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
                          "on every dim but the last (vocabulary)")
     # Checked before any collective; targets are the same on every tp rank, so all raise together.
-    check_index_range(target, logits.shape[-1] * group_size(tp_group), "cross-entropy targets")
+    if check_targets:
+        check_index_range(target, logits.shape[-1] * group_size(tp_group), "cross-entropy targets")
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group)

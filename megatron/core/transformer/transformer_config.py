@@ -109,6 +109,12 @@ class TransformerConfig:
     """Core attention kernel: auto, sdpa, flex or math (reference)."""
     sliding_window: Optional[int] = None
     """Window length for the sliding_window mask type: key j is visible from query i when 0 <= i - j < window."""
+    check_token_ids: bool = True
+    """GPTModel checks that input, label and position ids lie in range before any heavy work and
+    raises a ValueError naming the fix. For ids on an accelerator that reads their min and max back:
+    one host sync per forward. False replaces it there by a device-side assert (no sync; a bad id
+    then aborts the process with the assert's message). pretrain_difflm.py checks each batch on the
+    host before copying it to the device and builds its model with False."""
 
     tensor_model_parallel_size: int = 1
     """Tensor-parallel degree (filled by the parallel layer of the framework)."""
@@ -227,6 +233,15 @@ class DLMConfig:
     """With packed documents, draw an independent t for every document instead of every row."""
     seed: int = 1234
     """Seed of the corruption process; masks are a pure function of it and the sample index."""
+    masked_only_loss: bool = False
+    """Project onto the vocabulary and take the cross-entropy only at positions whose loss weight
+    is nonzero (the masked tokens in the DLM modes, about half of them; the loss-mask positions in
+    vanilla), `loss_chunk_size` tokens at a time, so fp32 logits of the whole batch never exist.
+    The loss and every gradient are those of the full-logit path up to float rounding; the
+    per-token losses returned are 0 at unselected positions. Selecting the positions costs one
+    host sync per micro-batch (their count sets the shapes)."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the masked-only loss: peak memory is about 8 bytes x chunk x vocab / tp."""
 
     def __post_init__(self) -> None:
         self.attention_mask_type = MASK_TYPE_ALIASES.get(self.attention_mask_type, self.attention_mask_type)
@@ -251,6 +266,7 @@ class DLMConfig:
             raise ValueError(f"{owner}.eps={self.eps} must be in [0, 1)")
         if not 0.0 <= self.varilen_prob <= 1.0:
             raise ValueError(f"{owner}.varilen_prob={self.varilen_prob} must be in [0, 1]")
+        _check_positive(owner, "loss_chunk_size", self.loss_chunk_size)
         if self.is_diffusion:
             if self.mask_token_id is None:
                 raise ValueError(f"{owner}.mask_token_id is not set but model_running_mode="

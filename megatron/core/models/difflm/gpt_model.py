@@ -20,7 +20,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEm
                                            gather_from_sequence_parallel_region,
                                            gather_from_tensor_model_parallel_region, group_rank, group_size,
                                            model_parallel_rng_tracker, vocab_parallel_cross_entropy)
+from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.mlp import parameter_seed
@@ -57,7 +58,8 @@ class LossOutput:
     normalizer: torch.Tensor
     """Denominator of this batch (valid tokens, masked tokens or sequences)."""
     per_token_loss: torch.Tensor
-    """Unweighted cross-entropy [b, s] at the label positions (0 where there is no target)."""
+    """Unweighted cross-entropy [b, s] at the label positions (0 where there is no target, and with
+    DLMConfig.masked_only_loss wherever the loss weight is 0)."""
     corruption: Optional[diffusion.Corruption] = None
     """The corrupted batch (DLM modes)."""
 
@@ -81,15 +83,39 @@ VOCAB_FIX = "check the tokenizer, --vocab-size and --make-vocab-size-divisible-b
 POSITION_FIX = "raise --max-position-embeddings"
 
 
+IdCheck = Tuple[str, Optional[torch.Tensor], int, str]
+"""(name, ids or None, exclusive upper limit, the fix to name in the error)."""
+
+
+def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
+    """ValueError naming the first tensor of ids outside [0, limit), before any heavy work.
+
+    Every min and max comes back in one transfer: one host sync for ids on an accelerator,
+    none on CPU. With `sync=False`, ids on an accelerator get a device-side assert instead:
+    no sync, and a bad id aborts the process with the same message a little later.
+    """
+    checks = [check for check in checks if check[1] is not None]
+    for name, ids, _, _ in checks:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor of ids, got {ids.dtype}")
+    checks = [check for check in checks if check[1].numel()]
+    if not checks:
+        return
+    device = checks[0][1].device
+    if not sync and device.type != "cpu":
+        for name, ids, limit, fix in checks:
+            torch._assert_async(((ids >= 0) & (ids < limit)).all(), f"{name} holds ids outside [0, {limit}); {fix}")
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)).to(device=device, dtype=torch.int64)
+                          for _, ids, _, _ in checks]).tolist()
+    for (name, _, limit, fix), (low, high) in zip(checks, bounds):
+        if low < 0 or high >= limit:
+            raise ValueError(f"{name} holds values in [{low}, {high}], outside [0, {limit}); {fix}")
+
+
 def check_token_ids(name: str, ids: torch.Tensor, limit: int, fix: str = VOCAB_FIX) -> None:
     """Fail with a clear message instead of an index error deep inside an embedding lookup."""
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{name} must be an integer tensor of ids, got {ids.dtype}")
-    if ids.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(ids))
-    if low < 0 or high >= limit:
-        raise ValueError(f"{name} holds values in [{low}, {high}], outside [0, {limit}); {fix}")
+    check_id_ranges([(name, ids, limit, fix)])
 
 
 def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
@@ -171,26 +197,43 @@ class GPTModel(MegatronModule):
 
     def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                        loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
-        mask = build_attention_mask(self.config, self.dlm_config, document_ids)
-        output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
-        if labels is None or not self.post_process:
-            return self._full_vocabulary(output)
-        shift = self.running_mode == "difflm-shift"
-        return self._loss(output, labels, loss_weights, loss_normalizer, shift=shift)
+        return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                             decoder_input, causal=False)
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                         loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
-        mask = build_attention_mask(self.config, self.dlm_config, document_ids, mask_type="causal")
-        output = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
-        if labels is None or not self.post_process:
-            return self._full_vocabulary(output)
-        return self._loss(output, labels, loss_weights, loss_normalizer, shift=False)
+        return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                             decoder_input, causal=True)
 
-    def _full_vocabulary(self, output: torch.Tensor) -> torch.Tensor:
-        """Logits of every vocabulary entry (gathered over tp); hidden states pass through."""
+    def _forward(self, input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                 decoder_input, causal: bool, checked: bool = False) -> ForwardResult:
+        """`checked`: the caller already ran `_check_inputs` on these ids."""
+        if not checked:
+            self._check_inputs(input_ids, position_ids, labels)
+        mask = build_attention_mask(self.config, self.dlm_config, document_ids,
+                                    mask_type="causal" if causal else None)
+        hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
-            return output
-        return gather_from_tensor_model_parallel_region(self._without_padding(output), self.tp_group)
+            return hidden
+        if labels is None:
+            return self._full_vocabulary(self._logits(hidden))
+        shift = not causal and self.running_mode == "difflm-shift"
+        return self._loss(hidden, labels, loss_weights, loss_normalizer, shift=shift)
+
+    def _check_inputs(self, input_ids, position_ids, labels) -> None:
+        """Shapes and id ranges of a forward's inputs, in one host sync at most (see
+        TransformerConfig.check_token_ids), so bad data fails before the decoder runs."""
+        if self.pre_process and (input_ids is None or input_ids.dim() != 2):
+            raise ValueError("input_ids must be a [batch, seq] tensor of token ids")
+        if labels is not None and input_ids is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {tuple(input_ids.shape)}")
+        check_id_ranges([("input_ids", input_ids if self.pre_process else None, self.config.vocab_size, VOCAB_FIX),
+                         ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX),
+                         ("labels", labels, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
+
+    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of every vocabulary entry (gathered over tp)."""
+        return gather_from_tensor_model_parallel_region(self._without_padding(logits), self.tp_group)
 
     def _without_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """-inf at the vocabulary padding columns of this rank's slice: the padding (a multiple of
@@ -212,10 +255,9 @@ class GPTModel(MegatronModule):
         return nullcontext()
 
     def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask) -> torch.Tensor:
+        """Embedding (first stage) and decoder: hidden states [s, b, h] ([s/tp, b, h] under sequence
+        parallelism), after the final norm on the last stage. Ids are checked by the caller."""
         if self.pre_process:
-            if input_ids is None or input_ids.dim() != 2:
-                raise ValueError("input_ids must be a [batch, seq] tensor of token ids")
-            check_token_ids("input_ids", input_ids, self.config.vocab_size)
             batch, seq = input_ids.shape
             device = input_ids.device
         else:
@@ -230,52 +272,87 @@ class GPTModel(MegatronModule):
         if position_ids is None:
             position_ids = (positions_from_documents(document_ids) if document_ids is not None
                             else torch.arange(seq, device=device).expand(batch, seq))
-        else:
-            check_token_ids("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)
         rotary = self.rotary_pos_emb(position_ids)
         with self._autocast(device):
             hidden = self.embedding(input_ids) if self.pre_process else hidden
-            hidden = self.decoder(hidden, mask, rotary)
-            if not self.post_process:
-                return hidden
-            logits = self._local_logits(hidden)
-        return logits.transpose(0, 1)
+            return self.decoder(hidden, mask, rotary)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, s, V / tp] logits of this rank's vocabulary slice, in the compute dtype."""
+        with self._autocast(hidden.device):
+            return self._local_logits(hidden).transpose(0, 1)
+
+    def _output_weight(self) -> torch.Tensor:
+        """This rank's [V / tp, h] slice of the output layer (the word embedding when tied)."""
+        return self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
+
+    def _output_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's input on every tp rank, as a column-parallel linear takes it: all-gathered
+        from sequence-parallel slices (gradients reduce-scattered) or copied (gradients all-reduced)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
+        return copy_to_tensor_model_parallel_region(hidden, self.tp_group)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[s, b, V / tp]: this rank's vocabulary slice; the loss never gathers the full vocabulary."""
         if not self.tied_output:
             return self.output_layer(hidden)
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
-        return nn.functional.linear(hidden, self.embedding.word_embeddings.weight)
+        return nn.functional.linear(self._output_input(hidden), self._output_weight())
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
               loss_normalizer: Optional[torch.Tensor], shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        if labels.shape != logits.shape[:2]:
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {tuple(logits.shape[:2])}")
-        check_token_ids("labels", labels, self.config.vocab_size)
+        """(per-token loss [b, s], sum(per-token loss * weights) / normaliser) from the last hidden states."""
+        batch = hidden.shape[1]
+        seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        if labels.shape != (batch, seq):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
+        weights = (torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_weights is None
+                   else loss_weights.to(torch.float32))
         if shift:
-            # Target position j is predicted by the logits at j - 1; position 0 has no predictor.
+            # Target position j is predicted by the hidden state at j - 1; position 0 has no predictor.
+            weights = weights.clone()
+            weights[:, 0] = 0.0
+        if loss_normalizer is None:
+            loss_normalizer = (weights != 0).sum().clamp(min=1)
+        # Weights that need a gradient (rare) keep the full path, which gives them one.
+        if self.dlm_config.masked_only_loss and not (loss_weights is not None and loss_weights.requires_grad):
+            per_token, loss_sum = self._selected_positions_loss(hidden, labels, weights, shift)
+        else:
+            per_token = self._full_logits_loss(hidden, labels, shift)
+            loss_sum = (per_token * weights).sum()
+        return per_token, loss_sum / loss_normalizer
+
+    def _full_logits_loss(self, hidden: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+        """Per-token fp32 cross-entropy [b, s] at every position, from the logits of all of them."""
+        logits = self._logits(hidden)
+        if shift:
             logits, targets = logits[:, :-1], labels[:, 1:]
         else:
             targets = labels
         # fp32 cross-entropy: bf16 log-softmax over a large vocabulary is too coarse.
         logits = self._without_padding(logits.float())
         if group_size(self.tp_group) > 1:
-            ce = vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+            # The labels were checked on entry (TransformerConfig.check_token_ids): no second sync here.
+            ce = vocab_parallel_cross_entropy(logits, targets, self.tp_group, check_targets=False)
         else:
             ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view(targets.shape)
-        per_token = nn.functional.pad(ce, (1, 0)) if shift else ce
-        weights = torch.ones_like(per_token) if loss_weights is None else loss_weights.to(per_token.dtype)
-        if shift:
-            weights = weights.clone()
-            weights[:, 0] = 0.0
-        if loss_normalizer is None:
-            loss_normalizer = (weights != 0).sum().clamp(min=1)
-        return per_token, (per_token * weights).sum() / loss_normalizer
+        return nn.functional.pad(ce, (1, 0)) if shift else ce
+
+    def _selected_positions_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                                 shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(per-token loss [b, s], weighted sum) with the output layer applied only where the weight is
+        nonzero, in chunks (DLMConfig.masked_only_loss). Every tp rank holds the same weights, so
+        all select the same positions and run the same collectives."""
+        # The one host sync of this path: the number of selected positions sets the shapes below.
+        rows, positions = weights.nonzero(as_tuple=True)
+        selected = self._output_input(hidden)[positions - int(shift), rows]
+        losses, loss_sum = linear_cross_entropy(
+            selected, self._output_weight(), labels[rows, positions], weights[rows, positions], self.tp_group,
+            unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
+            chunk_size=self.dlm_config.loss_chunk_size)
+        per_token = losses.new_zeros(labels.shape).index_put((rows, positions), losses)
+        return per_token, loss_sum
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -298,8 +375,9 @@ class GPTModel(MegatronModule):
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must both be [batch, q]")
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
-        check_token_ids("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)
+        check_id_ranges([("input_ids", input_ids, self.config.vocab_size, VOCAB_FIX),
+                         ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)],
+                        sync=self.config.check_token_ids)
         key_len = kv_cache.max_length if kv_cache is not None else input_ids.shape[1]
         mask = AttentionMask("explicit", allowed=attention_mask)
         mask.validate(input_ids.shape[1], input_ids.shape[0], key_len)
@@ -340,7 +418,7 @@ class GPTModel(MegatronModule):
         """The forward (noising) process: returns (noisy_batch, masked_indices, p_mask)."""
         if not self.dlm_config.is_diffusion:
             raise ValueError("difflm_forward_process needs a difflm-* model_running_mode, not 'vanilla'")
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        check_id_ranges([("input_ids", input_ids, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
         key = key or self.default_corruption_key(input_ids)
         corruption = diffusion.corrupt(input_ids, self.dlm_config, key,
                                        self.maskable_positions(input_ids, loss_mask), document_ids)
@@ -365,11 +443,12 @@ class GPTModel(MegatronModule):
             normalizer = weights.sum().clamp(min=1)
             per_token, loss = self.vanilla_forward(input_ids, position_ids, labels, weights, normalizer, document_ids)
             return LossOutput(loss, loss * normalizer, normalizer, per_token)
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        # The clean ids are also the labels, and the corrupted ones add only the (validated) mask token.
+        self._check_inputs(input_ids, position_ids, None)
         maskable = self.maskable_positions(input_ids, loss_mask)
         key = key or self.default_corruption_key(input_ids)
         corruption = diffusion.corrupt(input_ids, self.dlm_config, key, maskable, document_ids)
         weights, normalizer = diffusion.loss_weights(corruption, self.dlm_config, maskable)
-        per_token, loss = self.difflm_forward(corruption.noisy_input_ids, position_ids, input_ids, weights,
-                                              normalizer, document_ids)
+        per_token, loss = self._forward(corruption.noisy_input_ids, position_ids, input_ids, weights, normalizer,
+                                        document_ids, None, causal=False, checked=True)
         return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)

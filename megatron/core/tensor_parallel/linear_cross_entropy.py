@@ -1,0 +1,189 @@
+"""Output layer and cross-entropy over chunks of tokens: the full logits never exist.
+
+`linear_cross_entropy(hidden [n, h], weight [V/tp, h], targets [n], loss_weights [n])`
+returns the per-token losses and their weighted sum, equal to projecting all n tokens onto
+the (vocab-parallel) output layer and taking an fp32 cross-entropy, but working on `chunk_size`
+tokens at a time: per chunk, logits in the compute dtype, fp32 log-softmax (max and sum of
+exponentials all-reduced over tp, as in cross_entropy.py), and right away the gradient of
+the weighted sum with respect to the logits, folded into `grad_hidden` and `grad_weight`.
+Peak memory is one chunk's logits instead of n x V/tp of fp32 logits and their copies.
+
+Doing the backward's matmuls inside the forward is valid because the gradient of the sum is
+`loss_weights` times the softmax minus the one-hot, and the only unknown, the incoming
+gradient of the sum, is a scalar applied at backward time. Gradients that arrive through the
+per-token losses instead (a caller weighting them itself) are supported too: that rarer path
+recomputes each chunk's logits from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel.cross_entropy import _all_reduce
+from megatron.core.tensor_parallel.utils import group_rank
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a chunk needs to know about this rank's vocabulary slice and the numerics."""
+
+    group: Optional[dist.ProcessGroup]
+    vocab_start: int
+    """Global id of this rank's first row of `weight`."""
+    valid_rows: int
+    """Rows of this rank's slice below the unpadded vocabulary; the rest are never predicted."""
+    compute_dtype: torch.dtype
+    chunk_size: int
+
+
+def _chunks(count: int, chunk_size: int):
+    """Even [start, end) ranges of at most chunk_size: no tiny last chunk (a slow, skinny GEMM)."""
+    pieces = max(1, -(-count // chunk_size))
+    step = max(1, -(-count // pieces))
+    return [(start, min(start + step, count)) for start in range(0, count, step)]
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """fp32 logits of a chunk of tokens on this rank's slice, -inf at the vocabulary padding."""
+    logits = (hidden @ weight.t()).float()
+    if layout.valid_rows < weight.shape[0]:
+        logits[:, layout.valid_rows:] = float("-inf")
+    return logits
+
+
+def _local_targets(targets: torch.Tensor, local_rows: int, layout: _Layout):
+    """(target index into this rank's slice, True where another rank owns the target)."""
+    foreign = (targets < layout.vocab_start) | (targets >= layout.vocab_start + local_rows)
+    return (targets - layout.vocab_start).masked_fill(foreign, 0), foreign
+
+
+def _chunk_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, layout: _Layout):
+    """fp32 (exp(logits - max), sum_exp, target_logit - max, max, local target, foreign mask) of a chunk."""
+    logits = _chunk_logits(hidden, weight, layout)
+    logits_max = _all_reduce(logits.amax(dim=-1), dist.ReduceOp.MAX, layout.group)
+    logits.sub_(logits_max.unsqueeze(-1))
+    local_target, foreign = _local_targets(targets, weight.shape[0], layout)
+    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+    exp_logits = logits.exp_()
+    # One all-reduce for both [c] sums instead of two.
+    sums = _all_reduce(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, layout.group)
+    return exp_logits, sums[1], sums[0], logits_max, local_target, foreign
+
+
+def _logits_gradient(exp_logits, sum_exp, local_target, foreign, scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - one-hot) * scale[:, None], in place of exp_logits; only the owning rank has the one-hot."""
+    grad = exp_logits.div_(sum_exp.unsqueeze(-1))
+    grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~foreign).unsqueeze(-1).to(grad.dtype))
+    return grad.mul_(scale.unsqueeze(-1))
+
+
+def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: int, end: int) -> None:
+    """grad_hidden[start:end] and grad_weight += the chunk's contribution (matmuls in the compute dtype)."""
+    grad_logits = grad_logits.to(weight.dtype)
+    grad_hidden[start:end] += grad_logits @ weight
+    # fp32 accumulation over chunks; each chunk's product is one GEMM in the compute dtype.
+    grad_weight += grad_logits.t() @ hidden
+
+
+def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool):
+    """Per-token losses, their log-sum-exp, and (grad_hidden, grad_weight) of sum(loss_weights * losses)."""
+    compute_weight = weight.to(layout.compute_dtype)
+    count = hidden.shape[0]
+    losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
+    log_sum_exp = torch.empty_like(losses)
+    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
+    for start, end in _chunks(count, layout.chunk_size):
+        chunk = hidden[start:end].to(layout.compute_dtype)
+        exp_logits, sum_exp, target_logit, logits_max, local_target, foreign = _chunk_softmax(
+            chunk, compute_weight, targets[start:end], layout)
+        losses[start:end] = torch.log(sum_exp) - target_logit
+        log_sum_exp[start:end] = torch.log(sum_exp) + logits_max
+        if needs_grad:
+            grad_logits = _logits_gradient(exp_logits, sum_exp, local_target, foreign, loss_weights[start:end])
+            _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end)
+        del exp_logits
+    return losses, log_sum_exp, (grad_hidden, grad_weight)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool):
+        ctx.set_materialize_grads(False)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes here are chosen explicitly
+            losses, log_sum_exp, grads = _forward_chunks(hidden, weight, targets, loss_weights, layout, needs_grad)
+        ctx.save_for_backward(hidden, weight, targets, log_sum_exp)
+        ctx.layout, ctx.weighted_grads, ctx.backward_done = layout, grads, False
+        return losses, (losses * loss_weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad_losses, grad_loss_sum):
+        if ctx.backward_done:
+            # The gradients made in forward are scaled in place: a second backward would see them twice.
+            raise RuntimeError("linear_cross_entropy does not support a second backward (retain_graph)")
+        ctx.backward_done = True
+        hidden, weight, targets, log_sum_exp = ctx.saved_tensors
+        grad_hidden, grad_weight = ctx.weighted_grads
+        ctx.weighted_grads = None
+        if grad_loss_sum is None:
+            grad_hidden = grad_weight = None
+        elif grad_hidden is not None:
+            grad_hidden.mul_(grad_loss_sum)
+            grad_weight.mul_(grad_loss_sum)
+        if grad_losses is not None:
+            with torch.autocast(hidden.device.type, enabled=False):
+                grad_hidden, grad_weight = _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses,
+                                                               ctx.layout, grad_hidden, grad_weight)
+        if grad_hidden is None:
+            return None, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layout: _Layout,
+                        grad_hidden, grad_weight):
+    """Gradients of sum(grad_losses * losses): each chunk's softmax is rebuilt from its saved
+    log-sum-exp (no collective needed) and added to the gradients made in forward, if any."""
+    if grad_hidden is None:
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    compute_weight = weight.to(layout.compute_dtype)
+    for start, end in _chunks(hidden.shape[0], layout.chunk_size):
+        chunk = hidden[start:end].to(layout.compute_dtype)
+        logits = _chunk_logits(chunk, compute_weight, layout)
+        softmax = logits.sub_(log_sum_exp[start:end].unsqueeze(-1)).exp_()
+        local_target, foreign = _local_targets(targets[start:end], weight.shape[0], layout)
+        ones = torch.ones_like(log_sum_exp[start:end])
+        grad_logits = _logits_gradient(softmax, ones, local_target, foreign, grad_losses[start:end].float())
+        _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end)
+    return grad_hidden, grad_weight
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
+                         unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+                         chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
+
+    `hidden` [n, h] must be the same on every tp rank (gather sequence-parallel activations
+    first; its gradient is this rank's partial sum, to be all-reduced or reduce-scattered by
+    the caller's mapping, as for a column-parallel linear). `weight` [V/tp, h] is this rank's
+    slice of the (padded) vocabulary; ids >= `unpadded_vocab_size` are never predicted.
+    `targets` are global ids, already checked to lie in the vocabulary. `loss_weights` [n] are
+    constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
+    the softmax in fp32. Not for a second backward of the same graph.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "
+                         f"loss_weights {tuple(loss_weights.shape)} of shape [n]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    local = weight.shape[0]
+    vocab_start = group_rank(tp_group) * local
+    valid_rows = local if unpadded_vocab_size is None else max(0, min(local, unpadded_vocab_size - vocab_start))
+    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad)

@@ -1,0 +1,70 @@
+"""compile_transformer_layers: compiled layers give eager's loss and gradients, alone and under
+activation recompute, and keep the parameter names; --torch-compile applies it in build_trainer."""
+
+import pytest
+import torch
+
+from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.transformer.compilation import compile_transformer_layers
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+
+def inductor_available() -> bool:
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(3))
+    except Exception:  # no C++ compiler for inductor's CPU kernels on this machine
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not inductor_available(),
+                                reason="torch.compile (inductor) cannot build CPU kernels here")
+
+
+def loss_and_grads(model: GPTModel, tokens: torch.Tensor):
+    key = diffusion.CorruptionKey.for_batch(7, iteration=1, global_batch_size=2, first_sample_index=2, batch_size=2)
+    out = model.compute_loss(tokens, key=key)
+    out.loss.backward()
+    return out.loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", [{}, dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1)], ids=["plain", "selective", "full"])
+def test_compiled_layers_match_eager(recompute):
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, vocab_size=64, max_position_embeddings=32, qk_layernorm=True,
+                               attention_backend="sdpa", **recompute)
+    dlm = DLMConfig(mask_token_id=63, masked_only_loss=True)
+    tokens = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    eager = GPTModel(config, dlm).train()
+    torch.manual_seed(0)
+    compiled = GPTModel(config, dlm).train()
+    names = list(compiled.state_dict())
+    assert compile_transformer_layers(compiled) == 2
+    assert all(layer._compiled_call_impl is not None for layer in compiled.decoder.layers.values())
+    assert list(compiled.state_dict()) == names, "compiling in place keeps the checkpoint keys"
+    expected_loss, expected = loss_and_grads(eager, tokens)
+    loss, grads = loss_and_grads(compiled, tokens)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+def test_torch_compile_flag_compiles_the_layers_in_build_trainer():
+    import pretrain_difflm
+    from custom_args.difflm import add_difflm_args
+    from megatron.core.distributed.data_parallel import unwrap
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.training import build_trainer
+
+    from tests.unit_tests.test_training import TINY
+
+    args = parse_args(TINY + ["--train-iters", "1", "--torch-compile"], add_difflm_args, world_size=1)
+    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+    layers = list(unwrap(trainer.model).decoder.layers.values())
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)

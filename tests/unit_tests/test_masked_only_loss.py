@@ -1,0 +1,117 @@
+"""DLMConfig.masked_only_loss: the chunked output layer + cross-entropy at the positions with a
+nonzero loss weight gives the full-logit path's loss and gradients (fp32, CPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+VOCAB = 60
+MASK_ID = 59
+
+
+def build(mode: str, tied: bool, padded: bool, masked_only: bool) -> GPTModel:
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, vocab_size=64 if padded else VOCAB,
+                               unpadded_vocab_size=VOCAB if padded else None, max_position_embeddings=64,
+                               qk_layernorm=True, attention_backend="math",
+                               share_embeddings_and_output_weights=tied)
+    # A chunk of 7 tokens: several chunks and an uneven split for ~20 selected positions.
+    dlm = DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID, masked_only_loss=masked_only,
+                    loss_chunk_size=7)
+    torch.manual_seed(0)
+    return GPTModel(config, dlm).train()
+
+
+def ids(batch=3, seq=16, seed=1) -> torch.Tensor:
+    return torch.randint(0, MASK_ID, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model: GPTModel, tokens: torch.Tensor, per_token_backward: bool = False):
+    key = diffusion.CorruptionKey.for_batch(1234, iteration=2, global_batch_size=3, first_sample_index=6,
+                                            batch_size=3)
+    loss_mask = torch.ones_like(tokens, dtype=torch.bool)
+    loss_mask[2, 11:] = False  # padding at the end of a row
+    out = model.compute_loss(tokens, key=key if model.dlm_config.is_diffusion else None, loss_mask=loss_mask)
+    if per_token_backward:  # a caller that weights the per-token losses itself
+        weights = out.corruption.masked_positions.float() / out.corruption.p_mask if out.corruption else loss_mask
+        (out.per_token_loss * weights).sum().backward()
+    else:
+        out.loss.backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_grads_close(actual: dict, expected: dict) -> None:
+    assert set(actual) == set(expected)
+    for name, grad in expected.items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(actual[name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift", "vanilla"])
+def test_same_loss_and_gradients_as_the_full_logits(mode, tied, padded):
+    tokens = ids()
+    full_out, full_grads = loss_and_grads(build(mode, tied, padded, masked_only=False), tokens)
+    out, grads = loss_and_grads(build(mode, tied, padded, masked_only=True), tokens)
+    torch.testing.assert_close(out.loss, full_out.loss, rtol=1e-6, atol=0)
+    assert_grads_close(grads, full_grads)
+    # Per-token losses agree where the loss looks; elsewhere the masked-only path computes nothing.
+    selected = torch.zeros_like(tokens, dtype=torch.bool)
+    if out.corruption is not None:
+        selected = out.corruption.masked_positions
+        assert 0 < selected.sum() < selected.numel()
+    else:
+        selected[:, :-1] = True
+        selected[2, 11:] = False
+    torch.testing.assert_close(out.per_token_loss[selected], full_out.per_token_loss[selected], rtol=1e-6, atol=1e-6)
+    assert torch.all(out.per_token_loss[~selected] == 0)
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
+def test_gradients_through_the_per_token_losses(mode):
+    tokens = ids()
+    _, full_grads = loss_and_grads(build(mode, True, True, masked_only=False), tokens, per_token_backward=True)
+    _, grads = loss_and_grads(build(mode, True, True, masked_only=True), tokens, per_token_backward=True)
+    assert_grads_close(grads, full_grads)
+
+
+def test_no_selected_position_gives_zero_loss_and_zero_gradients():
+    model = build("difflm-noshift", True, False, masked_only=True)
+    tokens = ids()
+    per_token, loss = model(tokens, labels=tokens, loss_weights=torch.zeros(tokens.shape))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.all(per_token == 0)
+    assert all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
+
+
+def test_eval_without_grad_matches():
+    tokens = ids()
+    results = []
+    for masked_only in (False, True):
+        model = build("difflm-noshift", False, True, masked_only).eval()
+        key = diffusion.CorruptionKey.for_batch(1234, iteration=0, global_batch_size=3, first_sample_index=0,
+                                                batch_size=3)
+        with torch.no_grad():
+            results.append(model.compute_loss(tokens, key=key).loss)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=0)
+
+
+def test_linear_cross_entropy_rejects_a_second_backward():
+    hidden = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    _, loss_sum = linear_cross_entropy(hidden, weight, torch.arange(5), torch.ones(5), chunk_size=2)
+    loss_sum.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss_sum.backward()
+
+
+def test_chunk_size_is_validated():
+    with pytest.raises(ValueError, match="loss_chunk_size"):
+        dataclasses.replace(DLMConfig(mask_token_id=1), loss_chunk_size=0).validate(vocab_size=8)
