@@ -271,6 +271,9 @@ def measure(bench: Bench, args: argparse.Namespace, device: torch.device) -> Lis
                 "token_diff_fraction_vs_baseline": 1.0 - same_tokens.float().mean().item(),
                 "identical_sequence_fraction_vs_baseline": same_tokens.all(dim=1).float().mean().item(),
                 "repeats_identical": run["repeats_identical"], "peak_memory_gib": run["peak_memory_gib"]})
+            row = rows[-1]  # progress: long runs show each row as it completes
+            print(f"batch {batch_size} {row['label']}: {row['tokens_per_sec']:.1f} tokens/s, {seconds:.3f} s, "
+                  f"{row['forward_calls']} forwards", flush=True)
     return rows
 
 

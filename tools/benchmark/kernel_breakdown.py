@@ -11,6 +11,10 @@ attributed the same way. GEMMs of the output layer count as gemm, not loss.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from collections import defaultdict
 from typing import Callable, Iterable, List, Optional
 
 import torch
@@ -48,20 +52,41 @@ def _callers(event) -> List[str]:
     return names
 
 
-def breakdown(events, on_cuda: bool, steps: int) -> dict:
-    """Milliseconds per step by category (and their shares) from a profiler's `events()`."""
+def _enclosing_ops(ops: List[dict], timestamp: float) -> List[str]:
+    """Names of the ops (sorted by start) whose interval holds `timestamp`, innermost first."""
+    return [op["name"] for op in reversed(ops) if op["ts"] <= timestamp <= op["ts"] + op["dur"]]
+
+
+def cuda_breakdown(trace: dict) -> dict:
+    """Device time per category from a Chrome trace: every kernel counted once, by its own name
+    or by the ops around the runtime call that launched it (matched by correlation id)."""
+    events = trace["traceEvents"]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops_by_thread = defaultdict(list)
+    for event in events:
+        if event.get("cat") in ("cpu_op", "user_annotation") and "dur" in event:
+            ops_by_thread[event["tid"]].append(event)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda op: op["ts"])
     totals = dict.fromkeys(CATEGORIES, 0.0)
-    cpu_events = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    for kernel in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        callers = [] if launch is None else _enclosing_ops(ops_by_thread[launch["tid"]], launch["ts"])
+        totals[classify(kernel["name"], callers)] += kernel["dur"]
+    return totals
+
+
+def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None) -> dict:
+    """Milliseconds per step by category (and their shares): device time from the exported trace
+    on CUDA, self CPU time of the profiler's `events()` on CPU."""
     if on_cuda:
-        for event in cpu_events:
-            for kernel in event.kernels:
-                totals[classify(kernel.name, _callers(event))] += kernel.duration
-        device_total = sum(e.time_range.end - e.time_range.start for e in events
-                           if e.device_type == DeviceType.CUDA)
-        totals["other"] += max(0.0, device_total - sum(totals.values()))
+        totals = cuda_breakdown(trace)
     else:
-        for event in cpu_events:
-            totals[classify(event.name, _callers(event.cpu_parent))] += event.self_cpu_time_total
+        totals = dict.fromkeys(CATEGORIES, 0.0)
+        for event in events:
+            if event.device_type == DeviceType.CPU and not event.is_async:
+                totals[classify(event.name, _callers(event.cpu_parent))] += event.self_cpu_time_total
     total = sum(totals.values())
     return {"time": "CUDA kernel time" if on_cuda else "CPU time (self time of ops)", "steps": steps,
             "ms_per_step": {key: value / 1e3 / steps for key, value in totals.items()},
@@ -82,9 +107,16 @@ def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: Li
             step(batch, first_index + offset)
         if on_cuda:
             torch.cuda.synchronize(device)
-    if trace_path:
+    trace = None
+    if on_cuda:  # the trace links each kernel to the runtime call, hence the ops, that launched it
+        with tempfile.TemporaryDirectory() as scratch:
+            path = trace_path or os.path.join(scratch, "trace.json")
+            profiler.export_chrome_trace(path)
+            with open(path) as handle:
+                trace = json.load(handle)
+    elif trace_path:
         profiler.export_chrome_trace(trace_path)
-    result = breakdown(profiler.events(), on_cuda, len(batches))
+    result = breakdown(profiler.events(), on_cuda, len(batches), trace)
     result["trace"] = trace_path
     return result
 
