@@ -1,4 +1,4 @@
-"""--save/--load: bit-exact resume, and a checkpoint written under TP=2 continuing under TP=1."""
+"""--save/--load: bit-exact resume, signals and crashes (layout changes: test_checkpoint_reshard.py)."""
 
 import os
 import subprocess
@@ -33,19 +33,6 @@ def test_resume_is_bit_exact(mode_flags, tmp_path):
     assert "loaded" in out and sorted(second) == list(range(11, 21))
     resumed = {**first, **second}
     assert resumed == straight, "lm loss must match the uninterrupted run at every iteration, as printed"
-
-
-def test_checkpoint_from_tp2_continues_under_tp1(tmp_path):
-    # 512 tokens + the mask: padded to 768 rows under tp=2, 640 under tp=1; only 513 are stored.
-    vocab = ["--vocab-size", "512"]
-    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    straight, _ = train(tmp_path, 2, *vocab, *tp2, iters=12)
-    ckpt = str(tmp_path / "ckpt")
-    train(tmp_path, 2, *vocab, *tp2, "--save", ckpt, "--exit-interval", "10", iters=12)
-    resumed, out = train(tmp_path, 1, *vocab, "--load", ckpt, iters=12)
-    assert "loaded" in out and sorted(resumed) == [11, 12]
-    for step in (11, 12):
-        assert float(resumed[step]) == pytest.approx(float(straight[step]), rel=1e-5)
 
 
 def test_resume_with_tensor_parallelism_and_the_distributed_optimizer_is_bit_exact(tmp_path):
