@@ -24,7 +24,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers>=4.56"],
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.56", "torchao"],
         "hf": ["transformers"],
         # Optional kernels; the package imports and runs without them.
         "kernels": ["liger-kernel", "torchao"],

@@ -56,6 +56,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile every transformer layer in place (one graph shared by all layers; "
                         "embedding and loss stay eager). The first steps pay the compile time.")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
+                   help="Train the transformer layers' linear layers in fp8 (torchao float8): e4m3 everywhere, "
+                        "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
+                   help="With --fp8-format: one dynamic scale per tensor, or per row.")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -178,7 +183,7 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         validate_args(args)
-    except ValueError as error:
+    except (ValueError, ImportError) as error:  # ImportError: a flag's optional dependency is missing
         parser.error(str(error))
     return args
 
@@ -233,6 +238,12 @@ def _validate_parallel(args: argparse.Namespace) -> None:
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+    if args.fp8_format:
+        from megatron.core.transformer.fp8 import float8_config
+
+        if args.tensor_model_parallel_size != 1:
+            raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
+        float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
 
 
 def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
 from megatron.core.transformer.compilation import compile_transformer_layers
+from megatron.core.transformer.fp8 import enable_fp8_training
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, load_checkpoint
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
@@ -275,10 +276,14 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     with torch.device(runtime.device):  # no host-side init of billions of weights
         model = model_provider(args, pre_process=True, post_process=True, pg=state.groups)
     model = model.to(runtime.device)
+    # Module swaps first, then the compiler sees (and fuses) the fp8 casts.
+    fp8_layers = enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8_format else 0
     if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
         compile_transformer_layers(model)
     logger = TrainingLogger(args, runtime, model.config)
     logger.log_start(model, state)
+    if args.fp8_format:
+        logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
     model = wrap_data_parallel(model, runtime.device, state.groups.dp, args.data_parallel_sharding_strategy)
     optimizer, scheduler = build_optimizer_and_scheduler(args, model, state.groups.dp)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))

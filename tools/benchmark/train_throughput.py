@@ -54,7 +54,7 @@ import kernel_breakdown  # noqa: E402
 from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm  # noqa: E402
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
@@ -149,38 +149,6 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 
 
 # ---------------------------------------------------------------------- our step
-def swap_parallel_linears(model: nn.Module) -> int:
-    """Replace single-rank ColumnParallelLinear/RowParallelLinear of the decoder by `nn.Linear`
-    modules that share their parameters (the same forward at tp=1 without sequence parallel),
-    so that torchao, which converts `nn.Linear`, can see them. Returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                continue
-            if child.tp_size != 1 or child.sequence_parallel:
-                raise UsageError("--fp8 here supports tensor-parallel size 1 without sequence parallel only")
-            linear = nn.Linear(child.input_size, child.output_size, bias=child.bias is not None, device="meta")
-            linear.weight = child.weight
-            linear.bias = child.bias
-            setattr(parent, name, linear)
-            swapped += 1
-    return swapped
-
-
-def enable_float8(model: nn.Module) -> int:
-    """torchao's float8 training on the decoder's linear layers (the output layer stays bf16)."""
-    from torchao.float8 import convert_to_float8_training
-
-    swap_parallel_linears(model.decoder)
-
-    def eligible(module: nn.Module, fqn: str) -> bool:  # fp8 GEMMs need dims divisible by 16
-        return fqn.startswith("decoder.") and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-    convert_to_float8_training(model, module_filter_fn=eligible)
-    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-
-
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend)
@@ -189,7 +157,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
     model = model.to(device).train()
-    info = {"fp8_linears": enable_float8(model) if args.fp8 else 0,
+    info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8 else 0,
             "compiled_layers": compile_transformer_layers(model) if args.torch_compile else 0,
             "masked_only_loss": args.masked_only_loss}
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
@@ -430,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", choices=("none", "hf"), default="none",
                         help="hf: also time the equivalent transformers model in this process.")
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradient element type.")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
                         help="Our output layer and cross-entropy only at the loss positions, in chunks "
