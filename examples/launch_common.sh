@@ -7,7 +7,8 @@
 #   DATA_PATH        weighted .bin/.idx prefixes; empty = synthetic --mock-data
 #   TOKENIZER_MODEL  tokenizer folder / tokenizer.json / .model for DATA_PATH runs
 #   MOCK_VOCAB_SIZE  vocabulary of --mock-data runs (default 151936, Qwen's)
-#   CHECKPOINT_PATH  where checkpoints go (used once checkpointing lands)
+#   CHECKPOINT_PATH  --save/--load directory (async saves every SAVE_INTERVAL, default 1000 iterations,
+#                    and one on SIGTERM); empty = no checkpoints
 #   TENSORBOARD_DIR  tensorboard event files (default runs/$RUN_NAME)
 #   TRAIN_ITERS, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR_WARMUP_ITERS, WSD_DECAY_ITERS, LOG_INTERVAL
 #                    override the script's values (short smoke runs)
@@ -35,6 +36,12 @@ else
     DATA_ARGS=(--mock-data --vocab-size "${MOCK_VOCAB_SIZE:-151936}" --add-mask-token)
 fi
 
+CHECKPOINT_ARGS=()
+if [[ -n "${CHECKPOINT_PATH:-}" ]]; then
+    CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval "${SAVE_INTERVAL:-1000}"
+                     --async-save --exit-signal-handler)
+fi
+
 LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --log-throughput
               --tensorboard-dir "${TENSORBOARD_DIR:-$ROOT_DIR/runs/$RUN_NAME}")
 
@@ -42,5 +49,6 @@ LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --log-throughput
 run_pretrain() {
     cd "$ROOT_DIR"
     # shellcheck disable=SC2086
-    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-}
+    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" \
+        ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} ${EXTRA_ARGS:-}
 }
