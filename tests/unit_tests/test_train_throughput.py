@@ -148,12 +148,17 @@ def test_named_shapes_have_the_same_parameters_in_both_implementations(name):
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in baseline.parameters())
 
 
-def test_fp8_row_when_torchao_is_installed():
-    pytest.importorskip("torchao.float8")
-    result = tt.main([*TINY, "--mode", "dlm", "--fp8"])
-    row = result["rows"][0]
-    assert row["precision"] == "fp8" and row["fp8_linears"] == 4 * tt.MODELS["tiny"].num_layers
-    assert math.isfinite(row["final_loss"])
+def test_fp8_prints_our_bf16_and_fp8_rows_next_to_the_baseline():
+    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
+    result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--baseline", "hf"])
+    ours, fp8, baseline = result["rows"]
+    assert ours["fp8_linears"] == 0 and fp8["precision"] == "fp8"
+    assert fp8["fp8_linears"] == 4 * tt.MODELS["tiny"].num_layers
+    assert math.isfinite(fp8["final_loss"]) and baseline["name"] == "HF transformers"
+    assert result["fp8_ratio"]["over_ours"] == pytest.approx(
+        fp8["tokens_per_sec_per_gpu"] / ours["tokens_per_sec_per_gpu"], rel=1e-12)
+    assert result["ratio"]["tokens_per_sec_per_gpu"] == pytest.approx(
+        ours["tokens_per_sec_per_gpu"] / baseline["tokens_per_sec_per_gpu"], rel=1e-12)
 
 
 def test_compile_seam_compiles_every_layer_in_place():

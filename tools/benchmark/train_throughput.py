@@ -379,6 +379,9 @@ def print_table(result: dict) -> None:
         ratio = result["ratio"]
         print(f"ours / baseline: tokens/s {ratio['tokens_per_sec_per_gpu']:.3f}x, "
               f"TFLOP/s {ratio['tflops_per_gpu']:.3f}x")
+    if result.get("fp8_ratio"):
+        print("fp8 tokens/s: " + ", ".join(f"{value:.3f}x {name.replace('_', ' ')}"
+                                           for name, value in result["fp8_ratio"].items()))
     for row in result["rows"]:
         if row.get("profile"):
             print(kernel_breakdown.format_table(row["name"], row["profile"]))
@@ -447,14 +450,22 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     config = transformer_config(spec, device, args.attention_backend)
     step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size)
     precision = "bf16" if device.type == "cuda" else "fp32"
-    levers = [(args.fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only")]
-    rows = [measure("MegaDLMs" + "".join(label for on, label in levers if on),
-                    build_ours, spec, args, device, step_flops, "fp8" if args.fp8 else precision)]
+    rows = []
+    # With --fp8 our step runs twice, without and with fp8, so one command prints both next to the baseline.
+    for fp8 in ([False, True] if args.fp8 else [False]):
+        variant = argparse.Namespace(**{**vars(args), "fp8": fp8})
+        levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only")]
+        rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
+                            build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
         rows.append(measure("HF transformers", build_hf, spec, args, device, step_flops, precision))
-    ratio = None
-    if len(rows) == 2:
-        ratio = {key: rows[0][key] / rows[1][key] for key in ("tokens_per_sec_per_gpu", "tflops_per_gpu")}
+    keys = ("tokens_per_sec_per_gpu", "tflops_per_gpu")
+    ratio = {key: rows[0][key] / rows[-1][key] for key in keys} if args.baseline == "hf" else None
+    fp8_ratio = None
+    if args.fp8:
+        fp8_ratio = {"over_ours": rows[1]["tokens_per_sec_per_gpu"] / rows[0]["tokens_per_sec_per_gpu"]}
+        if args.baseline == "hf":
+            fp8_ratio["over_baseline"] = rows[1]["tokens_per_sec_per_gpu"] / rows[-1]["tokens_per_sec_per_gpu"]
     return {
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
@@ -466,7 +477,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                                for name, value in dataclasses.asdict(config).items()},
         "attention_mask_type": "causal" if args.mode == "ar" else "no_mask",
         "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
-        "rows": rows, "ratio": ratio, "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
+        "rows": rows, "ratio": ratio, "fp8_ratio": fp8_ratio, "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
         "device": _device_name(device) or "cpu",
     }
