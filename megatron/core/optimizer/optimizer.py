@@ -75,7 +75,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     squares = torch.zeros(2, device=device, dtype=torch.float32)
     for index, grads in enumerate((sharded, replicated)):
         if grads:
-            squares[index] = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).square().sum()
+            # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
+            squares[index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
     if dp_shard_group is not None and dist.get_world_size(dp_shard_group) > 1:
         dist.all_reduce(squares, group=dp_shard_group)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
