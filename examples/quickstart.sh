@@ -6,6 +6,7 @@
 #   MODE=vanilla bash examples/quickstart.sh    # the same model trained autoregressively
 #   MOCK_DATA=1 bash examples/quickstart.sh     # synthetic documents instead of the corpus
 # Other knobs: NPROC (2), TRAIN_ITERS (100), DATA_DIR (runs/data), TENSORBOARD_DIR; extra flags pass through.
+# Without extra flags the run is saved to runs/quickstart-$MODE/ckpt and a sample is generated from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
@@ -26,6 +27,13 @@ else
                --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER")
 fi
 
+SAMPLE_ARGS=()
+CKPT_DIR="runs/quickstart-$MODE/ckpt"
+if [[ $# -eq 0 && -z "${MOCK_DATA:-}" ]]; then
+    rm -rf "$CKPT_DIR"
+    SAMPLE_ARGS=(--save "$CKPT_DIR")
+fi
+
 torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
     --group-query-attention --num-query-groups 2 --normalization RMSNorm --swiglu \
@@ -35,4 +43,9 @@ torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
     "${DATA_ARGS[@]}" \
     --model-running-mode "$MODE" --attention-mask-type no_mask --difflm-t-sampling antithetic \
     --log-interval 1 --log-throughput --eval-interval 50 --eval-iters 2 \
-    --tensorboard-dir "${TENSORBOARD_DIR:-runs/quickstart-$MODE}" "$@"
+    --tensorboard-dir "${TENSORBOARD_DIR:-runs/quickstart-$MODE}" ${SAMPLE_ARGS[@]+"${SAMPLE_ARGS[@]}"} "$@"
+
+if [[ ${#SAMPLE_ARGS[@]} -gt 0 ]]; then
+    python examples/dlm_generation/dlm_inference.py --load "$CKPT_DIR" --prompt "Fellow-Citizens of the Senate" \
+        --max-new-tokens 32 --sample-steps 32 --inference-block-size 32
+fi
