@@ -134,7 +134,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="Sharded torch.distributed.checkpoint, loadable under any tensor-parallel layout.")
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoints in the background: training continues once the shards are copied "
-                        "to host memory; the tracker moves when every rank finished writing.")
+                        "to host memory (pinned buffers, kept between saves: one host copy of this rank's "
+                        "shards); the tracker moves when every rank finished writing.")
     g.add_argument("--no-save-optim", action="store_true", help="Save weights only.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only (fresh optimizer).")
     g.add_argument("--no-load-rng", action="store_true", help="Keep this run's RNG states.")
