@@ -37,4 +37,7 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "per micro-batch.")
     g.add_argument("--difflm-loss-chunk-size", type=int, default=4096,
                    help="Tokens per chunk of --difflm-masked-only-loss (memory ~ 8 bytes x chunk x vocab / tp).")
+    g.add_argument("--difflm-compile-loss", action="store_true",
+                   help="With --difflm-masked-only-loss at tensor-parallel size 1: each chunk's softmax and logits "
+                        "gradient as one torch.compile'd function.")
     return parser

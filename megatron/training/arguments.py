@@ -239,6 +239,8 @@ def _validate_parallel(args: argparse.Namespace) -> None:
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+    if getattr(args, "difflm_compile_loss", False) and args.tensor_model_parallel_size != 1:
+        raise ValueError("--difflm-compile-loss supports --tensor-model-parallel-size 1; drop one of them")
     if args.fp8_format:
         from megatron.core.transformer.fp8 import float8_config
 
@@ -362,4 +364,5 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         t_sampling=args.difflm_t_sampling, loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
-        loss_chunk_size=args.difflm_loss_chunk_size, seed=args.seed)
+        loss_chunk_size=args.difflm_loss_chunk_size, compile_loss=args.difflm_compile_loss,
+        seed=args.seed)

@@ -15,7 +15,7 @@ VOCAB = 60
 MASK_ID = 59
 
 
-def build(mode: str, tied: bool, padded: bool, masked_only: bool) -> GPTModel:
+def build(mode: str, tied: bool, padded: bool, masked_only: bool, compile_loss: bool = False) -> GPTModel:
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=48, vocab_size=64 if padded else VOCAB,
                                unpadded_vocab_size=VOCAB if padded else None, max_position_embeddings=64,
@@ -23,7 +23,7 @@ def build(mode: str, tied: bool, padded: bool, masked_only: bool) -> GPTModel:
                                share_embeddings_and_output_weights=tied)
     # A chunk of 7 tokens: several chunks and an uneven split for ~20 selected positions.
     dlm = DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID, masked_only_loss=masked_only,
-                    loss_chunk_size=7)
+                    loss_chunk_size=7, compile_loss=compile_loss)
     torch.manual_seed(0)
     return GPTModel(config, dlm).train()
 
@@ -115,3 +115,24 @@ def test_linear_cross_entropy_rejects_a_second_backward():
 def test_chunk_size_is_validated():
     with pytest.raises(ValueError, match="loss_chunk_size"):
         dataclasses.replace(DLMConfig(mask_token_id=1), loss_chunk_size=0).validate(vocab_size=8)
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
+def test_compiled_loss_kernel_matches_the_full_logits(mode):
+    """--difflm-compile-loss: the chunk's softmax and gradient as one compiled function (several
+    chunk sizes in one run: the compiled function must take new shapes without recompiling)."""
+    tokens = ids()
+    full_out, full_grads = loss_and_grads(build(mode, True, True, masked_only=False), tokens)
+    out, grads = loss_and_grads(build(mode, True, True, masked_only=True, compile_loss=True), tokens)
+    from megatron.core.tensor_parallel import linear_cross_entropy as module
+
+    assert "fn" in module._COMPILED, "the compiled kernel ran"
+    torch.testing.assert_close(out.loss, full_out.loss, rtol=1e-6, atol=0)
+    assert_grads_close(grads, full_grads)
+    selected = out.corruption.masked_positions
+    torch.testing.assert_close(out.per_token_loss[selected], full_out.per_token_loss[selected], rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_loss_needs_the_masked_only_loss():
+    with pytest.raises(ValueError, match="compile_loss needs masked_only_loss"):
+        DLMConfig(mask_token_id=MASK_ID, compile_loss=True).validate(VOCAB)

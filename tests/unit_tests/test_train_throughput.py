@@ -207,6 +207,7 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "qwen3-1.7b", "--seq-length", "65536"], "--seq-length 65536 is outside [1, 40960]"),
     (["--model", "tiny", "--steps", "0"], "--steps 0 must be at least 1"),
     (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
+    (["--model", "tiny", "--compile-loss"], "--compile-loss needs --masked-only-loss"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

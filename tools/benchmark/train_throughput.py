@@ -120,14 +120,16 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
         check_token_ids=False)
 
 
-def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False) -> DLMConfig:
+def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
+               compile_loss: bool = False) -> DLMConfig:
     """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normaliser), fixed length."""
     if mode == "ar":
-        return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss)
+        return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss,
+                         compile_loss=compile_loss)
     return DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask",
                      mask_token_id=mask_token_id(spec), eps=DLM_EPS, t_sampling="antithetic",
                      loss_weight="inverse_p", loss_normalizer="tokens", seed=seed,
-                     masked_only_loss=masked_only_loss)
+                     masked_only_loss=masked_only_loss, compile_loss=compile_loss)
 
 
 def mask_token_id(spec: ModelSpec) -> int:
@@ -152,7 +154,7 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend)
-    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss)
+    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
@@ -407,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
                         help="Our output layer and cross-entropy only at the loss positions, in chunks "
                              "(DLMConfig.masked_only_loss).")
+    parser.add_argument("--compile-loss", action="store_true",
+                        help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
+                             "(DLMConfig.compile_loss).")
     parser.add_argument("--profile", metavar="DIR",
                         help=f"After timing, profile {PROFILED_STEPS} more steps of each row: print the time "
                              "by attention/gemm/loss/optimizer/other, write Chrome traces to DIR.")
@@ -427,6 +432,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     if args.seq_length < 1 or args.seq_length > spec.max_positions:
         raise UsageError(f"--seq-length {args.seq_length} is outside [1, {spec.max_positions}], the max positions "
                          f"of {args.model}; pass a shorter --seq-length")
+    if args.compile_loss and not args.masked_only_loss:
+        raise UsageError("--compile-loss needs --masked-only-loss")
     for flag in ("micro_batch_size", "steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
@@ -454,7 +461,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     # With --fp8 our step runs twice, without and with fp8, so one command prints both next to the baseline.
     for fp8 in ([False, True] if args.fp8 else [False]):
         variant = argparse.Namespace(**{**vars(args), "fp8": fp8})
-        levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only")]
+        levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
+                  (args.compile_loss, " compiled-loss")]
         rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
                             build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
@@ -471,6 +479,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
                    "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
+                   "compile_loss": args.compile_loss,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "seed": args.seed},
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value

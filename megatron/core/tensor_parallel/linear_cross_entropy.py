@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.cross_entropy import _all_reduce
-from megatron.core.tensor_parallel.utils import group_rank
+from megatron.core.tensor_parallel.utils import group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class _Layout:
     """Rows of this rank's slice below the unpadded vocabulary; the rest are never predicted."""
     compute_dtype: torch.dtype
     chunk_size: int
+    compiled: bool = False
+    """Single rank only: each chunk's softmax, loss and logits gradient as one compiled function."""
 
 
 def _chunks(count: int, chunk_size: int):
@@ -81,6 +83,33 @@ def _logits_gradient(exp_logits, sum_exp, local_target, foreign, scale: torch.Te
     return grad.mul_(scale.unsqueeze(-1))
 
 
+def _softmax_loss_gradient(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, valid_rows: int):
+    """One rank's whole vocabulary: (losses, log-sum-exp, gradient of sum(scale * losses) w.r.t. the
+    logits, in the logits' dtype). Written as plain tensor math for torch.compile, which turns it
+    into a few passes over the low-precision logits instead of a dozen over fp32 copies."""
+    dtype = logits.dtype
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    logits = logits.float().masked_fill(columns >= valid_rows, float("-inf"))
+    logits_max = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - logits_max
+    sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
+    log_sum = sum_exp.log()
+    losses = (log_sum - shifted.gather(-1, targets.unsqueeze(-1))).squeeze(-1)
+    one_hot = (columns == targets.unsqueeze(-1)).float()
+    grad = (shifted.exp() / sum_exp - one_hot) * scale.unsqueeze(-1)
+    return losses, (log_sum + logits_max).squeeze(-1), grad.to(dtype)
+
+
+_COMPILED = {}
+
+
+def _compiled_softmax_loss_gradient():
+    """Compiled once per process, with dynamic shapes: the number of selected tokens changes every batch."""
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(_softmax_loss_gradient, dynamic=True)
+    return _COMPILED["fn"]
+
+
 def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: int, end: int) -> None:
     """grad_hidden[start:end] and grad_weight += the chunk's contribution (matmuls in the compute dtype)."""
     grad_logits = grad_logits.to(weight.dtype)
@@ -99,6 +128,11 @@ def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, need
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
     for start, end in _chunks(count, layout.chunk_size):
         chunk = hidden[start:end].to(layout.compute_dtype)
+        if layout.compiled and needs_grad:
+            losses[start:end], log_sum_exp[start:end], grad_logits = _compiled_softmax_loss_gradient()(
+                chunk @ compute_weight.t(), targets[start:end], loss_weights[start:end], layout.valid_rows)
+            _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end)
+            continue
         exp_logits, sum_exp, target_logit, logits_max, local_target, foreign = _chunk_softmax(
             chunk, compute_weight, targets[start:end], layout)
         losses[start:end] = torch.log(sum_exp) - target_logit
@@ -165,7 +199,7 @@ def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layou
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                          unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
-                         chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int = 4096, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
 
     `hidden` [n, h] must be the same on every tp rank (gather sequence-parallel activations
@@ -174,7 +208,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     slice of the (padded) vocabulary; ids >= `unpadded_vocab_size` are never predicted.
     `targets` are global ids, already checked to lie in the vocabulary. `loss_weights` [n] are
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
-    the softmax in fp32. Not for a second backward of the same graph.
+    the softmax in fp32. `compiled` (one tensor-parallel rank): each chunk's softmax and logits
+    gradient run as one torch.compile'd function. Not for a second backward of the same graph.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "
@@ -184,6 +219,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     local = weight.shape[0]
     vocab_start = group_rank(tp_group) * local
     valid_rows = local if unpadded_vocab_size is None else max(0, min(local, unpadded_vocab_size - vocab_start))
-    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size)
+    if compiled and group_size(tp_group) > 1:
+        raise ValueError("the compiled loss kernel supports one tensor-parallel rank (its softmax needs "
+                         "all-reduces between passes); drop --difflm-compile-loss or tensor parallelism")
+    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad)

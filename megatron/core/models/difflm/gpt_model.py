@@ -350,7 +350,7 @@ class GPTModel(MegatronModule):
         losses, loss_sum = linear_cross_entropy(
             selected, self._output_weight(), labels[rows, positions], weights[rows, positions], self.tp_group,
             unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
-            chunk_size=self.dlm_config.loss_chunk_size)
+            chunk_size=self.dlm_config.loss_chunk_size, compiled=self.dlm_config.compile_loss)
         per_token = losses.new_zeros(labels.shape).index_put((rows, positions), losses)
         return per_token, loss_sum
 
