@@ -292,11 +292,11 @@ class _Layout:
 
 def _call_model(model_fn: ModelFn, ids: torch.Tensor, layout: _Layout, q0: int, q1: int,
                 cache: Optional[KVCache]) -> torch.Tensor:
-    """Logits [B, q1 - q0, V] for canvas slots [q0, q1); without a cache the run must start at 0."""
+    """Logits [B, q1 - q0, V] for canvas slots [q0, q1), in the model's dtype (callers keep the
+    positions they need, then go to fp32); without a cache the run must start at 0."""
     key_length = cache.max_length if cache is not None else q1
     mask = layout.attention_mask(q0, q1, key_length)
-    logits = model_fn(ids[:, q0:q1], layout.positions[:, q0:q1], mask, cache, q0)
-    return logits.float()
+    return model_fn(ids[:, q0:q1], layout.positions[:, q0:q1], mask, cache, q0)
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], running_mode: str,
@@ -464,10 +464,11 @@ class _DiffusionSampler:
             # Unconditional input: the prompt replaced by mask tokens, length preserved.
             ids = torch.cat([ids, ids.masked_fill(self.prompt_slots, self.mask_token_id)])
         logits = _call_model(self.model_fn, ids, self.run_layout, q0, q1, self.cache)
+        # Only the block's positions go to fp32: the rest of the canvas is not needed.
+        logits = logits[:, first_needed - q0:end - self.shift - q0].float()
         if self.opts.cfg_scale > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (self.opts.cfg_scale + 1) * (conditional - unconditional)
-        logits = logits[:, first_needed - q0:end - self.shift - q0]
         # Committing the mask token would leave the slot masked forever; a trained model
         # gives it ~0 probability, so ruling it out changes nothing there.
         return logits.index_fill(-1, torch.tensor([self.mask_token_id], device=logits.device), float("-inf"))
@@ -505,7 +506,7 @@ def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: _Lay
         # last token only. The logits at index - 1 predict the token at index.
         q0 = 0 if cache is None or index == prompt_length else index - 1
         logits = _call_model(model_fn, canvas, layout, q0, index, cache)
-        tokens, _ = _predict(logits[:, -1], opts)
+        tokens, _ = _predict(logits[:, -1].float(), opts)
         if eos_token_id is not None:
             tokens = tokens.masked_fill(finished, fill_id)
             finished = finished | (tokens == eos_token_id)
