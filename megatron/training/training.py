@@ -25,7 +25,8 @@ from megatron.core.distributed.data_parallel import (finalize_gradients, is_full
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
-from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm
+from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
+                                              forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.fp8 import enable_fp8_training
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
@@ -139,9 +140,12 @@ class Trainer:
         loss_sum, loss_tokens = self._forward_backward(
             data_iterator, True, state.iteration, state.consumed_train_samples, stream=0)
         self.grad_scaler.unscale_(self.optimizer)
-        finalize_gradients(self.model, loss_tokens.float(), self.groups.tp)
+        normaliser = finalize_gradients(self.model, loss_tokens.float(), self.groups.tp)
+        # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
+        # applies the normaliser and the clipping as it reads the gradients.
         grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp,
-                                   self.groups.dp if is_fully_sharded(self.model) else None)
+                                   self.groups.dp if is_fully_sharded(self.model) else None, scale=normaliser,
+                                   optimizer=None if self.args.fp16 else self.optimizer)
         loss = loss_sum / loss_tokens.clamp(min=1.0)
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -155,6 +159,7 @@ class Trainer:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
             self.scheduler.step(1)
+        forget_gradient_scale(self.optimizer)
         nan = not finite_loss or (skipped and not self.args.fp16)
         return StepResult(float(loss), float(grad_norm), float(loss_tokens), skipped, nan)
 

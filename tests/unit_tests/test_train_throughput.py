@@ -180,6 +180,8 @@ def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
     assert sum(profile["ms_per_step"].values()) == pytest.approx(profile["total_ms_per_step"])
     for category in ("attention", "gemm", "loss", "optimizer"):  # each is found in a real step
         assert profile["ms_per_step"][category] > 0, category
+        top = [milliseconds for _, milliseconds in profile["top"][category]]  # the longest ops, listed
+        assert top and top == sorted(top, reverse=True) and sum(top) <= profile["ms_per_step"][category] * (1 + 1e-9)
     assert os.path.getsize(profile["trace"]) > 0
 
 

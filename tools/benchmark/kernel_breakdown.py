@@ -26,6 +26,8 @@ GEMM = ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bm
         "aten::_scaled_mm", "aten::_grouped_mm")
 LOSS = ("cross_entropy", "crossentropy", "log_softmax", "logsoftmax", "nll_loss", "nllloss")
 # vector_norm: our gradient clipping's per-tensor norms (the model's norms never call it).
+TOP_KERNELS = 8
+"""Kernels (ops on CPU) listed per category, the longest first."""
 OPTIMIZER = ("adam", "foreach", "optimizer", "multi_tensor_apply", "clip_grad", "vector_norm")
 
 
@@ -62,7 +64,7 @@ def cuda_breakdown(trace: dict) -> dict:
     or by the ops around the runtime call that launched it (matched by correlation id)."""
     events = trace["traceEvents"]
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops_by_thread = defaultdict(list)
     for event in events:
         if event.get("cat") in ("cpu_op", "user_annotation") and "dur" in event:
@@ -70,28 +72,39 @@ def cuda_breakdown(trace: dict) -> dict:
     for ops in ops_by_thread.values():
         ops.sort(key=lambda op: op["ts"])
     totals = dict.fromkeys(CATEGORIES, 0.0)
+    kernels = {category: defaultdict(float) for category in CATEGORIES}
     for kernel in (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
         launch = launches.get(kernel.get("args", {}).get("correlation"))
         callers = [] if launch is None else _enclosing_ops(ops_by_thread[launch["tid"]], launch["ts"])
-        totals[classify(kernel["name"], callers)] += kernel["dur"]
-    return totals
+        category = classify(kernel["name"], callers)
+        totals[category] += kernel["dur"]
+        # Named with the innermost ops that launched it: "other" is otherwise hard to place.
+        kernels[category][" <- ".join([kernel["name"][:80], *callers[:2]])] += kernel["dur"]
+    return totals, kernels
 
 
 def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None) -> dict:
     """Milliseconds per step by category (and their shares): device time from the exported trace
     on CUDA, self CPU time of the profiler's `events()` on CPU."""
     if on_cuda:
-        totals = cuda_breakdown(trace)
+        totals, kernels = cuda_breakdown(trace)
     else:
         totals = dict.fromkeys(CATEGORIES, 0.0)
+        kernels = {category: defaultdict(float) for category in CATEGORIES}
         for event in events:
             if event.device_type == DeviceType.CPU and not event.is_async:
-                totals[classify(event.name, _callers(event.cpu_parent))] += event.self_cpu_time_total
+                category = classify(event.name, _callers(event.cpu_parent))
+                totals[category] += event.self_cpu_time_total
+                kernels[category][event.name] += event.self_cpu_time_total
     total = sum(totals.values())
+    top = {category: [(name, value / 1e3 / steps) for name, value in
+                      sorted(named.items(), key=lambda item: -item[1])[:TOP_KERNELS]]
+           for category, named in kernels.items()}
     return {"time": "CUDA kernel time" if on_cuda else "CPU time (self time of ops)", "steps": steps,
             "ms_per_step": {key: value / 1e3 / steps for key, value in totals.items()},
             "total_ms_per_step": total / 1e3 / steps,
-            "share": {key: (value / total if total else 0.0) for key, value in totals.items()}}
+            "share": {key: (value / total if total else 0.0) for key, value in totals.items()},
+            "top": top}
 
 
 def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor],
@@ -128,5 +141,8 @@ def format_table(name: str, result: dict) -> str:
         lines.append(f"| {category} | {result['ms_per_step'][category]:.2f} | "
                      f"{100 * result['share'][category]:.1f}% |")
     lines.append(f"| total | {result['total_ms_per_step']:.2f} | 100% |")
+    for category in CATEGORIES:
+        for name, milliseconds in result.get("top", {}).get(category, []):
+            lines.append(f"  {category:9s} {milliseconds:8.3f} ms  {name[:200]}")
     return "\n".join(lines)
 

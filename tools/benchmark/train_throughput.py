@@ -53,7 +53,8 @@ import kernel_breakdown  # noqa: E402
 
 from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
-from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, clip_grad_norm  # noqa: E402
+from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
+                                              forget_gradient_scale)
 from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
@@ -172,8 +173,9 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                 first_sample_index=index * batch, batch_size=batch, device=device)
         loss = model.compute_loss(tokens, key=key if dlm.is_diffusion else None).loss
         loss.backward()
-        clip_grad_norm(model.parameters(), CLIP_GRAD)
+        clip_grad_norm(model.parameters(), CLIP_GRAD, optimizer=optimizer)  # the clip folded into a fused step
         optimizer.step()
+        forget_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
@@ -337,10 +339,12 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
            "step_ms": times, "median_step_ms": median_ms, **metrics, "peak_tflops": peak,
            "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None),
            "final_loss": loss, **info}
+    print(f"measured: {format_row(row)}", flush=True)  # each row as it comes, in case a later one fails
     if args.profile:  # after the timing, which the profiler would slow down
         os.makedirs(args.profile, exist_ok=True)
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
         row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
+        print(kernel_breakdown.format_table(name, row["profile"]), flush=True)
     del model, optimizer, step, batches
     gc.collect()
     if device.type == "cuda":
@@ -364,19 +368,25 @@ def _cell(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+TABLE_HEADER = ("| implementation | precision | parameters | median ms/step | tokens/s/GPU | TFLOP/s/GPU | MFU | "
+                "peak memory GiB |\n|---|---|---|---|---|---|---|---|")
+
+
+def format_row(row: dict) -> str:
+    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    return (f"| {row['name']} | {row['precision']} | {row['parameters'] / 1e6:,.1f}M | {row['median_step_ms']:.1f} | "
+            f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | "
+            f"{_cell(row['peak_memory_gib'], '.1f')} |")
+
+
 def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\n{cfg['model']} ({cfg['mode']}, {result['attention_mask_type']}), seq {cfg['seq_length']} x micro-batch "
           f"{cfg['micro_batch_size']}, {cfg['steps']} timed steps after {cfg['warmup']}, {result['device']}, "
           f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
-    print("| implementation | precision | parameters | median ms/step | tokens/s/GPU | TFLOP/s/GPU | MFU | "
-          "peak memory GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(TABLE_HEADER)
     for row in result["rows"]:
-        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        print(f"| {row['name']} | {row['precision']} | {row['parameters'] / 1e6:,.1f}M | {row['median_step_ms']:.1f} | "
-              f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | "
-              f"{_cell(row['peak_memory_gib'], '.1f')} |")
+        print(format_row(row))
     if result.get("ratio"):
         ratio = result["ratio"]
         print(f"ours / baseline: tokens/s {ratio['tokens_per_sec_per_gpu']:.3f}x, "
@@ -384,9 +394,6 @@ def print_table(result: dict) -> None:
     if result.get("fp8_ratio"):
         print("fp8 tokens/s: " + ", ".join(f"{value:.3f}x {name.replace('_', ' ')}"
                                            for name, value in result["fp8_ratio"].items()))
-    for row in result["rows"]:
-        if row.get("profile"):
-            print(kernel_breakdown.format_table(row["name"], row["profile"]))
 
 
 # ---------------------------------------------------------------------- command line

@@ -131,13 +131,12 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
             grad.copy_(chunk.view_as(grad))
 
 
-def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor, tp_group=None) -> None:
-    """Turn the (replica-averaged) summed gradients into gradients of sum / total_loss_tokens."""
+def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Complete the tensor-parallel partial gradients; returns the factor that turns the
+    (replica-averaged) summed gradients into gradients of sum / total_loss_tokens, for
+    `clip_grad_norm(scale=...)` to apply together with the clipping."""
     allreduce_tensor_parallel_partial_grads(model, tp_group)
-    scale = data_parallel_size(model) / total_loss_tokens.clamp(min=1.0)
-    grads = local_gradients(model)
-    if grads:
-        torch._foreach_mul_(grads, scale.to(grads[0].device, grads[0].dtype))
+    return data_parallel_size(model) / total_loss_tokens.clamp(min=1.0)
 
 
 def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -58,8 +58,14 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
-                   dp_shard_group=None) -> torch.Tensor:
+                   dp_shard_group=None, scale: Optional[torch.Tensor] = None,
+                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
+
+    `scale` (a 0-d tensor, e.g. 1 / loss tokens): the gradients are taken as multiplied by it
+    first, in the same multiply as the clipping, so the gradients are rewritten once. With
+    `optimizer`, that multiply may be left to a fused AdamW's next step (see `scale_gradients`;
+    call `forget_gradient_scale` after that step, or if it is skipped).
 
     Tensor-parallel shards (param.tensor_model_parallel) are summed over tp; replicated
     weights hold the same gradient on every tp rank and count once. Gradients sharded over
@@ -84,10 +90,42 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
         dist.all_reduce(tp_part, group=tp_group)
         squares = torch.cat([tp_part, squares[1:]])
     norm = squares.sum().sqrt()
+    multiplier = None
+    if scale is not None:
+        scale = scale.to(device=device, dtype=torch.float32)
+        norm, multiplier = norm * scale, scale
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(sharded + replicated, coefficient)
+        multiplier = coefficient if multiplier is None else multiplier * coefficient
+    if multiplier is not None:
+        scale_gradients(sharded + replicated, multiplier, optimizer)
     return norm
+
+
+def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    """True for a torch Adam/AdamW whose every group is fused: its step divides each gradient
+    by `optimizer.grad_scale` as it reads it (the hook torch's GradScaler uses)."""
+    return (isinstance(optimizer, torch.optim.Adam)
+            and all(group.get("fused") for group in optimizer.param_groups))
+
+
+def scale_gradients(grads: List[torch.Tensor], multiplier: torch.Tensor,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+    """grads *= multiplier (0-d) before the next step: one multi-tensor multiply, or, for a fused
+    AdamW, inside its step, which saves a read and a write of every gradient (about 3 ms a step
+    for a 1.7B model on an H200). The gradients themselves then stay unscaled."""
+    if folds_gradient_scale(optimizer):
+        previous = getattr(optimizer, "grad_scale", None)
+        divisor = 1.0 / multiplier.float()
+        optimizer.grad_scale = divisor if previous is None else previous * divisor
+        return
+    if grads:
+        torch._foreach_mul_(grads, multiplier.to(grads[0].dtype))
+
+
+def forget_gradient_scale(optimizer: torch.optim.Optimizer) -> None:
+    """Drop a scale `scale_gradients` left for the step: call after the step, or instead of a skipped one."""
+    optimizer.__dict__.pop("grad_scale", None)
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
