@@ -38,6 +38,7 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--difflm-loss-chunk-size", type=int, default=4096,
                    help="Tokens per chunk of --difflm-masked-only-loss (memory ~ 8 bytes x chunk x vocab / tp).")
     g.add_argument("--difflm-compile-loss", action="store_true",
-                   help="With --difflm-masked-only-loss at tensor-parallel size 1: each chunk's softmax and logits "
-                        "gradient as one torch.compile'd function.")
+                   help="With --difflm-masked-only-loss at tensor-parallel size 1: each chunk's softmax, loss and "
+                        "logits gradient as one torch.compile'd kernel (4.7 instead of 16.5 ms a step at Qwen3-1.7B "
+                        "on an H200, docs/performance.md).")
     return parser

@@ -18,5 +18,6 @@ run_pretrain \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --difflm-eps 1e-3 --difflm-t-sampling antithetic --difflm-loss-weight inverse_p \
-    --difflm-loss-normalizer tokens --difflm-masked-only-loss --torch-compile --difflm-varilen-prob 0.01 \
+    --difflm-loss-normalizer tokens --difflm-masked-only-loss --difflm-compile-loss --torch-compile \
+    --difflm-varilen-prob 0.01 \
     --eval-interval 2000 --eval-iters 10

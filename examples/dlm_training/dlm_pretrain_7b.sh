@@ -21,5 +21,6 @@ run_pretrain \
     --recompute-granularity selective \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --difflm-eps 1e-3 --difflm-t-sampling antithetic --difflm-loss-weight inverse_p \
-    --difflm-loss-normalizer tokens --difflm-masked-only-loss --torch-compile --difflm-varilen-prob 0.01 \
+    --difflm-loss-normalizer tokens --difflm-masked-only-loss --difflm-compile-loss --torch-compile \
+    --difflm-varilen-prob 0.01 \
     --eval-interval 2000 --eval-iters 10

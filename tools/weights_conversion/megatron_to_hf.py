@@ -68,14 +68,11 @@ def _default_dtype(saved_config: dict) -> torch.dtype:
     return torch.float16 if saved_config.get("fp16") else torch.float32
 
 
-def _write_remote_code(output_dir: str) -> bool:
-    """Copy the DLM templates and the framework's sampler; True when the real sampler was shipped."""
+def _write_remote_code(output_dir: str) -> None:
+    """Copy the DLM templates and the framework's sampler (a self-contained file) as generation.py."""
     for name in ("configuration_dlm.py", "modeling_dlm.py"):
         shutil.copyfile(os.path.join(TEMPLATES, name), os.path.join(output_dir, name))
-    has_sampler = os.path.isfile(SAMPLER)
-    source = SAMPLER if has_sampler else os.path.join(TEMPLATES, "generation_placeholder.py")
-    shutil.copyfile(source, os.path.join(output_dir, "generation.py"))
-    return has_sampler
+    shutil.copyfile(SAMPLER, os.path.join(output_dir, "generation.py"))
 
 
 def write_weights(iter_dir: str, config, output_dir: str, dtype: torch.dtype, max_shard_bytes: int,
@@ -131,9 +128,10 @@ def convert(args: argparse.Namespace) -> dict:
     generation = {key: special.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     with open(os.path.join(args.save, "generation_config.json"), "w") as handle:
         json.dump({key: value for key, value in generation.items() if value is not None}, handle, indent=2)
-    has_sampler = _write_remote_code(args.save) if kind == "dlm" else None
+    if kind == "dlm":
+        _write_remote_code(args.save)
     return {"architecture": hf["architectures"][0], "shards": shards, "dtype": str(dtype),
-            "tokenizer": tokenizer is not None, "sampler": has_sampler, "iteration": iteration}
+            "tokenizer": tokenizer is not None, "iteration": iteration}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -145,8 +143,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(f"> wrote {summary['architecture']} (iteration {summary['iteration']}, {summary['dtype']}, "
           f"{len(summary['shards'])} shard(s)) to {args.save}")
-    if summary["sampler"] is False:
-        print("> note: megatron/core/inference/generation.py is missing; generate() of this export is disabled")
     if not summary["tokenizer"]:
         print("> note: no tokenizer exported")
     return 0
