@@ -230,3 +230,17 @@ def test_missing_optional_package_is_named(module, flag, message, capsys, monkey
         tt.main(["--model", "tiny", *flag])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"train_throughput.py: error: {message}"
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_reaches_our_model_and_leaves_the_losses_unchanged(recompute):
+    spec = tt.MODELS["tiny"]
+    args = tt.build_parser().parse_args([*TINY, "--recompute", recompute])
+    tt.validate(args)
+    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
+    assert model.config.recompute_granularity == recompute
+    plain = tt.main([*TINY, "--mode", "dlm"])["rows"][0]
+    result = tt.main([*TINY, "--mode", "dlm", "--recompute", recompute])
+    row = result["rows"][0]
+    assert row["name"] == f"MegaDLMs recompute-{recompute}" and result["config"]["recompute"] == recompute
+    assert row["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-6)  # the same math, replayed

@@ -2,7 +2,8 @@
 
     python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
-        [--masked-only-loss] [--attention-backend auto] [--profile DIR] [--json OUT]
+        [--masked-only-loss] [--compile-loss] [--recompute {none,selective,full}] [--attention-backend auto]
+        [--profile DIR] [--json OUT]
 
 Our row is the real thing on one device: `GPTModel` built from `TransformerConfig`/`DLMConfig`
 (bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
@@ -108,10 +109,16 @@ MODELS: Dict[str, ModelSpec] = {
 
 
 # ---------------------------------------------------------------------- configuration
-def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto") -> TransformerConfig:
+def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
+                       recompute: str = "none") -> TransformerConfig:
     """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
-    batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host."""
+    batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
+    `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
+    --recompute-num-layers 1)."""
+    full = recompute == "full"
     return TransformerConfig(
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden_size,
         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_positions, normalization="RMSNorm",
@@ -154,7 +161,7 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 # ---------------------------------------------------------------------- our step
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
-    config = transformer_config(spec, device, args.attention_backend)
+    config = transformer_config(spec, device, args.attention_backend, args.recompute)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
@@ -423,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"After timing, profile {PROFILED_STEPS} more steps of each row: print the time "
                              "by attention/gemm/loss/optimizer/other, write Chrome traces to DIR.")
     parser.add_argument("--attention-backend", default="auto", help=f"One of {', '.join(ATTENTION_BACKENDS)}.")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="Our activation recompute: selective (core attention) or full (every layer).")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
@@ -469,7 +478,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     for fp8 in ([False, True] if args.fp8 else [False]):
         variant = argparse.Namespace(**{**vars(args), "fp8": fp8})
         levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
-                  (args.compile_loss, " compiled-loss")]
+                  (args.compile_loss, " compiled-loss"), (args.recompute != "none", f" recompute-{args.recompute}")]
         rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
                             build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
@@ -486,7 +495,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
                    "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
-                   "compile_loss": args.compile_loss,
+                   "compile_loss": args.compile_loss, "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "seed": args.seed},
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
