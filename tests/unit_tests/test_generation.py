@@ -440,3 +440,23 @@ def test_bad_ar_options_and_inputs_raise_clear_errors():
         generate(never_called, prompt, running_mode="diffusion")
     with pytest.raises(ValueError, match="at least one real token"):
         generate(never_called, prompt, torch.tensor([[0, 0]]), running_mode="difflm-shift", mask_token_id=MASK_ID)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+def test_select_commits_what_a_per_row_topk_commits(threshold):
+    """The batched selection (no per-row loop, no host sync) against the plain per-row rule:
+    the `count` most confident masked slots, or those above the threshold plus the best one."""
+    generator = torch.Generator().manual_seed(5)
+    confidence = torch.rand(6, 9, generator=generator, dtype=torch.float64)
+    masked = torch.rand(6, 9, generator=generator) < 0.6
+    masked[4] = False  # a finished row: nothing to commit
+    count = torch.tensor([0, 1, 2, 3, 9, 4])  # 9 > masked slots: capped at what the row has
+    got = generation._select(confidence, masked, None if threshold else count, threshold)
+    for row in range(6):
+        slots = [slot for slot in range(9) if masked[row, slot]]
+        ranked = sorted(slots, key=lambda slot: -confidence[row, slot].item())
+        if threshold is None:
+            expected = set(ranked[:int(count[row])])
+        else:
+            expected = {slot for slot in slots if confidence[row, slot] > threshold} | set(ranked[:1])
+        assert set(got[row].nonzero().flatten().tolist()) == expected, row

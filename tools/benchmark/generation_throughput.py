@@ -47,6 +47,7 @@ import train_throughput as shapes  # noqa: E402  (the named model shapes, shared
 from megatron.core.dist_checkpointing import serialization  # noqa: E402
 from megatron.core.inference import generation  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training.checkpointing import checkpoint_dir, latest_iteration  # noqa: E402
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="torch.compile each transformer layer (dynamic shapes: the canvas, block and "
+                             "cache offsets change between forwards).")
     parser.add_argument("--json", help="Write every number, the command and versions here.")
     return parser
 
@@ -379,6 +383,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except UsageError as error:
         print(f"generation_throughput.py: error: {error}", file=sys.stderr)
         sys.exit(2)
+    if args.torch_compile:
+        compile_transformer_layers(bench.model, dynamic=True)
     config = bench.model.config
     result = {
         "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *argv]),
@@ -392,7 +398,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                                            "vocab_size", "qk_layernorm")},
         "config": {name: getattr(args, name) for name in ("batch_sizes", "gen_length", "block_length", "steps",
                                                           "threshold", "prompt", "prompt_length", "variants",
-                                                          "warmup", "repeats", "seed", "attention_backend")},
+                                                          "warmup", "repeats", "seed", "attention_backend",
+                                                          "torch_compile")},
         "rows": measure(bench, args, device),
     }
     print_table(result)

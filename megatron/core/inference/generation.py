@@ -404,6 +404,7 @@ class _DiffusionSampler:
         self.model_fn, self.canvas, self.opts = model_fn, canvas, layout.opts
         self.prompt_length, self.shift = prompt_length, int(shift)
         self.mask_token_id, self.eos_token_id, self.fill_id = mask_token_id, eos_token_id, fill_id
+        self.mask_column = torch.tensor([mask_token_id], device=canvas.device)  # made once: no copy per step
         self.finished = torch.zeros(canvas.shape[0], dtype=torch.bool, device=canvas.device)
         self.prompt_slots = layout.real.clone()
         self.prompt_slots[:, prompt_length:] = False
@@ -471,27 +472,29 @@ class _DiffusionSampler:
             logits = unconditional + (self.opts.cfg_scale + 1) * (conditional - unconditional)
         # Committing the mask token would leave the slot masked forever; a trained model
         # gives it ~0 probability, so ruling it out changes nothing there.
-        return logits.index_fill(-1, torch.tensor([self.mask_token_id], device=logits.device), float("-inf"))
+        return logits.index_fill(-1, self.mask_column, float("-inf"))
 
 
 def _select(confidence: torch.Tensor, masked: torch.Tensor, count: Optional[torch.Tensor],
             threshold: Optional[float]) -> torch.Tensor:
     """Which masked slots [B, n] to commit: the `count` most confident per row (LLaDA's
-    schedule), or every one above `threshold` plus the most confident (Fast-dLLM)."""
+    schedule), or every one above `threshold` plus the most confident (Fast-dLLM). Whole-batch
+    tensor operations: no per-row loop and no host synchronisation."""
     confidence = confidence.masked_fill(~masked, float("-inf"))
-    has_masked = masked.any(dim=1)
     if threshold is not None:
-        commit = masked & (confidence > threshold)
-        best = confidence.argmax(dim=1)
-        commit[has_masked, best[has_masked]] = True
-        return commit
-    commit = torch.zeros_like(masked)
+        best = _one_hot(confidence.argmax(dim=1), masked.shape[1])
+        return masked & ((confidence > threshold) | best)
+    # A slot's rank in its row (0 = most confident); the first `count` ranks are committed.
     # Never more than the row still has: finished rows (EOS) have no masks left.
-    count = torch.minimum(count, masked.sum(dim=1))
-    for row in range(masked.shape[0]):
-        chosen = confidence[row].topk(int(count[row])).indices
-        commit[row, chosen] = True
-    return commit
+    order = confidence.argsort(dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(1, order, torch.arange(masked.shape[1], device=order.device)
+                                             .expand_as(order).contiguous())
+    return masked & (ranks < count[:, None])
+
+
+def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:
+    """[B] indices -> [B, size] bool, True at each row's index."""
+    return torch.arange(size, device=index.device)[None, :] == index[:, None]
 
 
 # ---------------------------------------------------------------------------- autoregressive

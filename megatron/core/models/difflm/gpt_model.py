@@ -358,7 +358,8 @@ class GPTModel(MegatronModule):
     @torch.no_grad()
     def inference_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                           kv_cache=None, cache_start: int = 0) -> torch.Tensor:
-        """The `model_fn` of megatron.core.inference.generation: fp32 logits [b, q, V].
+        """The `model_fn` of megatron.core.inference.generation: logits [b, q, V] in the compute
+        dtype (bf16 under --bf16; the sampler casts only the positions it reads to fp32).
 
         `attention_mask` [b, q, k] bool (True = may attend) is used as given: the sampler
         builds it from absolute positions, so left padding, causality and KV-cache slots are
@@ -386,7 +387,7 @@ class GPTModel(MegatronModule):
             hidden = self.embedding(input_ids)
             hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
             logits = self._local_logits(hidden)
-        return self._full_vocabulary(logits.transpose(0, 1)).float()
+        return self._full_vocabulary(logits.transpose(0, 1))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                  **options) -> torch.Tensor:
