@@ -68,3 +68,29 @@ def test_torch_compile_flag_compiles_the_layers_in_build_trainer():
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
     layers = list(unwrap(trainer.model).decoder.layers.values())
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+
+
+def test_compiled_layers_generate_as_eager_with_one_graph_set_for_all_layers():
+    """Generation through compiled layers: the same tokens as eager, and the KV cache's update
+    stays outside the graphs, so 4 layers and every cache offset share a few compiled graphs
+    instead of recompiling per layer (which would hit dynamo's limit and fall back to eager)."""
+    from torch._dynamo.utils import counters
+
+    config = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, vocab_size=64, max_position_embeddings=64, qk_layernorm=True,
+                               attention_backend="sdpa")
+    dlm = DLMConfig(mask_token_id=63)
+    prompt = torch.randint(0, 63, (2, 6), generator=torch.Generator().manual_seed(3))
+    options = dict(gen_length=16, block_length=4, steps=16, cache="dual")
+    outputs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(config, dlm).eval()
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_transformer_layers(model, dynamic=True)
+        with torch.no_grad():
+            outputs.append(model.generate(prompt, **options))
+    assert torch.equal(outputs[0], outputs[1])
+    assert 0 < counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])

@@ -93,6 +93,10 @@ class KVCache:
         self.values.clear()
         self.filled_length = 0
 
+    def for_layer(self, layer: int) -> "LayerCache":
+        """Layer `layer`'s handle: what a model hands each of its layers."""
+        return LayerCache(self, layer)
+
     def update(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``[B, kv_heads, q, d]`` at ``[start, start + q)``; return the full buffers."""
@@ -118,6 +122,22 @@ class KVCache:
         values[:, :, start:end] = value.to(values.dtype)
         self.filled_length = max(self.filled_length, end)
         return keys, values
+
+
+class LayerCache:
+    """One layer's view of a `KVCache`: ``update(start, key, value) -> (keys, values)``.
+
+    Its update runs eagerly inside a torch.compile'd layer. Traced, the cache's dict of
+    buffers and the Python ints (layer index, offsets) would become guards: a recompilation
+    per layer and per offset. Opaque, every layer shares one compiled graph before the update
+    and one after it."""
+
+    def __init__(self, cache: KVCache, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+    @torch.compiler.disable
+    def update(self, start: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(self.layer, start, key, value)
 
 
 # ---------------------------------------------------------------------------- options

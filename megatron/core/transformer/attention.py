@@ -129,17 +129,17 @@ class SelfAttention(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: AttentionMask,
                 rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
-        """``kv_cache`` (generation): an object with ``update(layer, start, key, value) -> (keys,
-        values)`` (megatron.core.inference.generation.KVCache). This layer's k/v (after k-norm
-        and RoPE) are written at positions ``[cache_start, cache_start + s)`` and the queries
-        attend the whole returned buffer under ``attention_mask`` (an explicit mask)."""
+        """``kv_cache`` (generation): this layer's handle, an object with ``update(start, key,
+        value) -> (keys, values)`` (megatron.core.inference.generation.LayerCache, keyed by the
+        global layer index, so a pipeline stage's slice uses its own slots). This layer's k/v
+        (after k-norm and RoPE) are written at positions ``[cache_start, cache_start + s)`` and
+        the queries attend the whole returned buffer under ``attention_mask`` (an explicit mask)."""
         query, key, value = self.get_query_key_value(hidden_states)
         if rotary_pos_emb is not None:
             cos, sin = rotary_pos_emb
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
         if kv_cache is not None:
-            # Keyed by the global layer index, so a pipeline stage's slice uses its own slots.
-            key, value = kv_cache.update(self.layer_number, cache_start, key, value)
+            key, value = kv_cache.update(cache_start, key, value)
         if self.recompute_core_attention and torch.is_grad_enabled():
             # Selective recompute: the attention internals are cheap to redo and large to keep.
             context = checkpoint_with_tracker(partial(self._core_attention, attention_mask=attention_mask),

@@ -58,13 +58,15 @@ class TransformerBlock(MegatronModule):
 
     def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: AttentionMask,
                 rotary_pos_emb: Optional[RotaryPair] = None, kv_cache=None, cache_start: int = 0) -> torch.Tensor:
-        """``kv_cache`` / ``cache_start``: generation only, see `SelfAttention.forward`."""
+        """``kv_cache`` / ``cache_start``: generation only; each layer gets its own handle
+        (`kv_cache.for_layer(layer_number)`, see `SelfAttention.forward`)."""
         if hidden_states is None:
             hidden_states = self.input_tensor
         for group, recompute in self._recompute_groups():
             def run(x, group=group):
                 for layer in group:
-                    x = layer(x, attention_mask, rotary_pos_emb, kv_cache=kv_cache, cache_start=cache_start)
+                    layer_cache = None if kv_cache is None else kv_cache.for_layer(layer.layer_number)
+                    x = layer(x, attention_mask, rotary_pos_emb, kv_cache=layer_cache, cache_start=cache_start)
                 return x
             if recompute and torch.is_grad_enabled():
                 hidden_states = checkpoint_with_tracker(run, self.rng_tracker, hidden_states)
