@@ -46,6 +46,7 @@ import train_throughput as shapes  # noqa: E402  (the named model shapes, shared
 
 from megatron.core.dist_checkpointing import serialization  # noqa: E402
 from megatron.core.inference import generation  # noqa: E402
+from megatron.core.inference.cuda_graphs import CUDAGraphRunner  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
@@ -86,6 +87,8 @@ class Bench:
     """A line for the table header: random init or which checkpoint."""
     max_positions: int
     tokenizer: object = None
+    graphs: Optional[CUDAGraphRunner] = None
+    """With --cuda-graphs: the model_fn, replaying graphs over `model.inference_forward`."""
 
 
 # ---------------------------------------------------------------------- the model
@@ -218,7 +221,7 @@ def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, args: arg
     def model_fn(ids, positions, mask, cache, start):
         counts["forwards"] += 1
         counts["tokens"] += ids.numel()
-        return bench.model.inference_forward(ids, positions, mask, cache, start)
+        return (bench.graphs or bench.model.inference_forward)(ids, positions, mask, cache, start)
 
     options = dict(bench.pattern, gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                    temperature=0.0, cache=variant.cache, threshold=args.threshold if variant.use_threshold else None)
@@ -285,7 +288,10 @@ def print_table(result: dict) -> None:
     print(f"weights: {result['weights']}")
     print(f"prompt {config['prompt']} x {config['prompt_length']} tokens, gen_length {config['gen_length']}, "
           f"block_length {config['block_length']}, steps {config['steps']}, threshold {config['threshold']}, "
-          f"greedy, no EOS stop; median of {config['repeats']} calls after {config['warmup']} warm-up\n")
+          f"greedy, no EOS stop; median of {config['repeats']} calls after {config['warmup']} warm-up")
+    graphs = result.get("cuda_graphs")
+    print(f"compiled layers: {'yes' if config['torch_compile'] else 'no'}; CUDA graphs: "
+          + (f"{graphs['captured']} captured, {graphs['replays']} forwards replayed\n" if graphs else "no\n"))
     print("| batch | variant | tokens/s | s / batch | forwards | model tokens | gen tokens / forward "
           "| speed-up vs (a) | tokens ≠ (a) | sequences = (a) | peak GiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -333,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch-compile", action="store_true",
                         help="torch.compile each transformer layer (dynamic shapes: the canvas, block and "
                              "cache offsets change between forwards).")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="Replay a CUDA graph per forward shape (megatron.core.inference.cuda_graphs; CUDA only, "
+                             "composes with --torch-compile). The warm-up calls capture them.")
     parser.add_argument("--json", help="Write every number, the command and versions here.")
     return parser
 
@@ -354,6 +363,8 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup} must be at least 0")
+    if args.cuda_graphs and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0] != "cuda":
+        raise UsageError("--cuda-graphs needs a CUDA device; drop it on CPU")
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
@@ -385,6 +396,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         sys.exit(2)
     if args.torch_compile:
         compile_transformer_layers(bench.model, dynamic=True)
+    if args.cuda_graphs:
+        bench.graphs = CUDAGraphRunner(bench.model.inference_forward)
     config = bench.model.config
     result = {
         "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *argv]),
@@ -399,9 +412,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "config": {name: getattr(args, name) for name in ("batch_sizes", "gen_length", "block_length", "steps",
                                                           "threshold", "prompt", "prompt_length", "variants",
                                                           "warmup", "repeats", "seed", "attention_backend",
-                                                          "torch_compile")},
+                                                          "torch_compile", "cuda_graphs")},
         "rows": measure(bench, args, device),
     }
+    if bench.graphs is not None:
+        result["cuda_graphs"] = {"captured": len(bench.graphs.graphs), "replays": bench.graphs.replays}
     print_table(result)
     if args.json:
         with open(args.json, "w") as handle:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megatron.core.inference import generation
+from megatron.core.inference.cuda_graphs import CUDAGraphRunner
 from megatron.core.models.difflm import diffusion
 from megatron.core.transformer.attention import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
@@ -91,8 +92,9 @@ def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
     """ValueError naming the first tensor of ids outside [0, limit), before any heavy work.
 
     Every min and max comes back in one transfer: one host sync for ids on an accelerator,
-    none on CPU. With `sync=False`, ids on an accelerator get a device-side assert instead:
-    no sync, and a bad id aborts the process with the same message a little later.
+    none on CPU. With `sync=False` (and always inside a CUDA graph capture), ids on an
+    accelerator get a device-side assert instead: no sync, and a bad id aborts the process
+    with the same message a little later.
     """
     checks = [check for check in checks if check[1] is not None]
     for name, ids, _, _ in checks:
@@ -102,7 +104,8 @@ def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
     if not checks:
         return
     device = checks[0][1].device
-    if not sync and device.type != "cpu":
+    # A CUDA graph being captured cannot stop for a host check: it records the device assert.
+    if device.type != "cpu" and (not sync or torch.cuda.is_current_stream_capturing()):
         for name, ids, limit, fix in checks:
             torch._assert_async(((ids >= 0) & (ids < limit)).all(), f"{name} holds ids outside [0, {limit}); {fix}")
         return
@@ -157,6 +160,8 @@ class GPTModel(MegatronModule):
                 config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
                 init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
                 params_dtype=config.params_dtype)
+        self._graph_runner: Optional[CUDAGraphRunner] = None
+        """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
 
     def sharded_state_dict(self, prefix: str = ""):
         """As every module's; the vocabulary tensors are marked as padded (the padding depends on tp)."""
@@ -390,12 +395,21 @@ class GPTModel(MegatronModule):
         return self._full_vocabulary(logits.transpose(0, 1))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 **options) -> torch.Tensor:
+                 cuda_graphs: bool = False, **options) -> torch.Tensor:
         """Generate in this model's running mode; see megatron.core.inference.generation.generate
-        for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained."""
+        for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained.
+
+        `cuda_graphs`: replay a captured CUDA graph per forward shape (megatron.core.inference.
+        cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them;
+        changing the weights in place is fine, replacing parameter tensors is not."""
         pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
                        attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
-        return generation.generate(self.inference_forward, input_ids, attention_mask,
+        model_fn = self.inference_forward
+        if cuda_graphs:
+            if self._graph_runner is None:
+                self._graph_runner = CUDAGraphRunner(self.inference_forward)
+            model_fn = self._graph_runner
+        return generation.generate(model_fn, input_ids, attention_mask,
                                    running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
                                    **(pattern | options))
 

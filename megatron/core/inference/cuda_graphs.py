@@ -1,0 +1,104 @@
+"""CUDA graphs for generation: each forward shape is captured once, then replayed.
+
+At batch 1 a decoder forward launches hundreds of small kernels and the GPU waits on the
+host between them; replaying a captured graph launches them all at once. `CUDAGraphRunner`
+wraps a generation `model_fn` (megatron.core.inference.generation's contract) and keeps the
+same contract, so the samplers do not know it is there:
+
+    runner = CUDAGraphRunner(model.inference_forward)       # or model.generate(..., cuda_graphs=True)
+    generation.generate(runner, input_ids, running_mode=..., cache="dual", ...)
+
+A call whose key (input shapes, whether a cache is used, the cache offset) is new runs
+eagerly (checks, lazy allocations, torch.compile and autotuning happen here), then its graph
+is captured; every later call with that key copies its inputs into the graph's buffers and
+replays it. Keys per diffusion generation: one without a cache; with one, the full-canvas
+refresh plus one per block. AR decoding with a cache makes one key per position, so after
+`max_graphs` keys new ones just run eagerly.
+
+A graph writes into fixed addresses, so the runner owns the KV caches: one per (batch,
+length), reused by every generation of that size. The caller's `KVCache` only says that a
+cache is wanted and how long it is; it stays empty. Reuse is safe because every generation
+overwrites the slots before it reads them (a full-canvas pass at each block start, the
+prompt pass in AR decoding) and the masks hide the slots not yet written. Outputs are copies,
+so they survive the next call. Ids are checked on the device inside a graph (a bad id aborts
+the process with the usual message), since a graph cannot stop for a host-side check.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
+
+import torch
+
+from megatron.core.inference.generation import KVCache
+
+ModelFn = Callable[..., torch.Tensor]
+
+
+class _Graph:
+    """One captured forward and the static tensors it reads and writes."""
+
+    def __init__(self, inputs: List[torch.Tensor], output: torch.Tensor, graph: torch.cuda.CUDAGraph) -> None:
+        self.inputs, self.output, self.graph = inputs, output, graph
+
+    def replay(self, inputs: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for static, new in zip(self.inputs, inputs):
+            static.copy_(new)
+        self.graph.replay()
+        return self.output.clone()
+
+
+class CUDAGraphRunner:
+    """A generation `model_fn` that replays one CUDA graph per input shape (see the module doc)."""
+
+    def __init__(self, model_fn: ModelFn, max_graphs: int = 64) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA graphs need a CUDA device; generate without cuda_graphs (--cuda-graphs) here")
+        if max_graphs < 1:
+            raise ValueError(f"CUDAGraphRunner max_graphs={max_graphs} must be at least 1")
+        self.model_fn, self.max_graphs = model_fn, max_graphs
+        self.graphs: Dict[Hashable, _Graph] = {}
+        self.caches: Dict[Tuple[int, int], KVCache] = {}
+        self.replays = 0
+        """Calls answered by a replay (the rest ran eagerly)."""
+        self._pool = torch.cuda.graph_pool_handle()  # graphs run one after another: they can share memory
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 kv_cache: Optional[KVCache] = None, cache_start: int = 0) -> torch.Tensor:
+        if input_ids.device.type != "cuda":
+            raise ValueError(f"CUDAGraphRunner got input_ids on {input_ids.device}; move the model and the prompt "
+                             "to a CUDA device, or generate without cuda_graphs")
+        inputs = (input_ids, position_ids, attention_mask)
+        cache = None if kv_cache is None else self._cache(input_ids.shape[0], kv_cache.max_length)
+        key = (tuple((tuple(t.shape), t.dtype, t.device) for t in inputs), kv_cache is not None and
+               kv_cache.max_length, cache_start)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.replays += 1
+            return graph.replay(inputs)
+        output = self.model_fn(*inputs, cache, cache_start)
+        if len(self.graphs) < self.max_graphs:
+            self.graphs[key] = self._capture(inputs, cache, cache_start)
+        return output
+
+    def _cache(self, batch: int, max_length: int) -> KVCache:
+        if (batch, max_length) not in self.caches:
+            self.caches[(batch, max_length)] = KVCache(None, max_length)
+        return self.caches[(batch, max_length)]
+
+    def _capture(self, inputs: Tuple[torch.Tensor, ...], cache: Optional[KVCache], cache_start: int) -> _Graph:
+        static = [tensor.clone() for tensor in inputs]
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=inputs[0].device)
+        # Warm up on the capture stream first: libraries set up per-stream state (cuBLAS
+        # workspaces) lazily, which a capture must not do. It rewrites the cache slots with
+        # the values the eager call just wrote.
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            self.model_fn(*static, cache, cache_start)
+        torch.cuda.current_stream().wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            output = self.model_fn(*static, cache, cache_start)
+        return _Graph(static, output, graph)
