@@ -1,11 +1,13 @@
 """Generate text with a MegaDLMs model: a checkpoint of ours, or a tiny random model.
 
-    python examples/dlm_generation/dlm_inference.py            # random model + bundled tokenizer, CPU, seconds
+    python examples/dlm_generation/dlm_inference.py            # random model + bundled tokenizer, seconds
     python examples/dlm_generation/dlm_inference.py --load ckpts/run1 --tokenizer-model tokenizer.model \\
-        --prompt "Fellow-Citizens of the Senate" --max-new-tokens 64 --sample-steps 64 --inference-block-size 32
+        --prompt "Fellow-Citizens of the Senate" --max-new-tokens 64 --sample-steps 64 --inference-block-size 32 \\
+        [--cache dual --threshold 0.9] [--torch-compile --cuda-graphs]
 
 The checkpoint's metadata.json gives the architecture and the running mode (diffusion or AR);
-it loads into one fp32 process whatever parallel layout it was saved with. The tokenizer type
+it loads into one process whatever parallel layout it was saved with, and runs in bf16 on a GPU
+(fp32 on CPU). The tokenizer type
 comes from the metadata; its files from --tokenizer-model / --vocab-file / --merge-file, else
 from the absolute paths the checkpoint records (when they still exist on this machine).
 """
@@ -119,26 +121,34 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="Default: cuda when available (bf16 weights), else cpu (fp32).")
     parser.add_argument("--torch-compile", action="store_true",
-                        help="torch.compile each transformer layer (2.5x tokens/s at batch 1 for Qwen3-1.7B on an "
-                             "H200, docs/performance.md; the first call compiles).")
+                        help="torch.compile each transformer layer (the first call compiles; docs/performance.md "
+                             "has the speed-ups on an H200).")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="Replay a CUDA graph per forward shape (CUDA only; composes with --torch-compile).")
     args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("--cuda-graphs needs a CUDA device; drop it on CPU")
 
     torch.manual_seed(args.seed)
     model, identity = load_checkpoint_model(args.load) if args.load else (None, {})
     tokenizer = build_text_tokenizer(args, identity)
     if model is None:
         model = random_model(tokenizer.vocab_size if tokenizer else 256, tokenizer.mask if tokenizer else 255)
+    model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.torch_compile:  # dynamic shapes: the canvas, block and cache offsets change between forwards
         compile_transformer_layers(model, dynamic=True)
     ids = tokenizer.tokenize(args.prompt) if tokenizer else [int(token) for token in args.prompt.split()]
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    eos_token_id=tokenizer.eod if tokenizer else identity.get("eod"),
-                   generator=torch.Generator().manual_seed(args.seed))
+                   generator=torch.Generator(device).manual_seed(args.seed))
     if model.running_mode != "vanilla":
         options.update(sample_steps=args.sample_steps, inference_block_size=args.inference_block_size, cfg=args.cfg,
                        remasking=args.remasking, threshold=args.threshold, cache=args.cache)
-    output = model.generate(torch.tensor([ids]), **options)[0, len(ids):].tolist()
+    output = model.generate(torch.tensor([ids], device=device), cuda_graphs=args.cuda_graphs,
+                            **options)[0, len(ids):].tolist()
     print(f"prompt:    {args.prompt}")
     print(f"generated: {tokenizer.detokenize(output) if tokenizer else output}")
 

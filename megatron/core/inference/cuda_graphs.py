@@ -8,12 +8,15 @@ same contract, so the samplers do not know it is there:
     runner = CUDAGraphRunner(model.inference_forward)       # or model.generate(..., cuda_graphs=True)
     generation.generate(runner, input_ids, running_mode=..., cache="dual", ...)
 
-A call whose key (input shapes, whether a cache is used, the cache offset) is new runs
-eagerly (checks, lazy allocations, torch.compile and autotuning happen here), then its graph
-is captured; every later call with that key copies its inputs into the graph's buffers and
-replays it. Keys per diffusion generation: one without a cache; with one, the full-canvas
-refresh plus one per block. AR decoding with a cache makes one key per position, so after
-`max_graphs` keys new ones just run eagerly.
+A call whose key (the input shapes and the cache length) is new runs eagerly (checks, lazy
+allocations, torch.compile and autotuning happen here), then its graph is captured; every
+later call with that key copies its inputs into the graph's buffers and replays it. The cache
+offset is one of those inputs (a 0-dim tensor the cache writes at), so one graph serves every
+offset. Graphs per diffusion generation: one without a cache; two with the dual cache (the
+full-canvas refresh and the block); with the prefix cache one per block, whose lengths differ;
+AR decoding with a cache: the prompt pass and the one-token step. Calls whose shapes keep
+changing (AR decoding without a cache) would capture a graph per call: after `max_graphs`
+keys new ones just run eagerly.
 
 A graph writes into fixed addresses, so the runner owns the KV caches: one per (batch,
 length), reused by every generation of that size. The caller's `KVCache` only says that a
@@ -38,12 +41,15 @@ ModelFn = Callable[..., torch.Tensor]
 class _Graph:
     """One captured forward and the static tensors it reads and writes."""
 
-    def __init__(self, inputs: List[torch.Tensor], output: torch.Tensor, graph: torch.cuda.CUDAGraph) -> None:
-        self.inputs, self.output, self.graph = inputs, output, graph
+    def __init__(self, inputs: List[torch.Tensor], start: Optional[torch.Tensor], output: torch.Tensor,
+                 graph: torch.cuda.CUDAGraph) -> None:
+        self.inputs, self.start, self.output, self.graph = inputs, start, output, graph
 
-    def replay(self, inputs: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def replay(self, inputs: Tuple[torch.Tensor, ...], cache_start: int) -> torch.Tensor:
         for static, new in zip(self.inputs, inputs):
             static.copy_(new)
+        if self.start is not None:
+            self.start.fill_(cache_start)
         self.graph.replay()
         return self.output.clone()
 
@@ -71,12 +77,11 @@ class CUDAGraphRunner:
                              "to a CUDA device, or generate without cuda_graphs")
         inputs = (input_ids, position_ids, attention_mask)
         cache = None if kv_cache is None else self._cache(input_ids.shape[0], kv_cache.max_length)
-        key = (tuple((tuple(t.shape), t.dtype, t.device) for t in inputs), kv_cache is not None and
-               kv_cache.max_length, cache_start)
+        key = (tuple((tuple(t.shape), t.dtype, t.device) for t in inputs), None if cache is None else cache.max_length)
         graph = self.graphs.get(key)
         if graph is not None:
             self.replays += 1
-            return graph.replay(inputs)
+            return graph.replay(inputs, cache_start)
         output = self.model_fn(*inputs, cache, cache_start)
         if len(self.graphs) < self.max_graphs:
             self.graphs[key] = self._capture(inputs, cache, cache_start)
@@ -89,6 +94,7 @@ class CUDAGraphRunner:
 
     def _capture(self, inputs: Tuple[torch.Tensor, ...], cache: Optional[KVCache], cache_start: int) -> _Graph:
         static = [tensor.clone() for tensor in inputs]
+        start = None if cache is None else torch.tensor(cache_start, device=inputs[0].device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=inputs[0].device)
         # Warm up on the capture stream first: libraries set up per-stream state (cuBLAS
@@ -96,9 +102,9 @@ class CUDAGraphRunner:
         # the values the eager call just wrote.
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            self.model_fn(*static, cache, cache_start)
+            self.model_fn(*static, cache, cache_start if start is None else start)
         torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            output = self.model_fn(*static, cache, cache_start)
-        return _Graph(static, output, graph)
+            output = self.model_fn(*static, cache, cache_start if start is None else start)
+        return _Graph(static, start, output, graph)
