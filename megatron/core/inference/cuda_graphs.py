@@ -11,8 +11,8 @@ same contract, so the samplers do not know it is there:
 A call whose key (the input shapes and the cache length) is new runs eagerly (checks, lazy
 allocations, torch.compile and autotuning happen here), then its graph is captured; every
 later call with that key copies its inputs into the graph's buffers and replays it. The cache
-offset is one of those inputs (a 0-dim tensor the cache writes at), so one graph serves every
-offset. Graphs per diffusion generation: one without a cache; two with the dual cache (the
+offset is one of those inputs (the tensor of slots the cache writes, refilled before each
+replay after a host-side range check), so one graph serves every offset. Graphs per diffusion generation: one without a cache; two with the dual cache (the
 full-canvas refresh and the block); with the prefix cache one per block, whose lengths differ;
 AR decoding with a cache: the prompt pass and the one-token step. Calls whose shapes keep
 changing (AR decoding without a cache) would capture a graph per call: after `max_graphs`
@@ -41,15 +41,16 @@ ModelFn = Callable[..., torch.Tensor]
 class _Graph:
     """One captured forward and the static tensors it reads and writes."""
 
-    def __init__(self, inputs: List[torch.Tensor], start: Optional[torch.Tensor], output: torch.Tensor,
+    def __init__(self, inputs: List[torch.Tensor], slots: Optional[torch.Tensor], output: torch.Tensor,
                  graph: torch.cuda.CUDAGraph) -> None:
-        self.inputs, self.start, self.output, self.graph = inputs, start, output, graph
+        self.inputs, self.slots, self.output, self.graph = inputs, slots, output, graph
+        self.offsets = None if slots is None else torch.arange(len(slots), device=slots.device)
 
     def replay(self, inputs: Tuple[torch.Tensor, ...], cache_start: int) -> torch.Tensor:
         for static, new in zip(self.inputs, inputs):
             static.copy_(new)
-        if self.start is not None:
-            self.start.fill_(cache_start)
+        if self.slots is not None:
+            torch.add(self.offsets, cache_start, out=self.slots)
         self.graph.replay()
         return self.output.clone()
 
@@ -78,6 +79,9 @@ class CUDAGraphRunner:
         inputs = (input_ids, position_ids, attention_mask)
         cache = None if kv_cache is None else self._cache(input_ids.shape[0], kv_cache.max_length)
         key = (tuple((tuple(t.shape), t.dtype, t.device) for t in inputs), None if cache is None else cache.max_length)
+        if cache is not None and not 0 <= cache_start <= cache.max_length - input_ids.shape[1]:
+            raise ValueError(f"cache_start {cache_start} + {input_ids.shape[1]} positions fall outside the "
+                             f"KV cache's [0, {cache.max_length})")
         graph = self.graphs.get(key)
         if graph is not None:
             self.replays += 1
@@ -94,7 +98,8 @@ class CUDAGraphRunner:
 
     def _capture(self, inputs: Tuple[torch.Tensor, ...], cache: Optional[KVCache], cache_start: int) -> _Graph:
         static = [tensor.clone() for tensor in inputs]
-        start = None if cache is None else torch.tensor(cache_start, device=inputs[0].device)
+        slots = None if cache is None else torch.arange(cache_start, cache_start + inputs[0].shape[1],
+                                                        device=inputs[0].device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=inputs[0].device)
         # Warm up on the capture stream first: libraries set up per-stream state (cuBLAS
@@ -102,9 +107,9 @@ class CUDAGraphRunner:
         # the values the eager call just wrote.
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            self.model_fn(*static, cache, cache_start if start is None else start)
+            self.model_fn(*static, cache, cache_start if slots is None else slots)
         torch.cuda.current_stream().wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            output = self.model_fn(*static, cache, cache_start if start is None else start)
-        return _Graph(static, start, output, graph)
+            output = self.model_fn(*static, cache, cache_start if slots is None else slots)
+        return _Graph(static, slots, output, graph)

@@ -12,8 +12,8 @@ The model callable
 * ``attention_mask``: ``[B, q, K]`` bool, True where query i may attend key j. Every row has
   at least one True entry (a padding query sees itself), so no softmax row is empty.
 * ``kv_cache``: None or a `KVCache`; ``cache_start``: the canvas index of ``input_ids[:, 0]``
-  (an int, or a 0-dim integer tensor on the model's device, which the model only hands on to
-  the cache: CUDA graphs replay one capture for every offset).
+  (an int; or the ``[q]`` int64 tensor of cache slots to write, on the model's device, which
+  the model only hands on to the cache: CUDA graphs replay one capture for every offset).
 * returns ``[B, q, V]`` float logits over the full vocabulary.
 
 Without a cache, K == q and the q tokens are the whole sequence. With a cache, every
@@ -102,9 +102,9 @@ class KVCache:
     def update(self, layer: int, start, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``[B, kv_heads, q, d]`` at ``[start, start + q)``; return the full buffers.
 
-        ``start`` is an int, or a 0-dim integer tensor on the buffers' device: then the write
-        needs no host value, so one captured CUDA graph serves every offset (its range is
-        checked on the device, and ``filled_length`` is not tracked)."""
+        ``start`` is an int, or the ``[q]`` integer tensor of the slots to write, on the buffers'
+        device: that write needs no host value, so one captured CUDA graph serves every offset
+        (the caller checks the slots; ``filled_length`` is not tracked)."""
         if key.dim() != 4 or key.shape != value.shape:
             raise ValueError(f"KVCache.update expects key and value [B, kv_heads, q, d] of one shape, got "
                              f"{tuple(key.shape)} and {tuple(value.shape)}")
@@ -112,11 +112,9 @@ class KVCache:
             raise ValueError(f"KVCache layer {layer} is outside [0, {self.num_layers})")
         length = key.shape[2]
         on_device = isinstance(start, torch.Tensor)
-        if on_device and (start.dim() != 0 or start.dtype not in (torch.int64, torch.int32)):
-            raise ValueError(f"KVCache start must be an int or a 0-dim integer tensor, got {tuple(start.shape)} "
-                             f"{start.dtype}")
-        if on_device and length > self.max_length:
-            raise ValueError(f"KVCache got {length} positions for a buffer of {self.max_length}")
+        if on_device and (start.shape != (length,) or start.dtype != torch.int64):
+            raise ValueError(f"KVCache start must be an int or the [{length}] int64 tensor of the slots to write, "
+                             f"got {tuple(start.shape)} {start.dtype}")
         if not on_device and (start < 0 or start + length > self.max_length):
             raise ValueError(f"KVCache positions [{start}, {start + length}) fall outside [0, {self.max_length})")
         if layer not in self.keys:
@@ -130,11 +128,8 @@ class KVCache:
             raise ValueError(f"KVCache layer {layer} holds [B, heads, _, d] = {tuple(keys.shape)} but got "
                              f"{tuple(key.shape)}; call reset() before reusing the cache for another batch")
         if on_device:
-            torch._assert_async((start >= 0) & (start + length <= self.max_length),
-                                f"KVCache start + {length} falls outside [0, {self.max_length}]")
-            slots = start + torch.arange(length, device=keys.device)
-            keys.index_copy_(2, slots, key.to(keys.dtype))
-            values.index_copy_(2, slots, value.to(values.dtype))
+            keys.index_copy_(2, start, key.to(keys.dtype))
+            values.index_copy_(2, start, value.to(values.dtype))
             return keys, values
         keys[:, :, start:start + length] = key.to(keys.dtype)
         values[:, :, start:start + length] = value.to(values.dtype)
