@@ -38,6 +38,10 @@ def test_cli_writes_json_with_counts_and_baseline_comparison(tmp_path):
             assert math.isfinite(row[key]) and row[key] > 0, (row["variant"], key, row[key])
         assert len(row["seconds_all"]) == config["repeats"]
         assert row["tokens_per_sec"] == pytest.approx(gen_length * row["batch_size"] / row["seconds_per_batch"])
+        if row["variant"] == "ar":  # another decoding of the same weights: not compared token by token
+            assert row["token_diff_fraction_vs_baseline"] is None
+            assert row["identical_sequence_fraction_vs_baseline"] is None
+            continue
         assert 0.0 <= row["token_diff_fraction_vs_baseline"] <= 1.0
         assert 0.0 <= row["identical_sequence_fraction_vs_baseline"] <= 1.0
         assert 1 <= row["forward_calls"] <= steps  # cfg off: at most one forward a step
@@ -59,6 +63,10 @@ def test_cli_writes_json_with_counts_and_baseline_comparison(tmp_path):
         prefix_tokens = sum(later * (canvas - config["prompt_length"] - block * config["block_length"])
                             for block in range(blocks))
         assert by_name[(batch, "prefix")]["model_tokens"] == full_passes + prefix_tokens
+        # AR with a cache: the prompt once, then one token per forward.
+        assert by_name[(batch, "ar")]["forward_calls"] == gen_length
+        assert by_name[(batch, "ar")]["model_tokens"] == batch * (config["prompt_length"] + gen_length - 1)
+    assert "| AR decoding + KV cache (reference) |" in proc.stdout
 
 
 def test_threshold_that_always_fires_needs_one_forward_per_block(tmp_path):
