@@ -86,7 +86,9 @@ class CUDAGraphRunner:
         if graph is not None:
             self.replays += 1
             return graph.replay(inputs, cache_start)
-        output = self.model_fn(*inputs, cache, cache_start)
+        # The eager call writes by slots too, so compiled layers see one kind of offset (an int
+        # would add graphs: dynamo specialises 0 and 1, and the recompile limit is 8).
+        output = self.model_fn(*inputs, cache, cache_start if cache is None else _slots(cache_start, input_ids))
         if len(self.graphs) < self.max_graphs:
             self.graphs[key] = self._capture(inputs, cache, cache_start)
         return output
@@ -98,8 +100,7 @@ class CUDAGraphRunner:
 
     def _capture(self, inputs: Tuple[torch.Tensor, ...], cache: Optional[KVCache], cache_start: int) -> _Graph:
         static = [tensor.clone() for tensor in inputs]
-        slots = None if cache is None else torch.arange(cache_start, cache_start + inputs[0].shape[1],
-                                                        device=inputs[0].device)
+        slots = None if cache is None else _slots(cache_start, inputs[0])
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=inputs[0].device)
         # Warm up on the capture stream first: libraries set up per-stream state (cuBLAS
@@ -113,3 +114,8 @@ class CUDAGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             output = self.model_fn(*static, cache, cache_start if slots is None else slots)
         return _Graph(static, slots, output, graph)
+
+
+def _slots(cache_start: int, input_ids: torch.Tensor) -> torch.Tensor:
+    """The cache slots [q] that a forward of `input_ids` [B, q] writes, on its device."""
+    return torch.arange(cache_start, cache_start + input_ids.shape[1], device=input_ids.device)
