@@ -91,6 +91,12 @@ def test_outputs_survive_the_next_replay_and_model_generate_keeps_its_graphs():
     graphs = dict(model._graph_runner.graphs)
     second = model.generate(prompt, cuda_graphs=True, gen_length=8, block_length=4, steps=8, temperature=0.0)
     assert torch.equal(first, second) and model._graph_runner.graphs == graphs and model._graph_runner.replays > 0
+    # New weight tensors: the old graphs would read freed memory, so generate captures anew.
+    runner = model._graph_runner
+    model.to(torch.float64)
+    third = model.generate(prompt, cuda_graphs=True, gen_length=8, block_length=4, steps=8, temperature=0.0)
+    assert model._graph_runner is not runner
+    assert torch.equal(third, model.generate(prompt, gen_length=8, block_length=4, steps=8, temperature=0.0))
 
 
 @pytest.mark.gpu
