@@ -94,3 +94,27 @@ def test_compiled_layers_generate_as_eager_with_one_graph_set_for_all_layers():
             outputs.append(model.generate(prompt, **options))
     assert torch.equal(outputs[0], outputs[1])
     assert 0 < counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
+
+
+def test_dynamic_compilation_raises_dynamo_recompile_limit_for_generation_shapes():
+    """Generation's shapes (batch 1 or more, one token or more, cache or none) can need more
+    graphs than dynamo's default 8; past the limit the layers would silently run eagerly."""
+    from megatron.core.transformer.compilation import DYNAMIC_RECOMPILE_LIMIT
+
+    def tiny() -> GPTModel:
+        return GPTModel(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                                          vocab_size=64))
+
+    config = torch._dynamo.config
+    saved = config.recompile_limit
+    try:
+        config.recompile_limit = 8
+        compile_transformer_layers(tiny())
+        assert config.recompile_limit == 8  # static compilation (training) leaves it alone
+        compile_transformer_layers(tiny(), dynamic=True)
+        assert config.recompile_limit == DYNAMIC_RECOMPILE_LIMIT > 8
+        config.recompile_limit = 100
+        compile_transformer_layers(tiny(), dynamic=True)
+        assert config.recompile_limit == 100  # never lowered
+    finally:
+        config.recompile_limit = saved
