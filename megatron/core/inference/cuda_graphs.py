@@ -12,11 +12,11 @@ A call whose key (the input shapes and the cache length) is new runs eagerly (ch
 allocations, torch.compile and autotuning happen here), then its graph is captured; every
 later call with that key copies its inputs into the graph's buffers and replays it. The cache
 offset is one of those inputs (the tensor of slots the cache writes, refilled before each
-replay after a host-side range check), so one graph serves every offset. Graphs per diffusion generation: one without a cache; two with the dual cache (the
-full-canvas refresh and the block); with the prefix cache one per block, whose lengths differ;
-AR decoding with a cache: the prompt pass and the one-token step. Calls whose shapes keep
-changing (AR decoding without a cache) would capture a graph per call: after `max_graphs`
-keys new ones just run eagerly.
+replay after a host-side range check), so one graph serves every offset. Graphs per diffusion
+generation: one without a cache; two with the dual cache (the full-canvas refresh and the
+block); with the prefix cache one per block, whose lengths differ. AR decoding with a cache:
+the prompt pass and the one-token step. Calls whose shapes keep changing (AR decoding without
+a cache) would capture a graph per call: after `max_graphs` keys new ones just run eagerly.
 
 A graph writes into fixed addresses, so the runner owns the KV caches: one per (batch,
 length), reused by every generation of that size. The caller's `KVCache` only says that a
@@ -86,8 +86,8 @@ class CUDAGraphRunner:
         if graph is not None:
             self.replays += 1
             return graph.replay(inputs, cache_start)
-        # The eager call writes by slots too, so compiled layers see one kind of offset (an int
-        # would add graphs: dynamo specialises 0 and 1, and the recompile limit is 8).
+        # The eager call writes by slots too, so compiled layers see one kind of offset (ints
+        # would add compiled graphs: dynamo specialises the values 0 and 1).
         output = self.model_fn(*inputs, cache, cache_start if cache is None else _slots(cache_start, input_ids))
         if len(self.graphs) < self.max_graphs:
             self.graphs[key] = self._capture(inputs, cache, cache_start)
