@@ -167,6 +167,36 @@ def test_export_generates_like_our_model(mode, tmp_path):
         assert torch.equal(ours, theirs), options
 
 
+def exported_dlm(tmp_path):
+    dlm = DLMConfig(model_running_mode="difflm-noshift", mask_token_id=VOCAB - 1)
+    save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True), dlm)
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    assert (tmp_path / "hf" / "cuda_graphs.py").exists()
+    return load_hf(tmp_path / "hf")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_export_with_cuda_graphs_says_it_needs_cuda(tmp_path):
+    hf = exported_dlm(tmp_path)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        hf.generate(ids(batch=1, seq=4, vocab=VOCAB - 1), gen_length=4, steps=4, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_export_generates_with_cuda_graphs_as_without(tmp_path):
+    """The exported model's generate(cuda_graphs=True) (cuda_graphs.py shipped with it) returns
+    its eager tokens, with and without the KV cache, and replays on the second call."""
+    hf = exported_dlm(tmp_path).cuda()
+    prompt = ids(batch=2, seq=6, vocab=VOCAB - 1).cuda()
+    for options in (dict(steps=8, block_length=4), dict(steps=8, block_length=4, cache="dual")):
+        expected = hf.generate(prompt, gen_length=8, eos_token_id=None, **options)
+        for _ in range(2):
+            assert torch.equal(hf.generate(prompt, gen_length=8, eos_token_id=None, cuda_graphs=True, **options),
+                               expected), options
+    assert hf._graph_runner.replays > 0
+
+
 def test_sharded_export_and_forced_architecture(tmp_path):
     config = tiny_config(share_embeddings_and_output_weights=False)
     save_checkpoint(tmp_path / "ckpt", config, DLMConfig(model_running_mode="vanilla"))

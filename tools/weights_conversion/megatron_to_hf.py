@@ -8,7 +8,7 @@ checkpoint's metadata, generation_config.json and the training tokenizer (tokeni
 tokenizer_config.json, and the original files). Autoregressive (`vanilla`) checkpoints of the Llama,
 Qwen2 or Qwen3 architecture become native LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
 folders; everything else (every difflm-* mode) gets the remote-code DLMForCausalLM
-(configuration_dlm.py, modeling_dlm.py and the sampler generation.py), loaded with
+(configuration_dlm.py, modeling_dlm.py, the sampler generation.py and cuda_graphs.py), loaded with
 `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`.
 """
 
@@ -33,7 +33,7 @@ from tools.weights_conversion.tokenizer_export import (TokenizerExportError, exp
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_dlm")
-SAMPLER = os.path.join(REPO_ROOT, "megatron", "core", "inference", "generation.py")
+INFERENCE = os.path.join(REPO_ROOT, "megatron", "core", "inference")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -69,10 +69,12 @@ def _default_dtype(saved_config: dict) -> torch.dtype:
 
 
 def _write_remote_code(output_dir: str) -> None:
-    """Copy the DLM templates and the framework's sampler (a self-contained file) as generation.py."""
+    """Copy the DLM templates and the framework's sampler and CUDA-graph runner (generation.py,
+    cuda_graphs.py: torch-only files)."""
     for name in ("configuration_dlm.py", "modeling_dlm.py"):
         shutil.copyfile(os.path.join(TEMPLATES, name), os.path.join(output_dir, name))
-    shutil.copyfile(SAMPLER, os.path.join(output_dir, "generation.py"))
+    for name in ("generation.py", "cuda_graphs.py"):
+        shutil.copyfile(os.path.join(INFERENCE, name), os.path.join(output_dir, name))
 
 
 def write_weights(iter_dir: str, config, output_dir: str, dtype: torch.dtype, max_shard_bytes: int,

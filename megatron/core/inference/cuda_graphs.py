@@ -25,6 +25,9 @@ overwrites the slots before it reads them (a full-canvas pass at each block star
 prompt pass in AR decoding) and the masks hide the slots not yet written. Outputs are copies,
 so they survive the next call. Ids are checked on the device inside a graph (a bad id aborts
 the process with the usual message), since a graph cannot stop for a host-side check.
+
+Like generation.py this file imports only torch and its neighbour, so the Hugging Face
+exporter ships it too (`DLMForCausalLM.generate(..., cuda_graphs=True)`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from __future__ import annotations
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
+from torch import nn
 
-from megatron.core.inference.generation import KVCache
+from .generation import KVCache
 
 ModelFn = Callable[..., torch.Tensor]
 
@@ -58,7 +62,9 @@ class _Graph:
 class CUDAGraphRunner:
     """A generation `model_fn` that replays one CUDA graph per input shape (see the module doc)."""
 
-    def __init__(self, model_fn: ModelFn, max_graphs: int = 64) -> None:
+    def __init__(self, model_fn: ModelFn, max_graphs: int = 64, module: Optional[nn.Module] = None) -> None:
+        """`module`: the model whose weights `model_fn` reads; `reads_weights_of` then tells
+        whether they are still the tensors the graphs were captured with."""
         if not torch.cuda.is_available():
             raise ValueError("CUDA graphs need a CUDA device; generate without cuda_graphs (--cuda-graphs) here")
         if max_graphs < 1:
@@ -70,6 +76,10 @@ class CUDAGraphRunner:
         """Calls answered by a replay (the rest ran eagerly)."""
         self._pool = torch.cuda.graph_pool_handle()  # graphs run one after another: they can share memory
         self._stream: Optional[torch.cuda.Stream] = None
+        self._weights = None if module is None else _storage(module)
+
+    def reads_weights_of(self, module: nn.Module) -> bool:
+        return self._weights == _storage(module)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  kv_cache: Optional[KVCache] = None, cache_start: int = 0) -> torch.Tensor:
@@ -119,3 +129,17 @@ class CUDAGraphRunner:
 def _slots(cache_start: int, input_ids: torch.Tensor) -> torch.Tensor:
     """The cache slots [q] that a forward of `input_ids` [B, q] writes, on its device."""
     return torch.arange(cache_start, cache_start + input_ids.shape[1], device=input_ids.device)
+
+
+def _storage(module: nn.Module) -> Tuple[int, ...]:
+    return tuple(tensor.data_ptr() for tensor in (*module.parameters(), *module.buffers()))
+
+
+def runner_for(module: nn.Module, model_fn: ModelFn, runner: Optional[CUDAGraphRunner]) -> CUDAGraphRunner:
+    """`runner` while its graphs still read `module`'s weight tensors (in-place changes, such
+    as an optimizer step or a load into the model, are seen); a new runner over `model_fn`
+    once they were replaced (`.to(dtype)`, another device), since the old graphs would read
+    freed memory."""
+    if runner is not None and runner.reads_weights_of(module):
+        return runner
+    return CUDAGraphRunner(model_fn, module=module)

@@ -15,7 +15,9 @@ Two entry points:
   `model_fn` of MegaDLMs' sampler (generation.py, copied next to this file): `attention_mask`
   [B, q, K] bool (True = may attend), used as given; with a cache every layer writes its k/v at
   [cache_start, cache_start + q) through `kv_cache.update` and attends the returned buffers.
-`generate(input_ids, attention_mask=None, **options)` runs that sampler in the running mode.
+`generate(input_ids, attention_mask=None, cuda_graphs=False, **options)` runs that sampler in
+the running mode; `cuda_graphs=True` replays a captured CUDA graph per forward shape
+(cuda_graphs.py, also copied next to this file).
 """
 
 import torch
@@ -25,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from .configuration_dlm import DLMConfig
+from .cuda_graphs import runner_for
 from .generation import KVCache, generate as _sampler_generate  # noqa: F401 (KVCache: for callers)
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -200,7 +203,9 @@ class DLMModel(DLMPreTrainedModel):
 
     def run(self, input_ids, position_ids, mask, kv_cache=None, cache_start=0):
         """Final hidden states [B, q, h]; `mask` is an SDPA mask ([B, 1, q, K] bool) or None."""
-        if int(position_ids.max()) >= self.config.max_position_embeddings:
+        # Not while a CUDA graph is captured (no host syncs there); that shape's eager first call checked.
+        capturing = position_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(position_ids.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(position_ids.max())} is beyond max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
         cos, sin = rotary_cos_sin(self.config, position_ids)
@@ -287,9 +292,11 @@ class DLMForCausalLM(DLMPreTrainedModel):
             mask = _no_empty_rows(attention_mask.to(torch.bool)).unsqueeze(1)
         return self._logits(self.model.run(input_ids, position_ids, mask, kv_cache, cache_start)).float()
 
-    def generate(self, input_ids, attention_mask=None, **options):
+    def generate(self, input_ids, attention_mask=None, cuda_graphs=False, **options):
         """MegaDLMs' sampler (generation.py) in this model's running mode and attention pattern.
-        Options are those of generation.generate (steps, block length, temperature, remasking, ...)."""
+        Options are those of generation.generate (steps, block length, temperature, remasking, ...).
+        `cuda_graphs`: replay a captured CUDA graph per forward shape (cuda_graphs.py); the graphs
+        stay with the model for later calls of the same sizes."""
         config = self.config
         generation_config = getattr(self, "generation_config", None)
 
@@ -301,7 +308,10 @@ class DLMForCausalLM(DLMPreTrainedModel):
                         eos_token_id=special("eos_token_id"), pad_token_id=special("pad_token_id"),
                         attention_mask_type=config.attention_mask_type,
                         attention_block_size=config.attention_block_size, sliding_window=config.sliding_window)
-        return _sampler_generate(self.dlm_forward, input_ids, attention_mask, **(defaults | options))
+        model_fn = self.dlm_forward
+        if cuda_graphs:
+            model_fn = self._graph_runner = runner_for(self, self.dlm_forward, getattr(self, "_graph_runner", None))
+        return _sampler_generate(model_fn, input_ids, attention_mask, **(defaults | options))
 
 
 # The class name MegaDLMs users look for.

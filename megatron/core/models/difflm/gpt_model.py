@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megatron.core.inference import generation
-from megatron.core.inference.cuda_graphs import CUDAGraphRunner
+from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
 from megatron.core.models.difflm import diffusion
 from megatron.core.transformer.attention import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
@@ -162,8 +162,6 @@ class GPTModel(MegatronModule):
                 params_dtype=config.params_dtype)
         self._graph_runner: Optional[CUDAGraphRunner] = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
-        self._graph_runner_storage: Tuple[int, ...] = ()
-        """Where the weights were when those graphs were captured."""
 
     def sharded_state_dict(self, prefix: str = ""):
         """As every module's; the vocabulary tensors are marked as padded (the padding depends on tp)."""
@@ -402,18 +400,13 @@ class GPTModel(MegatronModule):
         for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained.
 
         `cuda_graphs`: replay a captured CUDA graph per forward shape (megatron.core.inference.
-        cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them.
-        They read the weights where they were captured: changing weights in place (an optimizer
-        step, a load into the model) is seen; new weight tensors (`.to(dtype)`, a new device) are
-        noticed here and the graphs captured again."""
+        cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them
+        (captured again once the weight tensors are replaced: `cuda_graphs.runner_for`)."""
         pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
                        attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
         model_fn = self.inference_forward
         if cuda_graphs:
-            storage = tuple(tensor.data_ptr() for tensor in (*self.parameters(), *self.buffers()))
-            if self._graph_runner is None or self._graph_runner_storage != storage:
-                self._graph_runner, self._graph_runner_storage = CUDAGraphRunner(self.inference_forward), storage
-            model_fn = self._graph_runner
+            model_fn = self._graph_runner = runner_for(self, self.inference_forward, self._graph_runner)
         return generation.generate(model_fn, input_ids, attention_mask,
                                    running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
                                    **(pattern | options))
