@@ -150,7 +150,7 @@ def test_export_respects_padding_and_left_padded_positions(tmp_path):
 @pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift", "vanilla"])
 def test_export_generates_like_our_model(mode, tmp_path):
     """HF generate (the sampler through dlm_forward, with and without the KV cache) returns the
-    tokens our model's generate returns."""
+    tokens our model's generate returns, and HF log_likelihood our score."""
     pytest.importorskip("megatron.core.inference.generation")
     dlm = DLMConfig(model_running_mode=mode, mask_token_id=VOCAB - 1 if mode != "vanilla" else None)
     model = save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True, normalization="LayerNorm"), dlm)
@@ -165,6 +165,10 @@ def test_export_generates_like_our_model(mode, tmp_path):
         ours = model.generate(prompt, mask, gen_length=8, eos_token_id=None, **options)
         theirs = hf.generate(prompt, attention_mask=mask, gen_length=8, eos_token_id=None, **options)
         assert torch.equal(ours, theirs), options
+    # The answer score (likelihood.py ships with the export): the same estimate from the same seed.
+    scores = [scorer.log_likelihood(prompt[0, :4], prompt[0, 4:], mc_num=8, batch_size=4,
+                                    generator=torch.Generator().manual_seed(5)) for scorer in (model, hf)]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-4) and scores[0] < 0
 
 
 def exported_dlm(tmp_path):

@@ -8,7 +8,7 @@ checkpoint's metadata, generation_config.json and the training tokenizer (tokeni
 tokenizer_config.json, and the original files). Autoregressive (`vanilla`) checkpoints of the Llama,
 Qwen2 or Qwen3 architecture become native LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
 folders; everything else (every difflm-* mode) gets the remote-code DLMForCausalLM
-(configuration_dlm.py, modeling_dlm.py, the sampler generation.py and cuda_graphs.py), loaded with
+(configuration_dlm.py, modeling_dlm.py, and generation.py, cuda_graphs.py, likelihood.py), loaded with
 `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`.
 """
 
@@ -69,11 +69,11 @@ def _default_dtype(saved_config: dict) -> torch.dtype:
 
 
 def _write_remote_code(output_dir: str) -> None:
-    """Copy the DLM templates and the framework's sampler and CUDA-graph runner (generation.py,
-    cuda_graphs.py: torch-only files)."""
+    """Copy the DLM templates and the framework's torch-only inference files: the sampler, the
+    CUDA-graph runner and the likelihood estimate."""
     for name in ("configuration_dlm.py", "modeling_dlm.py"):
         shutil.copyfile(os.path.join(TEMPLATES, name), os.path.join(output_dir, name))
-    for name in ("generation.py", "cuda_graphs.py"):
+    for name in ("generation.py", "cuda_graphs.py", "likelihood.py"):
         shutil.copyfile(os.path.join(INFERENCE, name), os.path.join(output_dir, name))
 
 

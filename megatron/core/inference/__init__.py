@@ -1,9 +1,12 @@
-"""Generation for MegaDLMs models: diffusion samplers and autoregressive decoding.
+"""Inference for MegaDLMs models: diffusion samplers and autoregressive decoding (generation.py),
+answer log-likelihoods for evaluation (likelihood.py) and CUDA graphs for both (cuda_graphs.py).
 
-`generation.py` is self-contained (torch only) so the Hugging Face exporter can ship it with an
-exported model; `GPTModel.generate` and `GPTModel.inference_forward` are the model side.
+These three files import only torch and each other, so the Hugging Face exporter ships them with
+an exported model; `GPTModel.generate`, `GPTModel.log_likelihood` and `GPTModel.inference_forward`
+are the model side.
 """
 
 from megatron.core.inference.generation import GenerationOptions, KVCache, generate, resolve_options
+from megatron.core.inference.likelihood import log_likelihood
 
-__all__ = ["GenerationOptions", "KVCache", "generate", "resolve_options"]
+__all__ = ["GenerationOptions", "KVCache", "generate", "log_likelihood", "resolve_options"]

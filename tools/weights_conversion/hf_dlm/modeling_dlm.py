@@ -17,7 +17,8 @@ Two entry points:
   [cache_start, cache_start + q) through `kv_cache.update` and attends the returned buffers.
 `generate(input_ids, attention_mask=None, cuda_graphs=False, **options)` runs that sampler in
 the running mode; `cuda_graphs=True` replays a captured CUDA graph per forward shape
-(cuda_graphs.py, also copied next to this file).
+(cuda_graphs.py, also copied next to this file). `log_likelihood(prompt, answer, **options)`
+scores an answer (likelihood.py: LLaDA's Monte Carlo ELBO for DLMs, exact for AR).
 """
 
 import torch
@@ -28,6 +29,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from .configuration_dlm import DLMConfig
 from .cuda_graphs import runner_for
+from .likelihood import log_likelihood as _log_likelihood
 from .generation import KVCache, generate as _sampler_generate  # noqa: F401 (KVCache: for callers)
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -292,6 +294,17 @@ class DLMForCausalLM(DLMPreTrainedModel):
             mask = _no_empty_rows(attention_mask.to(torch.bool)).unsqueeze(1)
         return self._logits(self.model.run(input_ids, position_ids, mask, kv_cache, cache_start)).float()
 
+    def _trained_pattern(self):
+        config = self.config
+        return dict(attention_mask_type=config.attention_mask_type, attention_block_size=config.attention_block_size,
+                    sliding_window=config.sliding_window)
+
+    def log_likelihood(self, prompt, answer, **options):
+        """log p(answer | prompt) for 1-D id tensors (likelihood.py): LLaDA's Monte Carlo ELBO in the
+        diffusion modes (mc_num, batch_size, cfg_scale, generator), exact in vanilla."""
+        return _log_likelihood(self.dlm_forward, prompt, answer, running_mode=self.config.model_running_mode,
+                               mask_token_id=self.config.mask_token_id, **(self._trained_pattern() | options))
+
     def generate(self, input_ids, attention_mask=None, cuda_graphs=False, **options):
         """MegaDLMs' sampler (generation.py) in this model's running mode and attention pattern.
         Options are those of generation.generate (steps, block length, temperature, remasking, ...).
@@ -306,8 +319,7 @@ class DLMForCausalLM(DLMPreTrainedModel):
 
         defaults = dict(running_mode=config.model_running_mode, mask_token_id=config.mask_token_id,
                         eos_token_id=special("eos_token_id"), pad_token_id=special("pad_token_id"),
-                        attention_mask_type=config.attention_mask_type,
-                        attention_block_size=config.attention_block_size, sliding_window=config.sliding_window)
+                        **self._trained_pattern())
         model_fn = self.dlm_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.dlm_forward, getattr(self, "_graph_runner", None))

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.inference import generation
+from megatron.core.inference import generation, likelihood
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
 from megatron.core.models.difflm import diffusion
 from megatron.core.transformer.attention import build_attention_mask
@@ -394,6 +394,18 @@ class GPTModel(MegatronModule):
             logits = self._local_logits(hidden)
         return self._full_vocabulary(logits.transpose(0, 1))
 
+    def _trained_pattern(self) -> dict:
+        return dict(attention_mask_type=self.dlm_config.effective_mask_type,
+                    attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
+
+    def log_likelihood(self, prompt: torch.Tensor, answer: torch.Tensor, **options) -> float:
+        """log p(answer | prompt) for 1-D id tensors: LLaDA's Monte Carlo ELBO in the diffusion
+        modes, exact for AR; options (mc_num, batch_size, cfg_scale, generator) and the method
+        in megatron.core.inference.likelihood. The attention pattern is the one trained."""
+        return likelihood.log_likelihood(self.inference_forward, prompt, answer, running_mode=self.running_mode,
+                                         mask_token_id=self.dlm_config.mask_token_id,
+                                         **(self._trained_pattern() | options))
+
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                  cuda_graphs: bool = False, **options) -> torch.Tensor:
         """Generate in this model's running mode; see megatron.core.inference.generation.generate
@@ -402,14 +414,12 @@ class GPTModel(MegatronModule):
         `cuda_graphs`: replay a captured CUDA graph per forward shape (megatron.core.inference.
         cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them
         (captured again once the weight tensors are replaced: `cuda_graphs.runner_for`)."""
-        pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
-                       attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
         model_fn = self.inference_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.inference_forward, self._graph_runner)
         return generation.generate(model_fn, input_ids, attention_mask,
                                    running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
-                                   **(pattern | options))
+                                   **(self._trained_pattern() | options))
 
     # ------------------------------------------------------------------ diffusion helpers
     def maskable_positions(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""Log-likelihood of an answer given a prompt: the score multiple-choice evaluation ranks.
+
+For a diffusion LM (``difflm-noshift`` / ``difflm-shift``) the likelihood has no closed form;
+this is LLaDA's Monte Carlo estimate of its evidence lower bound on the answer only (the
+prompt is never masked). Each of ``mc_num`` samples masks ``l`` of the answer's ``A`` tokens,
+``l`` stratified over each batch of ``batch_size`` samples (``l_i = ((k + i A / b - 1) mod A)
++ 1`` with one random offset ``k`` per batch, rounded as LLaDA rounds it), the positions
+uniformly at random; the sample scores ``(A / l) * sum of the masked tokens' cross-entropy``.
+The result is minus the mean score: a lower bound on log p(answer | prompt), in nats, whose
+expectation over the random draws is exact. ``cfg_scale`` > 0 applies LLaDA's classifier-free
+guidance to the logits (the unconditional input masks the prompt). In ``difflm-shift`` the
+logits at position i score token i + 1, so the prompt must hold at least one token.
+
+For an autoregressive model (``vanilla``) the log-likelihood is exact: one causal forward,
+the sum of the answer tokens' log-probabilities; ``mc_num`` and ``batch_size`` are unused.
+
+Like generation.py this file imports only torch and its neighbour, so the Hugging Face
+exporter ships it with an exported model (`DLMForCausalLM.log_likelihood`). The model callable
+is generation.py's ``model_fn``; the attention is the trained pattern (``attention_mask_type``
+and its sizes, as for `generation.generate`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .generation import ModelFn, _build_layout, resolve_options
+
+__all__ = ["log_likelihood"]
+
+
+@torch.no_grad()
+def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor, *, running_mode: str,
+                   mask_token_id: Optional[int] = None, mc_num: int = 128, batch_size: int = 32,
+                   cfg_scale: float = 0.0, generator: Optional[torch.Generator] = None,
+                   attention_mask_type: Optional[str] = None, attention_block_size: Optional[int] = None,
+                   sliding_window: Optional[int] = None) -> float:
+    """log p(answer | prompt) in nats (a Monte Carlo ELBO for DLMs, exact for AR); see the module doc.
+
+    ``prompt`` [P] and ``answer`` [A] are 1-D tensors of token ids on the model's device.
+    ``mc_num`` samples run ``batch_size`` at a time (``mc_num`` a multiple of it; LLaDA uses 128,
+    and 1 for single-token answers). ``generator``, a CPU `torch.Generator`, draws the masks:
+    the same seed gives the same estimate on any device.
+    """
+    for name, ids in (("prompt", prompt), ("answer", answer)):
+        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be a 1-D tensor of token ids, got {tuple(ids.shape)} {ids.dtype}")
+    if answer.numel() == 0:
+        raise ValueError("answer is empty: there is nothing to score")
+    opts = resolve_options(running_mode, gen_length=answer.numel(), attention_mask_type=attention_mask_type,
+                           attention_block_size=attention_block_size, sliding_window=sliding_window)
+    sequence = torch.cat([prompt, answer]).long()[None]
+    layout = _build_layout(torch.ones_like(prompt, dtype=torch.bool)[None], answer.numel(), opts)
+    mask = layout.attention_mask(0, sequence.shape[1], sequence.shape[1])
+    if running_mode == "vanilla":
+        if prompt.numel() == 0:
+            raise ValueError("an autoregressive model needs at least one prompt token (BOS) to score the answer")
+        logits = model_fn(sequence, layout.positions, mask, None, 0)[0, prompt.numel() - 1:-1].float()
+        return logits.log_softmax(dim=-1).gather(1, answer.long()[:, None]).sum().item()
+    _check_diffusion(running_mode, prompt, mask_token_id, mc_num, batch_size, cfg_scale, answer)
+    total = torch.zeros((), dtype=torch.float64, device=answer.device)
+    for _ in range(mc_num // batch_size):
+        total += _elbo_batch(model_fn, sequence, layout.positions, mask, prompt.numel(), running_mode == "difflm-shift",
+                             mask_token_id, batch_size, cfg_scale, generator)
+    return -(total / (mc_num // batch_size)).item()
+
+
+def _check_diffusion(running_mode: str, prompt: torch.Tensor, mask_token_id: Optional[int], mc_num: int,
+                     batch_size: int, cfg_scale: float, answer: torch.Tensor) -> None:
+    if not isinstance(mask_token_id, int):
+        raise ValueError(f"running_mode={running_mode!r} needs mask_token_id (an int), got {mask_token_id!r}")
+    for name, value in (("mc_num", mc_num), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if mc_num % batch_size:
+        raise ValueError(f"mc_num={mc_num} must be a multiple of batch_size={batch_size}; LLaDA uses 128 with 8-32")
+    if cfg_scale < 0:
+        raise ValueError(f"cfg_scale={cfg_scale!r} must be >= 0 (0 disables guidance)")
+    if running_mode == "difflm-shift" and prompt.numel() == 0:
+        raise ValueError("difflm-shift scores token i with the logits at i - 1: give the prompt at least one "
+                         "token (BOS)")
+    if bool((prompt == mask_token_id).any()) or bool((answer == mask_token_id).any()):
+        raise ValueError(f"prompt or answer holds the mask token {mask_token_id}; it cannot be scored")
+
+
+def _elbo_batch(model_fn: ModelFn, sequence: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                prompt_length: int, shift: bool, mask_token_id: int, batch: int, cfg_scale: float,
+                generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Sum over `batch` samples of (A / l) * CE of the l masked answer tokens, divided by `batch`."""
+    device = sequence.device
+    length = sequence.shape[1] - prompt_length  # A
+    offset = torch.randint(1, length + 1, (), generator=generator).item()
+    counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
+    counts = ((counts - 1) % length) + 1  # l_i in [1, A], stratified over the batch
+    # A random permutation rank per answer slot: the l_i lowest ranks are masked.
+    ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
+    masked_answer = (ranks < counts[:, None]).to(device)
+    masked = torch.cat([torch.zeros(batch, prompt_length, dtype=torch.bool, device=device), masked_answer], dim=1)
+    targets = sequence.expand(batch, -1)
+    noisy = targets.masked_fill(masked, mask_token_id)
+    ids = noisy
+    if cfg_scale > 0:  # the unconditional rows: the prompt masked too
+        ids = torch.cat([noisy, noisy.clone().index_fill_(1, torch.arange(prompt_length, device=device),
+                                                          mask_token_id)])
+    rows = ids.shape[0]
+    logits = model_fn(ids, positions.expand(rows, -1), mask.expand(rows, -1, -1), None, 0).float()
+    if cfg_scale > 0:
+        conditional, unconditional = logits.chunk(2)
+        logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
+    if shift:  # the logits at i score token i + 1
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    cross_entropy = F.cross_entropy(logits[masked], targets[masked], reduction="none")
+    weights = (length / counts.to(device, torch.float64))[:, None].expand_as(masked)[masked]  # A / l_i
+    return (cross_entropy.double() * weights).sum() / batch
