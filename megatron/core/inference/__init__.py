@@ -1,5 +1,6 @@
 """Inference for MegaDLMs models: diffusion samplers and autoregressive decoding (generation.py),
-answer log-likelihoods for evaluation (likelihood.py) and CUDA graphs for both (cuda_graphs.py).
+answer log-likelihoods for evaluation (likelihood.py) and CUDA graphs for generation
+(cuda_graphs.py).
 
 These three files import only torch and each other, so the Hugging Face exporter ships them with
 an exported model; `GPTModel.generate`, `GPTModel.log_likelihood` and `GPTModel.inference_forward`
