@@ -13,11 +13,8 @@ from the absolute paths the checkpoint records (when they still exist on this ma
 """
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
-import warnings
 from argparse import Namespace
 
 import torch
@@ -25,39 +22,24 @@ import torch
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.dist_checkpointing import serialization
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from megatron.training.checkpointing import checkpoint_dir, latest_iteration
+from megatron.training.checkpointing import load_inference_model
 from megatron.training.tokenizer import build_tokenizer
 
 BUNDLED_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "data", "tokenizer", "spm_8k.model")
-SINGLE_PROCESS = dict(params_dtype=torch.float32, bf16=False, fp16=False, tensor_model_parallel_size=1,
-                      pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
-                      sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-                      recompute_num_layers=None)
 
 
-def load_checkpoint_model(root: str):
+def load_checkpoint_model(root: str, device: torch.device):
     """(GPTModel in eval mode, tokenizer identity) of the latest checkpoint under `root`."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise SystemExit(f"--load {root}: no latest_checkpointed_iteration.txt; point it at a --save directory")
-    source = checkpoint_dir(root, iteration)
-    with open(os.path.join(source, "metadata.json")) as handle:
-        metadata = json.load(handle)
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
-    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
-    # Checkpoints store only the real vocabulary rows, so the model is built without padding.
-    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]
-    config = TransformerConfig(**{**saved, **SINGLE_PROCESS, "vocab_size": vocab, "unpadded_vocab_size": vocab})
-    model = GPTModel(config, DLMConfig(**metadata["dlm_config"]))
-    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
-        warnings.simplefilter("ignore")
-        serialization.load(model.sharded_state_dict(prefix="model."), source)
-    print(f"loaded {source} ({model.running_mode}, {sum(p.numel() for p in model.parameters()):,} parameters)")
-    return model.eval(), metadata.get("tokenizer") or {}
+    try:
+        model, metadata = load_inference_model(root, device)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    print(f"loaded {metadata['source']} ({model.running_mode}, {sum(p.numel() for p in model.parameters()):,} "
+          "parameters)")
+    return model, metadata.get("tokenizer") or {}
 
 
 def random_model(vocab_size: int, mask_token_id: int) -> GPTModel:
@@ -133,11 +115,11 @@ def main() -> None:
         parser.error("--cuda-graphs needs a CUDA device; drop it on CPU")
 
     torch.manual_seed(args.seed)
-    model, identity = load_checkpoint_model(args.load) if args.load else (None, {})
+    model, identity = load_checkpoint_model(args.load, device) if args.load else (None, {})
     tokenizer = build_text_tokenizer(args, identity)
     if model is None:
         model = random_model(tokenizer.vocab_size if tokenizer else 256, tokenizer.mask if tokenizer else 255)
-    model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.torch_compile:  # dynamic shapes: the canvas, block and cache offsets change between forwards
         compile_transformer_layers(model, dynamic=True)
     ids = tokenizer.tokenize(args.prompt) if tokenizer else [int(token) for token in args.prompt.split()]

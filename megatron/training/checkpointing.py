@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from typing import Callable, Dict, Optional, Tuple
 
@@ -218,6 +219,39 @@ def latest_iteration(root: str) -> Optional[int]:
     if not text.isdigit():
         raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or remove it")
     return int(text)
+
+
+def load_inference_model(root: str, device: torch.device, attention_backend: Optional[str] = None):
+    """(GPTModel in eval mode, metadata) of the latest checkpoint under `root`, in this one
+    process whatever layout it was saved with: bf16 weights on CUDA, fp32 on CPU. What
+    generation, evaluation and their benchmarks load."""
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise ValueError(f"--load {root}: no {TRACKER}; point it at a --save directory")
+    source = checkpoint_dir(root, iteration)
+    with open(os.path.join(source, "metadata.json")) as handle:
+        metadata = json.load(handle)
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
+    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
+    single = dict(params_dtype=torch.float32, bf16=device.type == "cuda", fp16=False, tensor_model_parallel_size=1,
+                  pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
+                  sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                  recompute_num_layers=None, vocab_size=vocab, unpadded_vocab_size=vocab)
+    if attention_backend is not None:
+        single["attention_backend"] = attention_backend
+    with torch.device(device):  # no host-side init of billions of weights
+        model = GPTModel(TransformerConfig(**{**saved, **single}), DLMConfig(**metadata["dlm_config"]))
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
+        warnings.simplefilter("ignore")
+        serialization.load(model.sharded_state_dict(prefix="model."), source)
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    metadata["source"] = source
+    return model.eval(), metadata
 
 
 def load_checkpoint(args, trainer) -> Optional[int]:

@@ -34,7 +34,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -46,14 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
-from megatron.core.dist_checkpointing import serialization  # noqa: E402
 from megatron.core.inference import generation  # noqa: E402
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
-from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
-                                                          TransformerConfig)
-from megatron.training.checkpointing import checkpoint_dir, latest_iteration  # noqa: E402
+from megatron.core.transformer.transformer_config import ATTENTION_BACKENDS, DLMConfig  # noqa: E402
+from megatron.training.checkpointing import load_inference_model  # noqa: E402
 
 BUNDLED_TOKENIZER = os.path.join(ROOT, "examples", "data", "tokenizer", "spm_8k.model")
 BUNDLED_TEXT = os.path.join(ROOT, "examples", "data", "sotu_1790_1928.jsonl.gz")
@@ -131,31 +128,15 @@ def random_bench(args: argparse.Namespace, device: torch.device) -> Bench:
 
 def checkpoint_bench(args: argparse.Namespace, device: torch.device) -> Bench:
     """The latest checkpoint under --load, in one process whatever layout it was saved with."""
-    iteration = latest_iteration(args.load)
-    if iteration is None:
-        raise UsageError(f"--load {args.load}: no latest_checkpointed_iteration.txt; point it at a --save directory")
-    source = checkpoint_dir(args.load, iteration)
-    with open(os.path.join(source, "metadata.json")) as handle:
-        metadata = json.load(handle)
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
-    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
-    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
-    single = dict(params_dtype=torch.float32, bf16=device.type == "cuda", fp16=False, tensor_model_parallel_size=1,
-                  pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
-                  sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-                  recompute_num_layers=None, attention_backend=args.attention_backend)
-    config = TransformerConfig(**{**saved, **single, "vocab_size": vocab, "unpadded_vocab_size": vocab})
-    dlm = DLMConfig(**metadata["dlm_config"])
-    if dlm.model_running_mode == "vanilla":
+    try:
+        model, metadata = load_inference_model(args.load, device, args.attention_backend)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if model.running_mode == "vanilla":
         raise UsageError(f"--load {args.load}: an autoregressive (vanilla) checkpoint; "
                          "this benchmark times DLM sampling")
-    with torch.device(device):
-        model = GPTModel(config, dlm)
-    with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
-        warnings.simplefilter("ignore")
-        serialization.load(model.sharded_state_dict(prefix="model."), source)
     tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt == "text" else None
-    return _bench_of(_finish(model, device), f"checkpoint {os.path.abspath(source)}", tokenizer)
+    return _bench_of(model.eval(), f"checkpoint {os.path.abspath(metadata['source'])}", tokenizer)
 
 
 def _build_tokenizer(kind: str, tokenizer_model: str):
