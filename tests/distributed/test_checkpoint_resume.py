@@ -44,6 +44,19 @@ def test_resume_with_tensor_parallelism_and_the_distributed_optimizer_is_bit_exa
     assert {**first, **second} == straight
 
 
+def ancestors(pid: int) -> list:
+    """The parent, grandparent, ... process ids of `pid` (Linux /proc)."""
+    chain = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                pid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        chain.append(pid)
+    return chain
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     import re
     import signal
@@ -60,9 +73,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         lines.append(line)
         if re.search(r"iteration +3/", line):
             break
-    # A scheduler's preemption notice reaches the training processes themselves.
-    workers = subprocess.run(["pgrep", "-f", r"python[0-9.]* -u pretrain_difflm.py"], capture_output=True,
-                             text=True).stdout.split()
+    # A scheduler's preemption notice reaches the training processes themselves (this run's
+    # only: another suite on the machine may be training too).
+    workers = [pid for pid in subprocess.run(["pgrep", "-f", r"python[0-9.]* -u pretrain_difflm.py"],
+                                             capture_output=True, text=True).stdout.split()
+               if process.pid in ancestors(int(pid))]
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(int(pid), signal.SIGTERM)
