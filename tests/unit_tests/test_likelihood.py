@@ -108,3 +108,16 @@ def test_bad_input_is_named(mode, prompt, answer, options, message):
     model = build(mode)
     with pytest.raises(ValueError, match=message):
         model.log_likelihood(prompt, answer, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["difflm-shift", "vanilla"])
+def test_the_same_seed_gives_the_same_estimate_on_the_gpu(mode):
+    """The masks are drawn on the CPU generator, so a CUDA model scores what the CPU one does."""
+    model = build(mode)
+    options = dict(mc_num=16, batch_size=8, cfg_scale=0.5) if mode != "vanilla" else {}
+    on_cpu = model.log_likelihood(PROMPT, ANSWER, generator=torch.Generator().manual_seed(2), **options)
+    model.cuda()
+    on_gpu = model.log_likelihood(PROMPT.cuda(), ANSWER.cuda(), generator=torch.Generator().manual_seed(2), **options)
+    assert on_gpu == pytest.approx(on_cpu, abs=1e-3)
