@@ -84,7 +84,7 @@ def test_outputs_survive_the_next_replay_and_model_generate_keeps_its_graphs():
     for tokens, output in zip(ids, outputs):
         torch.testing.assert_close(output, model.inference_forward(tokens, positions, mask), rtol=1e-5, atol=1e-5)
     assert runner.replays == 2
-    with pytest.raises(ValueError, match="cache_start 4 \+ 8 positions fall outside"):
+    with pytest.raises(ValueError, match=r"cache_start 4 \+ 8 positions fall outside"):
         runner(ids[0], positions, mask, KVCache(None, 8), 4)
     prompt = ids[0][:, :4]
     first = model.generate(prompt, cuda_graphs=True, gen_length=8, block_length=4, steps=8, temperature=0.0)
