@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.checkpointing import FORMAT_VERSION, TRACKER, checkpoint_dir, latest_iteration
@@ -87,7 +88,7 @@ def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]
 
 def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """{model tensor name (without `model.`): (global shape, dtype)} of a checkpoint."""
-    metadata = dcp.FileSystemReader(iter_dir).read_metadata().state_dict_metadata
+    metadata = SafeFileSystemReader(iter_dir).read_metadata().state_dict_metadata
     shapes = {}
     for key, item in metadata.items():
         if key.startswith(MODEL_PREFIX) and hasattr(item, "size"):
@@ -105,7 +106,7 @@ def read_tensors(iter_dir: str, names: Iterable[str], shapes=None) -> Dict[str, 
     state = {MODEL_PREFIX + name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
     with warnings.catch_warnings():  # DCP notes that it runs without a process group: intended
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=iter_dir)
+        dcp.load(state, storage_reader=SafeFileSystemReader(iter_dir))
     return {name[len(MODEL_PREFIX):]: tensor for name, tensor in state.items()}
 
 

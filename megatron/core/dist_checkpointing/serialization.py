@@ -25,6 +25,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchSharde
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.safe_reader import CheckpointMetadataError, SafeFileSystemReader
 
 Box = List[Tuple[int, int]]
 
@@ -159,7 +160,9 @@ def _fit_padded_rows(sharded: Dict[str, ShardedTensor], metadata) -> Dict[str, S
 def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     """Collective: fill every rank's boxes, in place, from the checkpoint's chunks."""
     try:
-        metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+        metadata = SafeFileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    except CheckpointMetadataError:
+        raise
     except Exception as error:
         raise ValueError(f"checkpoint {checkpoint_dir} has no readable .metadata ({error}); "
                          "the save was interrupted or the directory is not a checkpoint") from error
@@ -185,7 +188,7 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
             raise ValueError(f"checkpoint {checkpoint_dir}: tensor {key!r} has shape {stored}, this model "
                              f"expects {expected}; the architecture differs")
     try:
-        dcp.load(state, checkpoint_id=checkpoint_dir)
+        dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir))
     except (Exception, CheckpointException) as error:  # DCP reports a damaged file deep inside its reader
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(f"checkpoint {checkpoint_dir} could not be read ({type(error).__name__}: {first_line}): "
