@@ -1,9 +1,10 @@
 """Run the real training entry point in N gloo processes and collect what parity tests compare.
 
 `run(world_size, argv, tmp_path, name)` trains with `build_trainer` in `world_size` spawned
-processes and returns the per-step losses and grad norms of rank 0 and, after step 1, every
-gradient assembled to its full, layout-independent shape from all ranks' sharded
-descriptions (the same `sharded_state_dict` checkpoints use).
+processes (`run_many`: several configurations, one after the other, in the same processes)
+and returns the per-step losses and grad norms of rank 0 and, after step 1, every gradient
+assembled to its full, layout-independent shape from all ranks' sharded descriptions (the
+same `sharded_state_dict` checkpoints use).
 """
 
 import os
@@ -48,12 +49,8 @@ def gradients_as_data(model):
             param.data = data
 
 
-def _worker(rank: int, world_size: int, port: int, argv: list, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _train_and_capture(argv: list, runtime) -> dict:
     args = parse_args(argv, add_difflm_args)
-    runtime = initialize_distributed("gloo")
     trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
     model, shards, named, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
@@ -69,24 +66,47 @@ def _worker(rank: int, world_size: int, port: int, argv: list, out_path: str) ->
 
     trainer.optimizer.step = capturing_step
     trainer.train()
-    torch.save({"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
-                "microbatches": args.num_microbatches, "shards": shards, "named": named,
-                "optimizer_state": optimizer_state_numel(trainer.optimizer)[0]}, f"{out_path}.{rank}")
+    return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
+            "microbatches": args.num_microbatches, "shards": shards, "named": named,
+            "optimizer_state": optimizer_state_numel(trainer.optimizer)[0]}
+
+
+def _worker(rank: int, world_size: int, port: int, argvs: list, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    runtime = initialize_distributed("gloo")
+    # One process group serves every configuration: spawning costs more than a tiny training.
+    torch.save([_train_and_capture(argv, runtime) for argv in argvs], f"{out_path}.{rank}")
+
+
+def _assemble(result: dict) -> dict:
+    full = {}
+    for key, data, shape, offset in result["shards"].values():
+        tensor = full.setdefault(key, torch.full(shape, float("nan")))
+        tensor[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
+    return full
+
+
+def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
+    """`run` for several configurations, trained one after the other in the same processes."""
+    out = str(tmp_path / name)
+    mp.start_processes(_worker, args=(world_size, free_port(), argvs, out), nprocs=world_size, join=True,
+                       start_method="spawn")
+    per_rank = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
+    results = []
+    for index in range(len(argvs)):
+        ranks = [runs[index] for runs in per_rank]
+        results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "named": ranks[0]["named"],
+                        "microbatches": ranks[0]["microbatches"],
+                        "grads": _assemble({"shards": {f"{r}/{k}": v for r, rank in enumerate(ranks)
+                                                       for k, v in rank["shards"].items()}}),
+                        "optimizer_state": [rank["optimizer_state"] for rank in ranks]})
+    return results
 
 
 def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
-    out = str(tmp_path / name)
-    mp.start_processes(_worker, args=(world_size, free_port(), argv, out), nprocs=world_size, join=True,
-                       start_method="spawn")
-    results = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
-    full = {}
-    for result in results:
-        for key, data, shape, offset in result["shards"].values():
-            tensor = full.setdefault(key, torch.full(shape, float("nan")))
-            tensor[tuple(slice(o, o + n) for o, n in zip(offset, data.shape))] = data
-    return {"losses": results[0]["losses"], "norms": results[0]["norms"], "named": results[0]["named"],
-            "microbatches": results[0]["microbatches"], "grads": full,
-            "optimizer_state": [r["optimizer_state"] for r in results]}
+    return run_many(world_size, [argv], tmp_path, name)[0]
 
 
 def assert_same_training(reference: dict, parallel: dict, by_name: bool = False) -> None:

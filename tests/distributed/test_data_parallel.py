@@ -1,4 +1,5 @@
-"""Data parallelism on gloo equals one process with gradient accumulation, step for step."""
+"""Data parallelism on gloo equals one process with gradient accumulation, step for step (every
+strategy over the configuration matrix: test_layout_matrix.py; here the special cases)."""
 
 import pytest
 
@@ -10,17 +11,6 @@ ARGV = TINY_GQA + ["--micro-batch-size", "2", "--global-batch-size", "8", "--res
                    "--reset-position-ids", "--difflm-t-sampling", "antithetic"]
 
 
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-
-
-@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_data_parallel_ranks_match_one_process(strategy, mode, tmp_path):
-    argv = ARGV + ["--model-running-mode", mode]
-    single = run(1, argv, tmp_path, "single")
-    parallel = run(2, argv + ["--data-parallel-sharding-strategy", strategy], tmp_path, strategy)
-    assert (single["microbatches"], parallel["microbatches"]) == (4, 2)
-    assert_same_training(single, parallel, by_name=True)
 
 
 def test_masked_only_loss_under_fsdp2_matches_one_process_with_full_logits(tmp_path):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Attributes the tensor-parallel code reads from parameters; FSDP2 replaces the Parameter
 # objects, so they are carried over by name.
-_PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp", "sequence_parallel")
+_PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp")
 
 
 def _group_size(group) -> int:
@@ -116,8 +116,10 @@ def local_gradients(model: nn.Module) -> List[torch.Tensor]:
 
 
 def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
-    """Sum over tp the gradients of replicated weights that each rank saw only part of:
-    norms under sequence parallelism, QK-norms shared by heads split over ranks."""
+    """Sum over tp the gradients of replicated weights that each rank saw only part of (tagged
+    `allreduce_over_tp`): under sequence parallelism every weight applied to the sequence-split
+    activations (norm weights and biases, row-parallel biases); QK-norms, shared by heads split
+    over ranks, always."""
     if _group_size(tp_group) == 1:
         return
     grads = []

@@ -159,8 +159,8 @@ class RowParallelLinear(nn.Module):
     Each rank computes a partial sum from its input slice; the sum is all-reduced, or with
     `sequence_parallel` reduce-scattered on dim 0 into `[s/tp, b, out]`. The bias is
     replicated and added after the reduction so it is counted once. Under sequence
-    parallelism each rank sees only its sequence slice, so the bias is tagged
-    `sequence_parallel` for its grad to be all-reduced over tp.
+    parallelism each rank adds it to its own sequence slice only, so its gradient is partial:
+    it is tagged `allreduce_over_tp` to be summed over tp (like the norms).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = False,
@@ -182,7 +182,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype))
             set_tensor_model_parallel_attributes(self.bias, None)
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias.allreduce_over_tp = sequence_parallel
         else:
             self.register_parameter("bias", None)
 

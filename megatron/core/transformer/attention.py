@@ -58,8 +58,9 @@ class SelfAttention(MegatronModule):
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = build_norm(config, self.head_dim), build_norm(config, self.head_dim)
-            for param in (self.q_layernorm.weight, self.k_layernorm.weight):
-                # Shared by every head, but each rank sees only its own heads: partial gradients.
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                # Shared by every head (weight and, for LayerNorm, bias), but each rank sees only
+                # its own heads: partial gradients.
                 param.allreduce_over_tp = self.tp_size > 1
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.rng_tracker = None

@@ -39,6 +39,5 @@ def build_norm(config: TransformerConfig, dim: int) -> nn.Module:
     for param in norm.parameters():
         # Under sequence parallelism each rank normalises its own slice of the sequence, so
         # these replicated weights get partial gradients that are summed over tp.
-        param.sequence_parallel = config.sequence_parallel
         param.allreduce_over_tp = config.sequence_parallel
     return norm

@@ -1,0 +1,87 @@
+"""Every parallel layout equals one process over the configurations users actually run.
+
+The matrix crosses each layout with model configurations that between them take every value
+of every axis (linear biases on and off, LayerNorm and RMSNorm, qk-layernorm, GeLU and
+SwiGLU, tied and untied embeddings, --add-qkv-bias), in DLM and AR modes. `megatron` is
+Megatron-LM's default configuration (no flags: biases on, LayerNorm, GeLU, tied); `llama`
+and `qwen2` are the styles most DLMs start from. Each layout trains all its configurations
+in one set of processes (spawning costs more than a tiny training), and every loss and
+step-1 gradient must match the single-process run to 1e-5.
+"""
+
+import pytest
+
+from tests.distributed.parity import assert_same_training, run_many
+
+pytestmark = pytest.mark.distributed
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--mock-data", "--vocab-size", "120", "--add-mask-token",
+         "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1000", "--eval-iters", "0",
+         "--attention-backend", "math", "--train-iters", "3", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--reset-attention-mask", "--reset-position-ids"]
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
+CONFIGS = {
+    "megatron": [],
+    "llama": GQA + UNTIED + ["--normalization", "RMSNorm", "--swiglu", "--qk-layernorm", "--disable-bias-linear"],
+    "qwen2": GQA + UNTIED + ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--add-qkv-bias"],
+    "layernorm_qk_swiglu": ["--qk-layernorm", "--swiglu", "--add-qkv-bias"],
+}
+MODES = {"dlm": ["--model-running-mode", "difflm-noshift", "--difflm-t-sampling", "antithetic"],
+         "ar": ["--model-running-mode", "vanilla"]}
+ALL = [(config, mode) for config in CONFIGS for mode in MODES]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+# layout: (world size, parallel flags, the (config, mode) pairs it trains)
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], ALL),
+    "tp2_sp": (2, TP2_SP, ALL),
+    "dp2": (2, [], ALL),
+    "dp2_zero1": (2, ["--use-distributed-optimizer"], [("megatron", "dlm"), ("qwen2", "ar")]),
+    "dp2_zero2": (2, ["--data-parallel-sharding-strategy", "optim_grads"], [("llama", "dlm"), ("megatron", "ar")]),
+    "dp2_fsdp2": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"],
+                  [("megatron", "ar"), ("layernorm_qk_swiglu", "dlm")]),
+    "tp2_sp_dp2": (4, TP2_SP, [("megatron", "dlm"), ("megatron", "ar"), ("llama", "dlm"), ("qwen2", "ar")]),
+    "tp4_two_kv_heads": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
+                         [("llama", "ar"), ("qwen2", "dlm")]),
+}
+
+
+def argv_of(config: str, mode: str) -> list:
+    return SHAPE + CONFIGS[config] + MODES[mode]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Every (config, mode) trained once in one process."""
+    results = run_many(1, [argv_of(*pair) for pair in ALL], tmp_path_factory.mktemp("reference"), "reference")
+    return dict(zip(ALL, results))
+
+
+def test_every_axis_value_appears_under_tp_sp_and_under_dp():
+    def values(pairs):
+        flags = {flag for config, _ in pairs for flag in CONFIGS[config]}
+        return {"bias": {"--disable-bias-linear" in CONFIGS[c] for c, _ in pairs},
+                "norm": {"--normalization" in CONFIGS[c] for c, _ in pairs},
+                "qk": {"--qk-layernorm" in CONFIGS[c] for c, _ in pairs},
+                "mlp": {"--swiglu" in CONFIGS[c] for c, _ in pairs},
+                "tied": {"--untie-embeddings-and-output-weights" in CONFIGS[c] for c, _ in pairs},
+                "qkv_bias": "--add-qkv-bias" in flags, "modes": {m for _, m in pairs}}
+
+    for layout in ("tp2_sp", "dp2"):
+        seen = values(LAYOUTS[layout][2])
+        assert seen.pop("qkv_bias") and seen.pop("modes") == set(MODES)
+        assert all(axis == {True, False} for axis in seen.values()), (layout, seen)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, references, tmp_path):
+    world_size, parallel_flags, pairs = LAYOUTS[layout]
+    results = run_many(world_size, [argv_of(*pair) + parallel_flags for pair in pairs], tmp_path, layout)
+    for pair, result in zip(pairs, results):
+        try:
+            assert_same_training(references[pair], result, by_name=world_size > 1 and "tensor" not in
+                                 " ".join(parallel_flags))
+        except AssertionError as error:
+            raise AssertionError(f"{layout} {pair}: {error}") from None
