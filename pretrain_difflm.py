@@ -72,11 +72,15 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
     length = args.seq_length
     dlm = args.dlm_config
     if dlm.is_diffusion and ctx.training and dlm.varilen_prob > 0:
-        # Same decision on every rank for this (iteration, micro-batch): no stragglers.
-        multiple = dlm.block_size if dlm.effective_mask_type == "block_causal" else 1
-        if args.sequence_parallel:  # every tensor-parallel rank keeps an equal slice of the sequence
-            multiple = math.lcm(multiple, args.tensor_model_parallel_size)
-        length = diffusion.varilen_length(dlm, ctx.iteration, ctx.microbatch, length, multiple_of=multiple)
+        # Keyed by where this micro-batch sits in the global batch, not by rank or accumulation
+        # step: the same cut in every layout, the same on every rank (no stragglers). The multiple
+        # is the run's, never the layout's (arguments.py checks that SP can split it).
+        multiple = dlm.varilen_multiple
+        if dlm.effective_mask_type == "block_causal":
+            multiple = math.lcm(multiple, dlm.block_size)
+        first_position = int(sample["index"][0]) - ctx.first_sample_index
+        length = diffusion.varilen_length(dlm, ctx.iteration, first_position, length,
+                                          multiple_of=multiple)
     inputs = tokens[:, :length]
     # DLMs predict the tokens they see (corrupted); AR models predict the next token.
     labels = inputs if dlm.is_diffusion else tokens[:, 1:length + 1]

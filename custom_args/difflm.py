@@ -29,6 +29,10 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Divide by valid tokens (B*L, LLaDA), masked tokens, or per sequence.")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.0,
                    help="Probability that a training micro-batch is cut to a random length (LLaDA: 0.01).")
+    g.add_argument("--difflm-varilen-multiple", type=int, default=8,
+                   help="Cut lengths are multiples of this (and of --difflm-block-size with block_causal). It "
+                        "does not depend on the layout, so every layout cuts alike; with --sequence-parallel the "
+                        "tensor-parallel size must divide it.")
     g.add_argument("--difflm-per-document-t", action="store_true",
                    help="With --reset-attention-mask, draw t per packed document.")
     g.add_argument("--difflm-masked-only-loss", action="store_true",

@@ -7,8 +7,12 @@ line by argparse (exit code 2) before any process group, model or dataset is bui
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from typing import Callable, List, Optional
+import re
+import sys
+import tempfile
+from typing import Callable, Collection, List, Optional
 
 import torch
 
@@ -20,6 +24,65 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 # Parallel layouts the current release trains; the flags exist so launch scripts stay stable.
 SUPPORTED_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+# Sizes and counts that must be >= 1 when given (None means "not given": derived later).
+POSITIVE_INT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                      "global_batch_size", "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
+                      "max_position_embeddings", "train_samples", "exit_interval", "keep_last_checkpoints",
+                      "max_consecutive_nan_iterations", "distributed_timeout_minutes", "difflm_block_size",
+                      "difflm_loss_chunk_size")
+NON_NEGATIVE_INT_FLAGS = ("eval_iters", "num_workers", "lr_warmup_iters")
+_INF = float("inf")
+# Float flags of the optimizer and the loop: (the allowed range as text, its test). Every test is
+# a chained comparison, which NaN and +-inf fail. The model's floats are TransformerConfig's.
+FLOAT_FLAG_RANGES = {
+    "lr": (">= 0", lambda v: 0.0 <= v < _INF),
+    "min_lr": (">= 0", lambda v: 0.0 <= v < _INF),
+    "lr_warmup_init": (">= 0", lambda v: 0.0 <= v < _INF),
+    "lr_warmup_fraction": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    "weight_decay": (">= 0", lambda v: 0.0 <= v < _INF),
+    "clip_grad": (">= 0 (0 disables clipping)", lambda v: 0.0 <= v < _INF),
+    "adam_beta1": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "adam_beta2": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
+    "adam_eps": ("> 0", lambda v: 0.0 < v < _INF),
+    "initial_loss_scale": ("> 0", lambda v: 0.0 < v < _INF),
+    "exit_duration_in_mins": ("> 0", lambda v: 0.0 < v < _INF),
+}
+
+# Flags that act only together with another setting: (flag's dest, what it needs as typed, the test).
+# These are flag rules, not config rules: core configs legitimately carry unused fields (tests and
+# converters build one config for several mask types).
+FLAG_NEEDS = (
+    ("sliding_window", "--attention-mask-type sliding_window",
+     lambda a: getattr(a, "attention_mask_type", None) == "sliding_window"),
+    ("difflm_block_size", "--attention-mask-type block_causal", lambda a: a.attention_mask_type == "block_causal"),
+    ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
+    ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
+    ("num_query_groups", "--group-query-attention", lambda a: a.group_query_attention),
+    ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
+    ("recompute_num_layers", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
+    ("fp8_recipe", "--fp8-format", lambda a: a.fp8_format is not None),
+    ("lr_wsd_decay_style", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
+    ("lr_wsd_decay_iters", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
+    ("split", "--data-path (it splits those documents)", lambda a: bool(a.data_path)),
+    ("data_cache_path", "--data-path or --train-data-path (--mock-data has no index files)",
+     lambda a: not a.mock_data),
+    ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
+)
+# What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
+# next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
+# here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
+DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
+                  "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_per_document_t")
+# The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
+TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
+                         "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
+# Config fields whose flag is not `--field-name` (TransformerConfig) or `--difflm-field-name` (DLMConfig).
+CONFIG_FIELD_FLAGS = {"layernorm_epsilon": "--norm-epsilon", "vocab_size": "--vocab-size",
+                      "unpadded_vocab_size": "--vocab-size", "gated_linear_unit": "--swiglu", "activation": "--swiglu",
+                      "add_bias_linear": "--disable-bias-linear", "model_running_mode": "--model-running-mode",
+                      "attention_mask_type": "--attention-mask-type", "mask_token_id": "--mask-token",
+                      "seed": "--seed"}
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -181,10 +244,14 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
     """Parse and validate; any problem exits with one line and code 2 (argparse's convention)."""
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(argv)
+    # A flag counts as given when its value differs from the default: a default typed out
+    # explicitly changes nothing, so the rules about ignored flags need no sentinel defaults.
+    given = {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate_args(args)
-    except (ValueError, ImportError) as error:  # ImportError: a flag's optional dependency is missing
+        validate_args(args, given)
+    # ImportError: a flag's optional dependency is missing; OSError: a path given cannot be read or written.
+    except (ValueError, ImportError, OSError) as error:
         parser.error(str(error))
     return args
 
@@ -195,14 +262,97 @@ def _require(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} is required")
 
 
-def validate_args(args: argparse.Namespace) -> None:
-    """Fill derived values and raise ValueError naming the flag and the fix."""
+def _flag(dest: str) -> str:
+    return f"--{dest.replace('_', '-')}"
+
+
+def _validate_ranges(args: argparse.Namespace) -> None:
+    """Numbers out of range fail here, by flag, before anything is derived from them."""
+    for dests, lowest in ((POSITIVE_INT_FLAGS, 1), (NON_NEGATIVE_INT_FLAGS, 0)):
+        for dest in dests:
+            value = getattr(args, dest, None)
+            if value is not None and value < lowest:
+                raise ValueError(f"{_flag(dest)} {value} must be >= {lowest}")
+    for dest, (allowed, holds) in FLOAT_FLAG_RANGES.items():
+        value = getattr(args, dest, None)
+        if value is not None and not holds(value):
+            raise ValueError(f"{_flag(dest)} {value} must be a finite number {allowed}")
+
+
+def _warn(message: str) -> None:
+    # Every rank parses the flags; one copy of the warning is enough.
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _validate_flag_dependencies(args: argparse.Namespace, given: Collection[str]) -> None:
+    """A flag that would change nothing fails (or, for the DLM flags in vanilla mode, warns)."""
+    given = set(given)
+    if getattr(args, "model_running_mode", "vanilla") == "vanilla":
+        ignored = [dest for dest in DLM_ONLY_FLAGS if dest in given]
+        if ignored:
+            # Only a warning: one launch script serving both modes (examples/quickstart.sh with
+            # MODE=vanilla) passes its DLM flags in vanilla mode too, and should keep working.
+            shown = ", ".join(_flag(d) if getattr(args, d) is True else f"{_flag(d)} {getattr(args, d)}"
+                              for d in ignored)
+            _warn(f"{shown}: no effect with --model-running-mode vanilla (causal attention, next-token loss, "
+                  "no corruption); ignored. Drop them, or choose a difflm running mode")
+        given -= set(DLM_ONLY_FLAGS)
+    for dest, needed, holds in FLAG_NEEDS:
+        if dest in given and not holds(args):
+            raise ValueError(f"{_flag(dest)} has no effect without {needed}; add that or drop {_flag(dest)}")
+    readers = TOKENIZER_INPUT_FLAGS.get(args.tokenizer_type, ())
+    for dest in ("vocab_size", "tokenizer_model", "vocab_file", "merge_file"):
+        if dest in given and dest not in readers:
+            types = [name for name, reads in TOKENIZER_INPUT_FLAGS.items() if dest in reads]
+            raise ValueError(f"{_flag(dest)} is not read by --tokenizer-type {args.tokenizer_type} (only by "
+                             f"{' and '.join(types)}); pass the --tokenizer-type it belongs to or drop it")
+
+
+def _check_writable_dir(flag: str, path: Optional[str]) -> None:
+    """Create `path` if missing and write a file there now, so a mistyped or read-only directory
+    fails at start-up instead of at the first save or index build, after the model is built."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path} is not a writable directory ({error.strerror or error}); "
+                         "choose another path or fix its permissions") from None
+
+
+def _config_error_hint(error: ValueError) -> str:
+    """Names the flag behind a config error: config messages start with `Owner.field` (their docstring)."""
+    match = re.match(r"(TransformerConfig|DLMConfig)\.(\w+)", str(error))
+    if match is None:
+        return "check the corresponding command-line flag"
+    owner, field = match.groups()
+    default = f"--{'difflm-' if owner == 'DLMConfig' else ''}{field.replace('_', '-')}"
+    return f"flag {CONFIG_FIELD_FLAGS.get(field, default)}"
+
+
+def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()) -> None:
+    """Fill derived values and raise ValueError naming the flag and the fix.
+
+    `given`: the dests of the flags the user set to a non-default value; the rules about flags
+    that would be ignored look only at those (empty: assume none was).
+    """
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    _validate_ranges(args)
+    _validate_flag_dependencies(args, given)
     _validate_parallel(args)
     _validate_batch_and_schedule(args)
+    for flag in ("save", "data_cache_path", "tensorboard_dir"):
+        _check_writable_dir(f"--{flag.replace('_', '-')}", getattr(args, flag))
     _validate_data(args)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; choose one")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}, so the head dimension is not whole; change one of them "
+                         "or pass --kv-channels")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if not args.group_query_attention:
@@ -214,7 +364,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.transformer_config.validate()
         args.dlm_config.validate(args.padded_vocab_size, args.seq_length, args.sliding_window)
     except ValueError as error:
-        raise ValueError(f"{error} (check the corresponding command-line flag)") from None
+        raise ValueError(f"{error} ({_config_error_hint(error)})") from None
     _validate_tensor_parallel_shapes(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
@@ -265,6 +415,11 @@ def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:
     if config.ffn_hidden_size % tp:
         raise ValueError(f"--ffn-hidden-size {config.ffn_hidden_size} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
+    varilen = getattr(args, "difflm_varilen_prob", 0.0) > 0
+    if varilen and args.sequence_parallel and args.difflm_varilen_multiple % tp:
+        raise ValueError(f"--difflm-varilen-multiple {args.difflm_varilen_multiple} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs to split a cut "
+                         f"sequence; pass --difflm-varilen-multiple {math.lcm(args.difflm_varilen_multiple, tp)}")
     if args.sequence_parallel and args.seq_length % tp:
         raise ValueError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
                          "which --sequence-parallel needs")
@@ -303,6 +458,7 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
 
 def _validate_data(args: argparse.Namespace) -> None:
     from megatron.core.datasets.dataset_builder import check_prefixes_exist, parse_data_paths
+    from megatron.core.datasets.gpt_dataset import split_weights
     from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
 
     split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
@@ -313,6 +469,9 @@ def _validate_data(args: argparse.Namespace) -> None:
             raise ValueError("give either --data-path (with --split) or --train/valid/test-data-path, not both")
         if not args.data_path and not args.train_data_path:
             raise ValueError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
+        if args.data_path and split_weights(args.split)[0] == 0:
+            raise ValueError(f"--split {args.split} gives the train split no documents; give its first (train) "
+                             "weight a positive value")
         for flag, values in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
                              ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
             if values:
@@ -322,7 +481,12 @@ def _validate_data(args: argparse.Namespace) -> None:
     args.tokenizer = build_tokenizer(args)
     args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                      args.tensor_model_parallel_size)
-    args.mask_token = args.tokenizer.mask
+    requested_mask, args.mask_token = args.mask_token, args.tokenizer.mask
+    if getattr(args, "model_running_mode", "vanilla") != "vanilla" and args.mask_token == args.tokenizer.eod:
+        source, fix = (("the tokenizer's mask token", "pass --mask-token with another id") if requested_mask is None
+                       else ("--mask-token", "pass another id, or drop it and append one with --add-mask-token"))
+        raise ValueError(f"{source} {args.mask_token} is the EOD token: masked positions would read as document "
+                         f"ends and the sampler could never emit EOD; {fix}")
 
 
 def schedule_kwargs(args: argparse.Namespace) -> dict:
@@ -363,6 +527,7 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
         t_sampling=args.difflm_t_sampling, loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
+        varilen_multiple=args.difflm_varilen_multiple,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
         loss_chunk_size=args.difflm_loss_chunk_size, compile_loss=args.difflm_compile_loss,
         seed=args.seed)

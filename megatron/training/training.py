@@ -251,8 +251,12 @@ def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, 
     starting after `consumed_samples`."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                          state.dp_rank, state.dp)
+    # Starting an iterator draws a base seed (for the workers) from the loader's generator; without
+    # one of its own it draws from the global torch RNG, which dropout uses: a resumed run (which
+    # starts its iterator after restoring the RNG) or an evaluation would shift every later mask.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
-                                         pin_memory=runtime.device.type == "cuda")
+                                         pin_memory=runtime.device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(args.seed))
     return iter(loader)
 
 
@@ -302,16 +306,30 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
              argv: Optional[List[str]] = None) -> Trainer:
-    """Parse flags, build everything, train. Flag problems exit with code 2 before any of it."""
+    """Parse flags, build everything, train. Flag problems exit with code 2 before any of it; bad
+    data or a bad checkpoint found while building (InputError) exits with code 1 and one line."""
+    from megatron.core.errors import InputError
+
     args = parse_args(argv, extra_args_provider)
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
-    if args.load:
-        loaded = load_checkpoint(args, trainer)
-        trainer.logger.print(f"> loaded {args.load} at iteration {loaded}" if loaded is not None
-                             else f"> no checkpoint in {args.load}; starting from scratch")
-    if args.save:
-        trainer.checkpointer = Checkpointer(args, trainer.logger.print)
+    trainer = None
+    try:
+        trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
+        if args.load:
+            loaded = load_checkpoint(args, trainer)
+            trainer.logger.print(f"> loaded {args.load} at iteration {loaded}" if loaded is not None
+                                 else f"> no checkpoint in {args.load}; starting from scratch")
+        if args.save:
+            trainer.checkpointer = Checkpointer(args, trainer.logger.print)
+    except InputError as error:  # the user's input, not our bug: no traceback
+        # Every rank prints its line: in the common case all of them find the same problem, and a
+        # rank that alone finds one still says why it stops (then torchrun stops the others).
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.logger.close()
+        if runtime.owns_process_group and runtime.world_size == 1:  # no peer to wait for
+            dist.destroy_process_group()
+        sys.exit(1)
     if args.exit_signal_handler:
         trainer.signal_handler = ExitSignalHandler()
     try:

@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.test_pretrain_cli import LOSS
 
@@ -22,26 +23,42 @@ def train(tmp_path, nproc, *flags, iters=20):
     return {int(step): loss for step, loss in LOSS.findall(result.stdout)}, result.stdout
 
 
-@pytest.mark.parametrize("mode_flags", [["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"],
-                                        ["--model-running-mode", "vanilla"]])
-def test_resume_is_bit_exact(mode_flags, tmp_path):
-    straight, _ = train(tmp_path, 2, *mode_flags)
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = train(tmp_path, 2, *mode_flags, "--save", ckpt, "--exit-interval", "10")
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "10"
-    second, out = train(tmp_path, 2, *mode_flags, "--load", ckpt)
-    assert "loaded" in out and sorted(second) == list(range(11, 21))
-    resumed = {**first, **second}
-    assert resumed == straight, "lm loss must match the uninterrupted run at every iteration, as printed"
+def final_weights(ckpt) -> dict:
+    from tools.weights_conversion.checkpoint_io import read_tensors, stored_shapes
+
+    iteration = int((Path(ckpt) / "latest_checkpointed_iteration.txt").read_text())
+    iter_dir = str(Path(ckpt) / f"iter_{iteration:07d}")
+    shapes = stored_shapes(iter_dir)
+    return read_tensors(iter_dir, list(shapes), shapes)
 
 
-def test_resume_with_tensor_parallelism_and_the_distributed_optimizer_is_bit_exact(tmp_path):
-    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]
-    straight, _ = train(tmp_path, 4, *flags, iters=14)
+DROPOUT_AND_EVAL = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "1",
+                    "--eval-interval", "4"]
+RESUME_CASES = {  # name: (processes, flags)
+    "one_process_dlm_varilen": (1, ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"]),
+    "dp2_ar": (2, ["--model-running-mode", "vanilla"]),
+    "tp2_sp_dp2_zero1_dlm": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--use-distributed-optimizer"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_with_dropout_and_evaluation_is_bit_exact(case, tmp_path):
+    """12 iterations straight equal 6 + save + resume 6: every printed loss, and the final weights
+    bit for bit, with dropout on and evaluations (which must not touch training's RNG streams)."""
+    nproc, flags = RESUME_CASES[case]
+    flags = flags + DROPOUT_AND_EVAL
+    straight, _ = train(tmp_path, nproc, *flags, "--save", str(tmp_path / "straight"), iters=12)
     ckpt = str(tmp_path / "ckpt")
-    first, _ = train(tmp_path, 4, *flags, "--save", ckpt, "--exit-interval", "7", iters=14)
-    second, _ = train(tmp_path, 4, *flags, "--load", ckpt, iters=14)
-    assert {**first, **second} == straight
+    first, _ = train(tmp_path, nproc, *flags, "--save", ckpt, "--exit-interval", "6", iters=12)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
+    second, out = train(tmp_path, nproc, *flags, "--load", ckpt, "--save", ckpt, iters=12)
+    assert "loaded" in out and sorted(second) == list(range(7, 13))
+    assert {**first, **second} == straight, "lm loss must match the uninterrupted run at every iteration"
+    expected, resumed = final_weights(tmp_path / "straight"), final_weights(ckpt)
+    assert expected.keys() == resumed.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after the resume"
 
 
 def ancestors(pid: int) -> list:

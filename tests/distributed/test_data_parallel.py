@@ -33,3 +33,23 @@ def test_sharded_optimizer_state_is_a_quarter_on_four_replicas(strategy, tmp_pat
     for per_rank in sharded:
         assert 0.2 < per_rank / whole[0] < 0.3, (per_rank, whole[0])
     assert abs(sum(sharded) - whole[0]) <= 0.02 * whole[0], "the shards add up to the whole state"
+
+
+def test_variable_length_cuts_are_the_same_in_every_layout(tmp_path):
+    """--difflm-varilen-prob: DP=2 (and TP=2+SP x DP=2) equal one process accumulating two
+    micro-batches, because a cut is keyed by the micro-batch's place in the global batch."""
+    from megatron.core.models.difflm.diffusion import varilen_length
+    from megatron.core.transformer.transformer_config import DLMConfig
+    from tests.distributed.parity import run_many
+
+    argv = ARGV + ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.5",
+                   "--global-batch-size", "4", "--train-iters", "4"]
+    cuts = [varilen_length(DLMConfig(varilen_prob=0.5, seed=1234), it, pos, 32, 8) < 32
+            for it in range(4) for pos in (0, 2)]
+    assert any(cuts) and not all(cuts), "the seed must cut some micro-batches and not others"
+    reference = run(1, argv, tmp_path, "single")
+    data_parallel, composed = run_many(2, [argv], tmp_path, "dp2") + run_many(
+        4, [argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]], tmp_path, "tp2_sp_dp2")
+    assert reference["microbatches"] == 2 and data_parallel["microbatches"] == 1
+    assert_same_training(reference, data_parallel, by_name=True)
+    assert_same_training(reference, composed)

@@ -158,8 +158,10 @@ class TransformerConfig:
         _check_choice(owner, "normalization", self.normalization, NORMALIZATIONS)
         _check_choice(owner, "activation", self.activation, ACTIVATIONS)
         _check_choice(owner, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.layernorm_epsilon <= 0:
-            raise ValueError(f"{owner}.layernorm_epsilon={self.layernorm_epsilon} must be > 0")
+        # Chained comparisons, so NaN and inf fail them too.
+        for name in ("layernorm_epsilon", "init_method_std", "rotary_base"):
+            if not 0.0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number > 0")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"{owner}.rotary_percent={self.rotary_percent} must be in (0, 1]")
         rotary_dim = int(self.kv_channels * self.rotary_percent)
@@ -229,6 +231,10 @@ class DLMConfig:
     over sequences)."""
     varilen_prob: float = 0.0
     """Probability that a training micro-batch is truncated to a random length (LLaDA: 0.01)."""
+    varilen_multiple: int = 8
+    """Truncated lengths are multiples of this (and of block_size with block_causal attention): a
+    property of the run, not of the layout, so every layout truncates alike (sequence parallelism
+    needs the tensor-parallel size to divide it)."""
     per_document_t: bool = False
     """With packed documents, draw an independent t for every document instead of every row."""
     seed: int = 1234
@@ -271,6 +277,10 @@ class DLMConfig:
         if not 0.0 <= self.varilen_prob <= 1.0:
             raise ValueError(f"{owner}.varilen_prob={self.varilen_prob} must be in [0, 1]")
         _check_positive(owner, "loss_chunk_size", self.loss_chunk_size)
+        _check_positive(owner, "varilen_multiple", self.varilen_multiple)
+        if self.varilen_prob > 0 and seq_length is not None and self.varilen_multiple > seq_length:
+            raise ValueError(f"{owner}.varilen_multiple={self.varilen_multiple} exceeds seq_length={seq_length}: "
+                             "no shorter length would be a multiple of it; lower it")
         if self.compile_loss and not self.masked_only_loss:
             raise ValueError(f"{owner}.compile_loss needs masked_only_loss (--difflm-masked-only-loss)")
         if self.is_diffusion:

@@ -314,21 +314,24 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
     return weights, normaliser
 
 
-def varilen_length(cfg: DLMConfig, iteration: int, microbatch: int, seq_length: int,
+def varilen_length(cfg: DLMConfig, iteration: int, batch_position: int, seq_length: int,
                    multiple_of: int = 1) -> int:
     """Training length of a micro-batch: usually seq_length, with probability cfg.varilen_prob a
     length uniform in [1, seq_length] rounded down to a multiple of `multiple_of` (>= multiple_of).
 
-    Keyed on (cfg.seed, iteration, microbatch) in python integers: every rank computes the same
-    answer without communication or device work, so all DP ranks truncate together.
+    Keyed on (cfg.seed, iteration, batch_position) in python integers, where batch_position is
+    the place of the micro-batch's first sample in the global batch: every rank computes the
+    same answer without communication or device work, and a micro-batch gets the same length
+    whichever data-parallel rank or accumulation step trains it (DP=2 equals one process
+    accumulating two micro-batches).
     """
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
     if multiple_of < 1 or multiple_of > seq_length:
         raise ValueError(f"multiple_of={multiple_of} must be in [1, seq_length={seq_length}]")
-    coin = keyed_bits(cfg.seed, 0, _TAG_VARILEN_COIN, int(iteration), int(microbatch)) >> 8
+    coin = keyed_bits(cfg.seed, 0, _TAG_VARILEN_COIN, int(iteration), int(batch_position)) >> 8
     if not coin * _U24 < cfg.varilen_prob:
         return seq_length
-    draw = keyed_bits(cfg.seed, 0, _TAG_VARILEN_LEN, int(iteration), int(microbatch)) >> 8
+    draw = keyed_bits(cfg.seed, 0, _TAG_VARILEN_LEN, int(iteration), int(batch_position)) >> 8
     length = 1 + ((draw * seq_length) >> 24)      # exact integer map of a 24-bit uniform to [1, L]
     return max(multiple_of, length // multiple_of * multiple_of)
