@@ -1,7 +1,8 @@
 """Megatron-compatible command-line flags, their validation, and the configs they build.
 
 Flags keep Megatron-LM's names and meaning. Every problem found here is reported as one
-line by argparse (exit code 2) before any process group, model or dataset is built.
+line by argparse (exit code 2) before any process group, model or dataset is built; that
+includes a flag that would change nothing (only the DLM flags in vanilla mode merely warn).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ FLAG_NEEDS = (
     ("difflm_block_size", "--attention-mask-type block_causal", lambda a: a.attention_mask_type == "block_causal"),
     ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
     ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
+    ("difflm_varilen_multiple", "--difflm-varilen-prob > 0", lambda a: a.difflm_varilen_prob > 0),
     ("num_query_groups", "--group-query-attention", lambda a: a.group_query_attention),
     ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("recompute_num_layers", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
@@ -73,7 +75,8 @@ FLAG_NEEDS = (
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
 DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
-                  "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_per_document_t")
+                  "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_varilen_multiple",
+                  "difflm_per_document_t")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
 TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
                          "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
@@ -202,7 +205,12 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="Save weights only.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only (fresh optimizer).")
     g.add_argument("--no-load-rng", action="store_true", help="Keep this run's RNG states.")
-    g.add_argument("--finetune", action="store_true", help="Load weights only and start at iteration 0.")
+    g.add_argument("--finetune", action="store_true",
+                   help="Load weights only and start at iteration 0; also accepts a checkpoint whose network "
+                        "computes another function (rotary base, norm epsilon, mask token, running mode, ...).")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Take the architecture flags (shape, norms, biases, RoPE, running mode) and, when not "
+                        "given, --seq-length from the latest checkpoint under --load.")
     g.add_argument("--keep-last-checkpoints", type=int, help="Delete all but the newest N checkpoints.")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM: finish the step, save a checkpoint (with --save), exit with code 0.")
@@ -249,6 +257,10 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
     given = {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        if args.use_checkpoint_args:
+            from megatron.training.checkpoint_args import apply_checkpoint_args
+
+            apply_checkpoint_args(args)
         validate_args(args, given)
     # ImportError: a flag's optional dependency is missing; OSError: a path given cannot be read or written.
     except (ValueError, ImportError, OSError) as error:
@@ -279,9 +291,12 @@ def _validate_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"{_flag(dest)} {value} must be a finite number {allowed}")
 
 
+def _is_rank_zero() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0  # the flags are parsed before the process group exists
+
+
 def _warn(message: str) -> None:
-    # Every rank parses the flags; one copy of the warning is enough.
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _is_rank_zero():  # every rank parses the flags; one copy of the warning is enough
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -344,8 +359,9 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     _validate_flag_dependencies(args, given)
     _validate_parallel(args)
     _validate_batch_and_schedule(args)
-    for flag in ("save", "data_cache_path", "tensorboard_dir"):
-        _check_writable_dir(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
+    for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
+        _check_writable_dir(_flag(dest), getattr(args, dest))
     _validate_data(args)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; choose one")

@@ -6,8 +6,15 @@ Layout of `--save DIR`:
     DIR/iter_0000100/metadata.json   format version, model/DLM config, layout, tokenizer, TrainState
     DIR/iter_0000100/rng/rank_N.pt   every RNG of rank N (tensors only, loaded with weights_only)
     DIR/latest_checkpointed_iteration.txt   written last, atomically, once every rank finished
-Nothing in a checkpoint is unpickled as arbitrary objects. The diffusion corruption needs no
+Nothing in a checkpoint is unpickled as arbitrary objects (DCP's `.metadata` index goes through
+an allow-list unpickler, RNG states through `weights_only`). The diffusion corruption needs no
 state: it is keyed by (seed, sample index), so a resumed run draws the same masks.
+
+Nothing is written in place: every rank writes into `iter_N.tmp/`; once all are done, rank 0
+renames it to `iter_N/` (an existing `iter_N/` is first renamed aside to `iter_N.replaced/` and
+deleted after), then moves the tracker. A crash at any moment leaves the tracker naming a
+complete directory: `iter_N/`, or between the two renames `iter_N.replaced/`, which readers
+fall back to (`iteration_dir`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -28,6 +36,8 @@ import torch.distributed as dist
 
 import megatron
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.errors import InputError
+from megatron.training.checkpoint_args import check_compatible
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
 from megatron.core.distributed.data_parallel import unwrap
@@ -38,6 +48,48 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+STAGING_SUFFIX, REPLACED_SUFFIX = ".tmp", ".replaced"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """Where iteration N of `root` is: `iter_N/`, or `iter_N.replaced/` when a save that
+    rewrote iteration N died between its two renames (the tracker still names N)."""
+    final = checkpoint_dir(root, iteration)
+    aside = final + REPLACED_SUFFIX
+    return aside if not os.path.isdir(final) and os.path.isdir(aside) else final
+
+
+def install_checkpoint(root: str, iteration: int, staged: str) -> str:
+    """Rename the complete `staged` directory into place as iteration N (one process only)."""
+    final = checkpoint_dir(root, iteration)
+    aside = final + REPLACED_SUFFIX
+    if os.path.isdir(aside):  # left by an earlier crash: is it still the only copy of N?
+        if os.path.isdir(final):
+            shutil.rmtree(aside)
+        else:
+            os.rename(aside, final)
+    if os.path.isdir(final):
+        os.rename(final, aside)
+    os.rename(staged, final)
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames in `path` durable before the tracker names them."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
@@ -115,8 +167,11 @@ def save_checkpoint(args, trainer, process_group=None) -> Tuple[str, Optional[Fu
     completes when this rank's files are written), RNG states and metadata. The tracker is
     moved by `finalize_save` once every rank finished, never here."""
     iteration = trainer.state.iteration
-    target = checkpoint_dir(args.save, iteration)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    target = checkpoint_dir(args.save, iteration) + STAGING_SUFFIX
+    rank = _rank()
+    if rank == 0 and os.path.isdir(target):  # a save of N that died earlier: never part of a checkpoint
+        shutil.rmtree(target)
+    _barrier()
     sharded = model_sharded_state_dict(unwrap(trainer.model))
     if not args.no_save_optim:
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
@@ -133,13 +188,22 @@ def save_checkpoint(args, trainer, process_group=None) -> Tuple[str, Optional[Fu
     return target, future
 
 
-def finalize_save(args, iteration: int) -> None:
-    """Collective, once every rank's files are written: move the tracker, drop old checkpoints."""
+def finalize_save(args, iteration: int) -> str:
+    """Collective, once every rank's files are written: rename the staged directory into place,
+    move the tracker (never backwards), drop this run's older checkpoints. Returns the path."""
     _barrier()
+    final = checkpoint_dir(args.save, iteration)
     if _rank() == 0:
-        _write_tracker(args.save, iteration)
+        install_checkpoint(args.save, iteration, final + STAGING_SUFFIX)
+        newest = latest_iteration(args.save, missing_ok=True)
+        if newest is None or newest <= iteration:
+            _write_tracker(args.save, iteration)
+        else:
+            print(f"warning: {args.save} already holds iteration {newest}, newer than this save ({iteration}); "
+                  f"{TRACKER} keeps naming {newest}", file=sys.stderr, flush=True)
         _remove_old_checkpoints(args.save, args.keep_last_checkpoints, iteration)
     _barrier()
+    return final
 
 
 class Checkpointer:
@@ -161,7 +225,7 @@ class Checkpointer:
         target, future = save_checkpoint(self.args, trainer, self.group)
         blocked = time.perf_counter() - started
         if future is None:
-            finalize_save(self.args, trainer.state.iteration)
+            target = finalize_save(self.args, trainer.state.iteration)
             self.log(f"> saved {target} ({blocked:.2f} s)")
             return
         self.pending = (trainer.state.iteration, target, future)
@@ -183,7 +247,7 @@ class Checkpointer:
             return
         future.result()
         self.pending = None
-        finalize_save(self.args, saved_iteration)
+        target = finalize_save(self.args, saved_iteration)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")
 
@@ -202,23 +266,52 @@ def _write_tracker(root: str, iteration: int) -> None:
     os.replace(temporary, os.path.join(root, TRACKER))
 
 
-def _remove_old_checkpoints(root: str, keep: Optional[int], newest: int) -> None:
+def _remove_old_checkpoints(root: str, keep: Optional[int], saved: int) -> None:
+    """--keep-last-checkpoints: of the iterations up to the one just saved, keep the newest `keep`.
+    Newer iterations (another run's, in a shared directory) are never touched."""
     if not keep:
         return
     iterations = sorted(int(name[5:]) for name in os.listdir(root) if name.startswith("iter_") and name[5:].isdigit())
-    for iteration in iterations[:-keep]:
-        if iteration != newest:
-            shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+    older = [iteration for iteration in iterations if iteration <= saved]
+    for iteration in older[:-keep]:
+        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
 
 
-def latest_iteration(root: str) -> Optional[int]:
+def latest_iteration(root: str, missing_ok: bool = False) -> Optional[int]:
+    """The tracker's iteration (None without a tracker). The directory it names must exist,
+    unless `missing_ok` (a save checking the tracker before moving it)."""
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as handle:
+        text = handle.read().strip()
     if not text.isdigit():
-        raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or remove it")
-    return int(text)
+        raise InputError(f"{path} holds {text!r}, not an iteration number; write the number of a saved "
+                         "iteration into it, or remove it to start from scratch")
+    iteration = int(text)
+    if not missing_ok and not os.path.isdir(iteration_dir(root, iteration)):
+        raise InputError(f"{path} names iteration {iteration}, but {checkpoint_dir(root, iteration)} does not "
+                         f"exist; write the number of an iteration that {root} holds into it")
+    return iteration
+
+
+def read_checkpoint_metadata(source: str) -> dict:
+    """metadata.json of the iteration directory `source`, checked to be this format's."""
+    path = os.path.join(source, "metadata.json")
+    try:
+        with open(path) as handle:
+            metadata = json.load(handle)
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist: {source} is not a complete checkpoint; point the tracker "
+                         "at another iteration or load another directory") from None
+    except (OSError, ValueError) as error:
+        raise InputError(f"{path} is not readable JSON ({error}); the checkpoint is damaged: load another "
+                         "iteration") from None
+    if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
+        version = metadata.get("format_version") if isinstance(metadata, dict) else None
+        raise InputError(f"{source}: checkpoint format {version} is not {FORMAT_VERSION}; convert it or load "
+                         "one written by this version")
+    return metadata
 
 
 def load_inference_model(root: str, device: torch.device, attention_backend: Optional[str] = None):
@@ -230,10 +323,9 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
 
     iteration = latest_iteration(root)
     if iteration is None:
-        raise ValueError(f"--load {root}: no {TRACKER}; point it at a --save directory")
-    source = checkpoint_dir(root, iteration)
-    with open(os.path.join(source, "metadata.json")) as handle:
-        metadata = json.load(handle)
+        raise InputError(f"--load {root}: no {TRACKER}; point it at a --save directory")
+    source = iteration_dir(root, iteration)
+    metadata = read_checkpoint_metadata(source)
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
     vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
@@ -254,14 +346,21 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     return model.eval(), metadata
 
 
+def check_loadable(args) -> None:
+    """The checks of `load_checkpoint` that need no model: run before building one."""
+    iteration = latest_iteration(args.load)
+    if iteration is not None:
+        source = iteration_dir(args.load, iteration)
+        _check_compatible(args, read_checkpoint_metadata(source), source)
+
+
 def load_checkpoint(args, trainer) -> Optional[int]:
     """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)."""
     iteration = latest_iteration(args.load)
     if iteration is None:
         return None
-    source = checkpoint_dir(args.load, iteration)
-    with open(os.path.join(source, "metadata.json")) as handle:
-        metadata = json.load(handle)
+    source = iteration_dir(args.load, iteration)
+    metadata = read_checkpoint_metadata(source)
     _check_compatible(args, metadata, source)
     load_optim = not (args.no_load_optim or args.finetune)
     sharded = model_sharded_state_dict(unwrap(trainer.model))
@@ -297,23 +396,5 @@ def _initialise_adam_state(optimizer, step: float) -> None:
 
 def _check_compatible(args, metadata: dict, source: str) -> None:
     if metadata.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{source}: checkpoint format {metadata.get('format_version')} is not {FORMAT_VERSION}")
-    saved = metadata["transformer_config"]
-    current = dataclasses.asdict(args.transformer_config)
-    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                  "ffn_hidden_size", "normalization", "qk_layernorm", "gated_linear_unit",
-                  "share_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias"):
-        if saved.get(field) != current[field]:
-            raise ValueError(f"{source}: the checkpoint has {field}={saved.get(field)!r} but this run has "
-                             f"{current[field]!r}; use the checkpoint's architecture")
-    # More stored rows than this tokenizer has (Hugging Face models pad their embeddings, e.g. Qwen's
-    # 151,936 rows for 151,665 tokens) load as padding. Fewer (tokens added, say a mask token) leave
-    # the new rows at their initialisation: only for a new run.
-    saved_vocab, vocab = saved.get("unpadded_vocab_size"), current["unpadded_vocab_size"]
-    if saved_vocab is not None and vocab is not None and saved_vocab < vocab and not args.finetune:
-        raise ValueError(f"{source}: the checkpoint has {saved_vocab} vocabulary rows but this run's tokenizer "
-                         f"has {vocab} tokens; pass --finetune to start from it with the new rows initialised")
-    saved_tokenizer, tokenizer = metadata.get("tokenizer"), getattr(args.tokenizer, "identity", None)
-    if saved_tokenizer and tokenizer and saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
-        raise ValueError(f"{source}: the checkpoint was trained with another tokenizer "
-                         f"({saved_tokenizer}); pass the same --tokenizer-model")
+        raise InputError(f"{source}: checkpoint format {metadata.get('format_version')} is not {FORMAT_VERSION}")
+    check_compatible(args, metadata, source)

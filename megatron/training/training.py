@@ -30,8 +30,9 @@ from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer,
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.fp8 import enable_fp8_training
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
-from megatron.training.checkpointing import Checkpointer, load_checkpoint
+from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
+from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
 
 LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -312,8 +313,11 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
 
     args = parse_args(argv, extra_args_provider)
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
-    trainer = None
+    trainer = lock = None
     try:
+        lock = acquire_save_lock(args.save, runtime.device) if args.save else None
+        if args.load:  # a checkpoint this run cannot load is found before anything is built
+            check_loadable(args)
         trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
         if args.load:
             loaded = load_checkpoint(args, trainer)
@@ -339,6 +343,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         trainer.logger.close()
         sys.exit(1)
     trainer.logger.close()
+    if lock is not None:
+        lock.release()
     if runtime.owns_process_group:
         # Every rank reaches teardown together: destroying while a peer is still in a collective
         # can block, and exiting with live gloo threads can abort the process. (On an error,

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.checkpointing import FORMAT_VERSION, _check_compatible
 
 
@@ -15,11 +15,15 @@ def config(**changes) -> TransformerConfig:
     return TransformerConfig(**(base | changes))
 
 
-def check(saved: TransformerConfig, run: TransformerConfig, finetune=False, saved_sha="a", run_sha="a"):
+DLM = DLMConfig(mask_token_id=512)
+
+
+def check(saved: TransformerConfig, run: TransformerConfig, finetune=False, saved_sha="a", run_sha="a",
+          saved_dlm=DLM, run_dlm=DLM, saved_tokenizer=None, run_tokenizer=None):
     metadata = {"format_version": FORMAT_VERSION, "transformer_config": dataclasses.asdict(saved),
-                "tokenizer": {"sha256": saved_sha}}
-    args = SimpleNamespace(transformer_config=run, finetune=finetune, tokenizer=SimpleNamespace(
-        identity={"sha256": run_sha}))
+                "dlm_config": dataclasses.asdict(saved_dlm), "tokenizer": {"sha256": saved_sha, **(saved_tokenizer or {})}}
+    args = SimpleNamespace(transformer_config=run, dlm_config=run_dlm, finetune=finetune, tokenizer=SimpleNamespace(
+        identity={"sha256": run_sha, **(run_tokenizer or {})}))
     _check_compatible(args, metadata, "ckpt/iter_0000010")
 
 
@@ -28,7 +32,7 @@ def test_same_architecture_and_tokenizer_load():
 
 
 def test_an_architecture_difference_names_the_field():
-    with pytest.raises(ValueError, match="ckpt/iter_0000010: the checkpoint has hidden_size=32 but this run has 48"):
+    with pytest.raises(ValueError, match="ckpt/iter_0000010: the checkpoint has hidden_size=32 but this run has 48 \\(--hidden-size\\)"):
         check(config(), config(hidden_size=48))
 
 
@@ -47,3 +51,42 @@ def test_a_grown_vocabulary_needs_finetune():
     with pytest.raises(ValueError, match="513 vocabulary rows but this run's tokenizer has 520 tokens; pass --finetune"):
         check(config(), grown)
     check(config(), grown, finetune=True)
+
+
+FUNCTION_CHANGES = [  # (what differs, the flag the message names)
+    (dict(run=config(rotary_base=500000.0)), "--rotary-base"),
+    (dict(run=config(rotary_percent=0.5)), "--rotary-percent"),
+    (dict(run=config(layernorm_epsilon=1e-5)), "--norm-epsilon"),
+    (dict(run=config(activation="gelu")), "--swiglu"),
+    (dict(run_dlm=DLMConfig(mask_token_id=511)), "--mask-token"),
+    (dict(run_dlm=DLMConfig(model_running_mode="difflm-shift", mask_token_id=512)), "--model-running-mode"),
+    (dict(run_dlm=DLMConfig(model_running_mode="vanilla")), "--model-running-mode"),
+    (dict(run_dlm=DLMConfig(mask_token_id=512, attention_mask_type="block_causal", block_size=4)),
+     "--attention-mask-type"),
+    (dict(saved_tokenizer={"vocab_size": 513}, run_tokenizer={"vocab_size": 500}), "--vocab-size"),
+]
+
+
+@pytest.mark.parametrize("changes,flag", FUNCTION_CHANGES, ids=[flag for _, flag in FUNCTION_CHANGES])
+def test_a_network_computing_another_function_is_refused_unless_finetuning(changes, flag):
+    base = dict(saved=config(), run=config())
+    with pytest.raises(ValueError, match=f"\\({flag}\\); use the checkpoint|\\({flag}\\); pass the checkpoint"):
+        check(**{**base, **changes})
+    check(**{**base, **changes}, finetune=True)
+
+
+def test_architecture_differences_stay_refused_with_finetune():
+    base = config()
+    other_norm = "LayerNorm" if base.normalization == "RMSNorm" else "RMSNorm"
+    for changed in (config(normalization=other_norm), config(add_bias_linear=not base.add_bias_linear),
+                    config(num_layers=3)):
+        with pytest.raises(ValueError, match="use the checkpoint's architecture"):
+            check(config(), changed, finetune=True)
+
+
+def test_a_block_size_matters_only_for_block_causal_attention():
+    block = DLMConfig(mask_token_id=512, attention_mask_type="block_causal", block_size=4)
+    with pytest.raises(ValueError, match="--difflm-block-size"):
+        check(config(), config(), saved_dlm=block, run_dlm=DLMConfig(mask_token_id=512, attention_mask_type=
+                                                                      "block_causal", block_size=8))
+    check(config(), config(), saved_dlm=DLMConfig(mask_token_id=512, block_size=4), run_dlm=DLM)

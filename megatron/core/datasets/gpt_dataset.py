@@ -20,12 +20,13 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.errors import InputError
 
 INDEX_FORMAT_VERSION = 1
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.8
@@ -41,15 +42,22 @@ class GPTDatasetConfig:
     """Where index files go (default: `<data prefix dir>/cache/GPTDataset_indices`)."""
 
 
-def split_document_ranges(num_documents: int, split: str) -> Tuple[Tuple[int, int], ...]:
-    """`--split 949,50,1` -> contiguous [begin, end) document ranges for train, valid, test."""
+def split_weights(split: str) -> List[float]:
+    """`--split 949,50,1` -> the train, valid and test weights (missing ones are 0)."""
     try:
         weights = [float(part) for part in split.replace("/", ",").split(",")]
     except ValueError:
-        raise ValueError(f"--split {split!r} must be comma-separated numbers such as 949,50,1") from None
+        raise InputError(f"--split {split!r} must be comma-separated numbers such as 949,50,1") from None
     weights = (weights + [0.0, 0.0, 0.0])[:3]
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {split!r} needs non-negative weights with a positive sum")
+    # Chained comparisons: NaN and inf fail them too.
+    if not all(0.0 <= w < float("inf") for w in weights) or sum(weights) <= 0:
+        raise InputError(f"--split {split!r} needs finite non-negative weights with a positive sum")
+    return weights
+
+
+def split_document_ranges(num_documents: int, split: str) -> Tuple[Tuple[int, int], ...]:
+    """`--split 949,50,1` -> contiguous [begin, end) document ranges for train, valid, test."""
+    weights = split_weights(split)
     total = sum(weights)
     bounds = [0]
     for weight in weights:
@@ -100,12 +108,12 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_range, self.split_name = document_range, split_name
         begin, end = document_range
         if end <= begin:
-            raise ValueError(f"{path_prefix}: the {split_name} split has no documents ({document_range}); "
+            raise InputError(f"{path_prefix}: the {split_name} split has no documents ({document_range}); "
                              "check --split")
         self.documents = np.arange(begin, end, dtype=np.int32)
         tokens_per_epoch = int(indexed.sequence_lengths[begin:end].sum())
         if tokens_per_epoch <= config.seq_length:
-            raise ValueError(f"{path_prefix}: the {split_name} split holds {tokens_per_epoch} tokens, fewer than "
+            raise InputError(f"{path_prefix}: the {split_name} split holds {tokens_per_epoch} tokens, fewer than "
                              f"one sample of --seq-length {config.seq_length} + 1")
         self.requested_samples = num_samples
         self.built_now = False

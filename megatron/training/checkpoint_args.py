@@ -1,0 +1,141 @@
+"""What a checkpoint's metadata says about the network, against this run's flags.
+
+`check_compatible` refuses to `--load` a checkpoint whose network computes something else than
+the one this run built: another shape (never loadable), or the same shapes computing another
+function (rotary base, norm epsilon, activation, mask token, running mode, vocabulary), which
+`--finetune` accepts on purpose. `apply_checkpoint_args` is Megatron's `--use-checkpoint-args`:
+the architecture flags are taken from the checkpoint, so a user need not retype them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Dict, Tuple
+
+from megatron.core.errors import InputError
+
+# TransformerConfig fields that decide the parameters' shapes: (the flag, checkpoint -> flag value).
+ARCHITECTURE_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
+    "num_layers": ("--num-layers", "num_layers", lambda v: v),
+    "hidden_size": ("--hidden-size", "hidden_size", lambda v: v),
+    "num_attention_heads": ("--num-attention-heads", "num_attention_heads", lambda v: v),
+    "num_query_groups": ("--num-query-groups", "num_query_groups", lambda v: v),
+    "kv_channels": ("--kv-channels", "kv_channels", lambda v: v),
+    "ffn_hidden_size": ("--ffn-hidden-size", "ffn_hidden_size", lambda v: v),
+    "normalization": ("--normalization", "normalization", lambda v: v),
+    "qk_layernorm": ("--qk-layernorm", "qk_layernorm", lambda v: v),
+    "gated_linear_unit": ("--swiglu", "swiglu", lambda v: v),
+    "share_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
+                                            "untie_embeddings_and_output_weights", lambda v: not v),
+    "add_bias_linear": ("--disable-bias-linear", "disable_bias_linear", lambda v: not v),
+    "add_qkv_bias": ("--add-qkv-bias", "add_qkv_bias", lambda v: v),
+}
+# Fields that change what the same weights compute; --finetune changes them on purpose.
+FUNCTION_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
+    "layernorm_epsilon": ("--norm-epsilon", "norm_epsilon", lambda v: v),
+    "activation": ("--swiglu", None, None),  # follows gated_linear_unit in this release
+    "rotary_base": ("--rotary-base", "rotary_base", lambda v: v),
+    "rotary_percent": ("--rotary-percent", "rotary_percent", lambda v: v),
+}
+DLM_FUNCTION_FIELDS = {"model_running_mode": "--model-running-mode", "mask_token_id": "--mask-token",
+                       "attention_mask_type": "--attention-mask-type", "block_size": "--difflm-block-size"}
+
+
+def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bool) -> InputError:
+    fix = (f"pass the checkpoint's value, or --finetune to change it on purpose" if changeable else
+           "use the checkpoint's architecture")
+    return InputError(f"--load {source}: the checkpoint has {field}={saved!r} but this run has {current!r} "
+                      f"({flag}); {fix} (--use-checkpoint-args takes the architecture from the checkpoint)")
+
+
+def _dlm_function(dlm: dict) -> dict:
+    """The DLM fields that matter for what the network computes, given its running mode."""
+    if dlm.get("model_running_mode", "vanilla") == "vanilla":
+        return {"model_running_mode": "vanilla"}
+    mask_type = dlm.get("attention_mask_type")
+    function = {"model_running_mode": dlm["model_running_mode"], "mask_token_id": dlm.get("mask_token_id"),
+                "attention_mask_type": "causal" if mask_type == "causal_bottom_right" else mask_type}
+    if mask_type == "block_causal":
+        function["block_size"] = dlm.get("block_size")
+    return function
+
+
+def check_compatible(args, metadata: dict, source: str) -> None:
+    """Raise InputError naming the first field where the checkpoint and this run differ."""
+    saved = metadata["transformer_config"]
+    current = dataclasses.asdict(args.transformer_config)
+    for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
+        if saved.get(field) != current[field]:
+            raise _mismatch(source, field, flag, saved.get(field), current[field], changeable=False)
+    if not args.finetune:
+        for field, (flag, _, _) in FUNCTION_FIELDS.items():
+            if field in saved and saved[field] != current[field]:
+                raise _mismatch(source, field, flag, saved[field], current[field], changeable=True)
+        saved_dlm = _dlm_function(metadata.get("dlm_config") or {})
+        current_dlm = _dlm_function(dataclasses.asdict(args.dlm_config))
+        for field, flag in DLM_FUNCTION_FIELDS.items():
+            if saved_dlm.get(field) != current_dlm.get(field):
+                raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)
+    _check_vocabulary(args, metadata, source)
+
+
+def _check_vocabulary(args, metadata: dict, source: str) -> None:
+    saved = metadata["transformer_config"]
+    # More stored rows than this tokenizer has (Hugging Face models pad their embeddings, e.g. Qwen's
+    # 151,936 rows for 151,665 tokens) load as padding. Fewer (tokens added, say a mask token) leave
+    # the new rows at their initialisation: only for a new run.
+    saved_rows, vocab = saved.get("unpadded_vocab_size"), args.transformer_config.unpadded_vocab_size
+    if saved_rows is not None and vocab is not None and saved_rows < vocab and not args.finetune:
+        raise InputError(f"--load {source}: the checkpoint has {saved_rows} vocabulary rows but this run's "
+                         f"tokenizer has {vocab} tokens; pass --finetune to start from it with the new rows "
+                         "initialised")
+    saved_tokenizer, tokenizer = metadata.get("tokenizer"), getattr(args.tokenizer, "identity", None)
+    if not (saved_tokenizer and tokenizer):
+        return
+    if saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
+        raise InputError(f"--load {source}: the checkpoint was trained with another tokenizer "
+                         f"({saved_tokenizer}); pass the same --tokenizer-model")
+    # Tokenizers without files (NullTokenizer) hash alike: their size and special ids tell them apart.
+    for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type"), ("mask", "--mask-token")):
+        if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not args.finetune:
+            raise InputError(f"--load {source}: the checkpoint's tokenizer has {field}={saved_tokenizer[field]!r} "
+                             f"but this run's has {tokenizer.get(field)!r} ({flag}); use the checkpoint's "
+                             "tokenizer, or --finetune to change it on purpose")
+
+
+def apply_checkpoint_args(args) -> None:
+    """--use-checkpoint-args: the architecture flags (and --seq-length when not given) from the
+    latest checkpoint under --load, before the flags are validated."""
+    from megatron.training.checkpointing import iteration_dir, latest_iteration
+
+    if not args.load:
+        raise InputError("--use-checkpoint-args needs --load DIR")
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        raise InputError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint yet (no tracker file); "
+                         "give the architecture flags")
+    path = os.path.join(iteration_dir(args.load, iteration), "metadata.json")
+    try:
+        with open(path) as handle:
+            metadata = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise InputError(f"--use-checkpoint-args: {path} is not readable ({error}); load another checkpoint")
+    saved = metadata.get("transformer_config", {})
+    for field, (_, dest, to_flag) in {**ARCHITECTURE_FIELDS, **FUNCTION_FIELDS}.items():
+        if dest is not None and field in saved:
+            setattr(args, dest, to_flag(saved[field]))
+    if "num_query_groups" in saved and "num_attention_heads" in saved:
+        args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
+    if saved.get("sliding_window") is not None:
+        args.sliding_window = saved["sliding_window"]
+    if args.seq_length is None and metadata.get("seq_length"):
+        args.seq_length = metadata["seq_length"]
+    dlm = metadata.get("dlm_config") or {}
+    if hasattr(args, "model_running_mode") and dlm.get("model_running_mode"):
+        args.model_running_mode = dlm["model_running_mode"]
+        if dlm["model_running_mode"] != "vanilla":
+            args.attention_mask_type = dlm.get("attention_mask_type", args.attention_mask_type)
+            if dlm.get("attention_mask_type") == "block_causal":
+                args.difflm_block_size = dlm.get("block_size")
