@@ -9,6 +9,7 @@ goes through an allow-list unpickler.
 import hashlib
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -173,3 +174,25 @@ def test_a_crafted_index_never_runs_code_on_load(saved, tmp_path):
     with pytest.raises(ValueError, match="refusing to unpickle"):
         checkpoint_io.stored_shapes(str(saved / "iter_0000004"))  # the Hugging Face export
     assert not marker.exists(), "unpickling the index ran code"
+
+
+def test_use_checkpoint_args_resumes_without_the_architecture_flags(saved):
+    shapeless = [flag for flag in TINY]
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        at = shapeless.index(flag)
+        del shapeless[at:at + 2]
+    command = [sys.executable, "pretrain_difflm.py", *shapeless, "--use-checkpoint-args", "--load", str(saved),
+               "--train-iters", "6", "--rotary-base", "500000"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The checkpoint's architecture (and rotary base: it overrides the command line) was used.
+    assert "loaded" in result.stdout and re.search(r"iteration +6/ +6 \|", result.stdout), result.stdout[-2000:]
+
+
+def test_a_checkpoint_computing_another_function_is_refused_before_the_model_is_built(saved):
+    result = pretrain("--train-iters", "6", "--load", str(saved), "--rotary-base", "500000")
+    assert_one_line_error(result, "rotary_base=10000.0", "--rotary-base", "--finetune")
+    assert "parameters" not in result.stdout, "refused before the model was built"
+    assert pretrain("--train-iters", "6", "--load", str(saved), "--rotary-base", "500000",
+                    "--finetune").returncode == 0
