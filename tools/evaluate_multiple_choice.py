@@ -13,6 +13,11 @@ divided by each choice's length in UTF-8 bytes, as lm-eval normalises) with thei
 errors. The choice's tokens are those of context + delimiter + choice after the context's own,
 as lm-eval splits them, so a merge across the boundary does not change the context.
 `examples/data/multiple_choice_sample.jsonl` is a small task in that format.
+
+Bad input (flags, the question file, a damaged or incomplete checkpoint, a NullTokenizer
+checkpoint, a `--json` path that cannot be written) is one line `error: ...` and exit status 2,
+found before the model is loaded. The `--json` report is written to a temporary file beside it
+and renamed into place, so an earlier report is replaced whole or not at all.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from typing import List, Optional, Tuple
 
 import torch
@@ -29,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.checkpointing import load_inference_model  # noqa: E402
+from tools.weights_conversion import checkpoint_io  # noqa: E402
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
                       "multiple_choice_sample.jsonl")
@@ -115,21 +122,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_writable(path: str) -> None:
+    """Fail now, not after the evaluation, when --json cannot be written: make and remove a file beside it."""
+    if os.path.isdir(path):
+        raise UsageError(f"--json {path} is a directory; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".json-probe-")
+    except OSError as error:
+        raise UsageError(f"--json {path} cannot be written ({error.strerror}: {folder}); choose a path in an "
+                         "existing, writable folder") from None
+    os.close(handle)
+    os.remove(probe)
+
+
+def write_report(path: str, report: dict) -> None:
+    """Temporary file beside `path`, then os.replace: a reader sees the old report or the new one, whole."""
+    temporary = f"{path}.tmp-{os.getpid()}"  # opened as usual (not mkstemp's 0600): the report keeps umask modes
+    try:
+        with open(temporary, "w") as stream:
+            json.dump(report, stream, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def prepare(args: argparse.Namespace, device: torch.device):
+    """(questions, model, metadata, tokenizer), every input checked before the model is loaded."""
+    from tools.weights_conversion.tokenizer_export import rebuild_training_tokenizer
+
+    if args.mc_num < 1 or args.batch_size < 1 or args.mc_num % args.batch_size:
+        raise UsageError(f"--mc-num {args.mc_num} must be a positive multiple of --batch-size {args.batch_size}")
+    if args.json:
+        check_writable(args.json)
+    questions = read_questions(args.data, args.limit)
+    metadata = checkpoint_io.inference_metadata(args.load)
+    identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}  # none recorded: as the exporter reads it
+    tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=args.tokenizer_model)
+    if tokenizer is None:
+        raise UsageError(f"--load {args.load} was trained with the NullTokenizer: there is no text to score; "
+                         "evaluate a checkpoint trained with a text tokenizer")
+    model, metadata = load_inference_model(args.load, device)
+    return questions, model, metadata, tokenizer
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        if args.mc_num < 1 or args.batch_size < 1 or args.mc_num % args.batch_size:
-            raise UsageError(f"--mc-num {args.mc_num} must be a positive multiple of --batch-size {args.batch_size}")
-        questions = read_questions(args.data, args.limit)
-        model, metadata = load_inference_model(args.load, device)
-        from tools.weights_conversion.tokenizer_export import rebuild_training_tokenizer
-
-        tokenizer = rebuild_training_tokenizer(metadata.get("tokenizer") or {}, tokenizer_model=args.tokenizer_model)
-        if tokenizer is None:
-            raise UsageError("the checkpoint was trained with a NullTokenizer: there is no text to score")
-    except (UsageError, ValueError, OSError) as error:
-        print(f"evaluate_multiple_choice.py: error: {error}", file=sys.stderr)
+        questions, model, metadata, tokenizer = prepare(args, device)
+    except (UsageError, ValueError, OSError) as error:  # InputError and TokenizerExportError are ValueErrors
+        print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     report = evaluate(model, tokenizer, questions, args, device)
     report.update(checkpoint=metadata["source"], running_mode=model.running_mode, data=args.data,
@@ -138,8 +183,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     print(f"{report['questions']} questions, {model.running_mode}: acc {report['acc']:.4f}"
           + (f" ± {stderr:.4f}" if stderr is not None else "") + f", acc_norm {report['acc_norm']:.4f}")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+        try:
+            write_report(args.json, report)
+        except OSError as error:  # the folder went away during the evaluation
+            print(f"error: --json {args.json} could not be written ({error}); the accuracy is above", file=sys.stderr)
+            sys.exit(2)
     return report
 
 

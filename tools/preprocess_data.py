@@ -8,26 +8,53 @@ compatible with Megatron-LM. With --partitions K the input is cut into K contigu
 ranges tokenized in parallel and merged in order, so the output is the same as with K=1.
 A malformed line is reported with its number and skipped (counted at the end), or stops
 the run with --strict. Light on purpose: no torch, no distributed stack, no training code.
+
+Outputs are written under temporary names and renamed into place only when the whole run
+succeeded, so a failed or killed run leaves an earlier pair byte-for-byte as it was (a
+SIGKILLed run may leave `*.tmp-<pid>*` files behind, safe to delete). Bad
+input, a dead worker or a full disk end the run with one line `error: ...` and a non-zero
+exit (2 for a bad flag, as argparse does; 1 otherwise), never a traceback or a hang.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import gzip
+import itertools
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+import zlib
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Dict, Iterator, List, NoReturn, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
                                                     optimal_dtype)
+from megatron.core.errors import InputError  # noqa: E402
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
 
 _TOKENIZER = None  # one per worker process, built by the pool initializer
+_BATCH = 32  # lines per task sent to a tokenizer worker
+_POLL_S = 0.2  # how often the parent looks for a partition process that died
+
+
+class WorkerDied(RuntimeError):
+    """A tokenizer or partition process ended without its result (killed, out of memory)."""
+
+
+def _usage_error(message: str) -> NoReturn:
+    # argparse's parser.error would bury the one line that matters under the usage block.
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -46,22 +73,47 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                                                       "when stderr is not a terminal.")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.input):
-        parser.error(f"--input {args.input}: file not found")
-    if args.workers < 1 or args.partitions < 1:
-        parser.error("--workers and --partitions must be >= 1")
+        _usage_error(f"--input {args.input}: file not found; give an existing .jsonl or .jsonl.gz file")
+    for flag in ("workers", "partitions", "log_interval"):
+        if getattr(args, flag) < 1:
+            _usage_error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     args.mask_token = None
     try:
         args.tokenizer = build_tokenizer(args)  # fail here, once, on a bad tokenizer file
     except (ValueError, FileNotFoundError, OSError) as error:
-        parser.error(str(error))
+        _usage_error(str(error))
     return args
 
 
 def open_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(number, text) of every line; InputError naming the file and line on broken input."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            yield number, line
+    number = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                yield number, line
+    except UnicodeDecodeError:
+        raise InputError(f"--input {path}:{_first_non_utf8(path, opener)}: not UTF-8 text; re-encode "
+                         "the file as UTF-8 (e.g. iconv -t utf-8) or remove that line") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+        raise InputError(f"--input {path}: broken gzip data after line {number} ({error}); "
+                         "re-compress it, or give the uncompressed .jsonl") from None
+
+
+def _first_non_utf8(path: str, opener) -> str:
+    """'line: column' of the first byte that is not UTF-8.
+
+    Text-mode decoding fails on a whole read-ahead chunk, so its error cannot tell the line;
+    a second pass in binary can (a newline byte never sits inside a UTF-8 character).
+    """
+    with opener(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"{number}: byte 0x{raw[error.start]:02x} at column {error.start + 1}"
+    return "?"
 
 
 def _init_worker(args: argparse.Namespace) -> None:
@@ -85,11 +137,58 @@ def encode_line(item: Tuple[int, str, Tuple[str, ...], bool]):
         return number, None, f"no string field {missing[0]!r}", len(line)
     encoded = {}
     for key in keys:
-        ids = _TOKENIZER.tokenize(record[key])
+        try:
+            ids = _TOKENIZER.tokenize(record[key])
+        except ValueError as error:  # text this tokenizer cannot read (e.g. words for the NullTokenizer)
+            return number, None, f"the tokenizer rejected field {key!r} ({error})", len(line)
         if append_eod and ids:
             ids = ids + [_TOKENIZER.eod]
         encoded[key] = ids
     return number, encoded, None, len(line)
+
+
+def encode_batch(items: list) -> list:
+    # Looks encode_line up at call time, so a test can replace it to make a worker die.
+    return [encode_line(item) for item in items]
+
+
+def _ordered_results(executor: ProcessPoolExecutor, max_pending: int, items: Iterator) -> Iterator:
+    """encode_line over `items` in input order, with at most `max_pending` batches in flight.
+
+    Executor.map would submit the whole input at once (the corpus in memory); the bound keeps
+    memory flat. BrokenProcessPool (a worker was killed) becomes one clear error.
+    """
+    pending = collections.deque()
+    batches = iter(lambda: list(itertools.islice(items, _BATCH)), [])
+    try:
+        for batch in batches:
+            pending.append(executor.submit(encode_batch, batch))
+            if len(pending) >= max_pending:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    except BrokenProcessPool:
+        raise WorkerDied("a tokenizer worker process died (killed, or out of memory?); re-run, with "
+                         "fewer --workers if memory is short") from None
+
+
+@contextlib.contextmanager
+def _encoder(args: argparse.Namespace, workers: int):
+    """Yields a function from items to encode_line results, computed on `workers` processes.
+
+    Not multiprocessing.Pool: it silently replaces a worker that dies and then waits forever
+    for the lost results; ProcessPoolExecutor raises BrokenProcessPool instead.
+    """
+    plain_args = worker_args(args)
+    if workers == 1:
+        _init_worker(plain_args)
+        yield lambda items: map(encode_line, items)
+        return
+    executor = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(plain_args,))
+    try:
+        yield lambda items: _ordered_results(executor, 4 * workers, iter(items))
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -137,91 +236,207 @@ def worker_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "tokenizer"})
 
 
-def tokenize_range(args: argparse.Namespace, lines: Tuple[int, int], prefix: str, workers: int,
-                   label: str = "", position: int = 0) -> Dict[str, int]:
-    """Tokenize input lines [first, last) into `{prefix}_{key}_document.*`; returns counts."""
+def tokenize_range(args: argparse.Namespace, lines: Tuple[int, int], paths: Dict[str, Tuple[str, str]],
+                   workers: int, label: str = "", position: int = 0) -> Dict[str, int]:
+    """Tokenize input lines [first, last) into each key's (.bin, .idx) `paths`; returns counts."""
     first, last = lines
     dtype = optimal_dtype(args.tokenizer.vocab_size)
-    builders = {key: IndexedDatasetBuilder(get_bin_path(output_prefix(prefix, key)), dtype=dtype)
-                for key in args.json_keys}
-    items = ((n, line, tuple(args.json_keys), args.append_eod) for n, line in open_lines(args.input)
-             if first <= n < last)
+    builders = {key: IndexedDatasetBuilder(paths[key][0], dtype=dtype) for key in args.json_keys}
+    items = ((n, line, tuple(args.json_keys), args.append_eod)
+             for n, line in itertools.islice(open_lines(args.input), first - 1, last - 1))
     progress, skipped = Progress(args.log_interval, position, label), 0
-    plain_args = worker_args(args)
-    if workers == 1:
-        _init_worker(plain_args)
-        results, pool = map(encode_line, items), None
-    else:
-        pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(plain_args,))
-        results = pool.imap(encode_line, items, chunksize=32)
-    try:
-        for number, encoded, error, _ in results:
-            if error is not None:
-                message = f"{args.input}:{number}: {error}"
-                if args.strict:
-                    raise SystemExit(f"error: {message} (--strict)")
-                skipped += 1
-                if skipped <= 10:
-                    print(f"warning: skipping {message}", file=sys.stderr)
-                continue
-            for key, ids in encoded.items():
-                builders[key].add_item(ids)
-                builders[key].end_document()
-            progress.update(sum(len(ids) for ids in encoded.values()))
-    finally:
-        if pool is not None:
-            pool.terminate()
-        progress.close()
+    with _encoder(args, workers) as encode:
+        try:
+            for number, encoded, error, _ in encode(items):
+                if error is not None:
+                    message = f"{args.input}:{number}: {error}"
+                    if args.strict:
+                        raise InputError(f"{message} (--strict); fix that line, or drop --strict to skip it")
+                    skipped += 1
+                    if skipped <= 10:
+                        print(f"warning: skipping {message}", file=sys.stderr)
+                    continue
+                for key, ids in encoded.items():
+                    builders[key].add_item(ids)
+                    builders[key].end_document()
+                progress.update(sum(len(ids) for ids in encoded.values()))
+        finally:
+            progress.close()
     for key, builder in builders.items():
-        builder.finalize(get_idx_path(output_prefix(prefix, key)))
+        builder.finalize(paths[key][1])
     return {"documents": progress.docs, "tokens": progress.tokens, "skipped": skipped}
 
 
-def _partition_main(args, lines, prefix, workers, index, queue) -> None:
+def _partition_main(args, lines, paths, workers, index, sender) -> None:
+    # Its own process group, so that if this process is killed the parent can still end the
+    # tokenizer workers it leaves behind (they would otherwise wait for tasks forever).
+    os.setpgid(0, 0)
     try:
-        queue.put((index, tokenize_range(args, lines, prefix, workers, f"[part {index}] ", index)))
-    except SystemExit as error:
-        queue.put((index, str(error)))
+        sender.send(tokenize_range(args, lines, paths, workers, f"[part {index}] ", index))
+    except (InputError, WorkerDied, OSError) as error:
+        sender.send(error)  # re-raised by the parent, so it is reported as one line
 
 
-def tokenize_partitions(args: argparse.Namespace) -> Dict[str, int]:
-    """Contiguous line ranges in parallel processes, then merged in order."""
+def _end_partition(process: multiprocessing.Process) -> None:
+    """SIGKILL the partition's whole process group: the partition and its tokenizer workers."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+
+
+def _collect(processes: List[multiprocessing.Process], receivers: list) -> List[Dict[str, int]]:
+    """Each partition's counts, in order; raises its error, or WorkerDied if one ends without one.
+
+    Liveness is polled (is_alive reaps the exit status) instead of waiting for the sentinel or
+    the pipe's end of file: a killed partition's tokenizer workers hold both open.
+    """
+    results = {}
+    while len(results) < len(processes):
+        pending = [k for k in range(len(processes)) if k not in results]
+        multiprocessing.connection.wait([receivers[k] for k in pending], timeout=_POLL_S)
+        for k in pending:
+            alive = processes[k].is_alive()  # before poll(): a result sent just before exit is still read
+            if receivers[k].poll():
+                try:
+                    result = receivers[k].recv()
+                except EOFError:
+                    result = None
+            elif alive:
+                continue
+            else:
+                result = None
+            if isinstance(result, BaseException):
+                raise result
+            if result is None:
+                code = processes[k].exitcode
+                how = (f"killed by signal {-code}, out of memory?" if code is not None and code < 0
+                       else f"exit code {code}, see its message above")
+                raise WorkerDied(f"--partitions: the process of partition {k} died ({how}) without its "
+                                 "result; re-run, with fewer --partitions/--workers if memory is short")
+            results[k] = result
+    return [results[k] for k in range(len(processes))]
+
+
+def _run_partitions(args: argparse.Namespace, ranges: list, part_paths: list, workers: int) -> list:
+    """One process per line range; their counts, or the first failure raised here."""
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in ranges]
+    processes = [multiprocessing.Process(target=_partition_main,
+                                         args=(args, ranges[k], part_paths[k], workers, k, pipes[k][1]))
+                 for k in range(len(ranges))]
+    try:
+        for process in processes:
+            process.start()
+            # Also set here: the group must exist even if we kill the child before it runs.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpgid(process.pid, process.pid)
+        for _, sender in pipes:
+            sender.close()
+        return _collect(processes, [receiver for receiver, _ in pipes])
+    except BaseException:
+        for process in processes:
+            if process.pid is not None:
+                _end_partition(process)
+        raise
+    finally:
+        for process in processes:
+            if process.pid is not None:
+                process.join()
+
+
+def tokenize_partitions(args: argparse.Namespace, paths: Dict[str, Tuple[str, str]]) -> Dict[str, int]:
+    """Contiguous line ranges in parallel processes, then merged in order into `paths`."""
     total_lines = sum(1 for _ in open_lines(args.input))
     bounds = [1 + round(k * total_lines / args.partitions) for k in range(args.partitions + 1)]
-    part_prefixes = [f"{args.output_prefix}_part{k}" for k in range(args.partitions)]
-    workers = max(1, args.workers // args.partitions)
-    queue = multiprocessing.Queue()
-    processes = [multiprocessing.Process(target=_partition_main,
-                                         args=(args, (bounds[k], bounds[k + 1]), part_prefixes[k], workers, k, queue))
-                 for k in range(args.partitions)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get() for _ in processes)
-    for process in processes:
-        process.join()
-    errors = [result for result in results.values() if isinstance(result, str)]
-    if errors:
-        raise SystemExit(errors[0])
-    for key in args.json_keys:
-        merged = IndexedDatasetBuilder(get_bin_path(output_prefix(args.output_prefix, key)),
-                                       dtype=optimal_dtype(args.tokenizer.vocab_size))
-        for part in part_prefixes:
-            merged.add_index(output_prefix(part, key))
-        merged.finalize(get_idx_path(output_prefix(args.output_prefix, key)))
-        for part in part_prefixes:
-            os.remove(get_bin_path(output_prefix(part, key)))
-            os.remove(get_idx_path(output_prefix(part, key)))
-    return {name: sum(r[name] for r in results.values()) for name in ("documents", "tokens", "skipped")}
+    ranges = [(bounds[k], bounds[k + 1]) for k in range(args.partitions)]
+    part_prefixes = [{key: f"{_temporary(output_prefix(args.output_prefix, key))}-part{k}" for key in args.json_keys}
+                     for k in range(args.partitions)]
+    part_paths = [{key: (get_bin_path(p), get_idx_path(p)) for key, p in parts.items()} for parts in part_prefixes]
+    try:
+        results = _run_partitions(args, ranges, part_paths, max(1, args.workers // args.partitions))
+        for key in args.json_keys:
+            merged = IndexedDatasetBuilder(paths[key][0], dtype=optimal_dtype(args.tokenizer.vocab_size))
+            for parts in part_prefixes:
+                merged.add_index(parts[key])
+            merged.finalize(paths[key][1])
+    finally:
+        _remove_files(path for parts in part_paths for pair in parts.values() for path in pair)
+    return {name: sum(r[name] for r in results) for name in ("documents", "tokens", "skipped")}
+
+
+def _temporary(path: str) -> str:
+    # The pid keeps two runs writing the same prefix from clobbering each other's files.
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def _remove_files(paths) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file (or a directory's entries) to disk, so a rename never exposes empty data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_outputs(args: argparse.Namespace):
+    """Yields each key's temporary (.bin, .idx); renamed onto the real names only on success.
+
+    Nothing is overwritten in place (DESIGN.md section 5): a failed run removes its temporary
+    files and leaves an earlier pair byte-for-byte as it was.
+    """
+    finals = {key: (get_bin_path(output_prefix(args.output_prefix, key)),
+                    get_idx_path(output_prefix(args.output_prefix, key))) for key in args.json_keys}
+    temps = {key: (_temporary(bin_path), _temporary(idx_path)) for key, (bin_path, idx_path) in finals.items()}
+    try:
+        yield temps
+        for pair in temps.values():
+            for path in pair:
+                _fsync(path)
+    except BaseException:
+        _remove_files(path for pair in temps.values() for path in pair)
+        raise
+    # Every pair is complete before the first rename; .bin before .idx, since readers open the
+    # .idx first and check it against the .bin's size.
+    for key, pair in finals.items():
+        for temp, final in zip(temps[key], pair):
+            os.replace(temp, final)
+    _fsync(os.path.dirname(os.path.abspath(args.output_prefix)))
+
+
+def _tokenize_into(args: argparse.Namespace, paths: Dict[str, Tuple[str, str]]) -> Dict[str, int]:
+    if args.partitions == 1:
+        counts = tokenize_range(args, (1, sys.maxsize), paths, args.workers)
+    else:
+        counts = tokenize_partitions(args, paths)
+    if counts["documents"] == 0:
+        raise InputError(f"--input {args.input}: no documents to write ({counts['skipped']} malformed lines "
+                         f"skipped); give lines that are JSON objects with a string under --json-keys "
+                         f"{' '.join(args.json_keys)}")
+    return counts
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, int]:
     args = get_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     start = time.time()
-    if args.partitions == 1:
-        counts = tokenize_range(args, (1, sys.maxsize), args.output_prefix, args.workers)
-    else:
-        counts = tokenize_partitions(args)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    except OSError as error:
+        _usage_error(f"--output-prefix {args.output_prefix}: cannot create its folder ({error}); give a writable path")
+    try:
+        with staged_outputs(args) as paths:
+            counts = _tokenize_into(args, paths)
+    except (InputError, WorkerDied) as error:
+        raise SystemExit(f"error: {error}") from None
+    except OSError as error:  # e.g. a full disk: ours to report in one line, not a bug
+        raise SystemExit(f"error: {error}; nothing was replaced: check that --output-prefix "
+                         f"{args.output_prefix} is writable with space left, and re-run") from None
     elapsed = max(time.time() - start, 1e-9)
     outputs = ", ".join(output_prefix(args.output_prefix, key) + ".{bin,idx}" for key in args.json_keys)
     print(f"wrote {outputs}: {counts['documents']} documents, {counts['tokens']} tokens in {elapsed:.1f} s "

@@ -10,36 +10,41 @@ it loads into one process whatever parallel layout it was saved with, and runs i
 (fp32 on CPU). The tokenizer type
 comes from the metadata; its files from --tokenizer-model / --vocab-file / --merge-file, else
 from the absolute paths the checkpoint records (when they still exist on this machine).
+
+A bad input (a damaged or incomplete checkpoint, an empty or over-long --prompt, text for a
+NullTokenizer checkpoint, --max-new-tokens that --inference-block-size does not divide) is one
+line `error: ...` on stderr and exit status 1, found before the checkpoint's weights are loaded.
 """
 
 import argparse
 import os
 import sys
 from argparse import Namespace
+from typing import List, Optional
 
 import torch
 
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.core.errors import InputError
+from megatron.core.inference.generation import resolve_options
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.checkpointing import load_inference_model
 from megatron.training.tokenizer import build_tokenizer
+from tools.weights_conversion import checkpoint_io
 
 BUNDLED_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "data", "tokenizer", "spm_8k.model")
 
 
-def load_checkpoint_model(root: str, device: torch.device):
-    """(GPTModel in eval mode, tokenizer identity) of the latest checkpoint under `root`."""
-    try:
-        model, metadata = load_inference_model(root, device)
-    except ValueError as error:
-        raise SystemExit(str(error)) from None
+def load_checkpoint_model(root: str, device: torch.device) -> GPTModel:
+    """GPTModel in eval mode of the latest checkpoint under `root`."""
+    model, metadata = load_inference_model(root, device)
     print(f"loaded {metadata['source']} ({model.running_mode}, {sum(p.numel() for p in model.parameters()):,} "
           "parameters)")
-    return model, metadata.get("tokenizer") or {}
+    return model
 
 
 def random_model(vocab_size: int, mask_token_id: int) -> GPTModel:
@@ -84,7 +89,63 @@ def build_text_tokenizer(args, identity: dict):
     return tokenizer
 
 
-def main() -> None:
+def prompt_ids(args, tokenizer, identity: dict, vocab: int) -> List[int]:
+    """The ids of --prompt: tokenized text, or whitespace-separated ids where there is no tokenizer."""
+    shown = args.prompt if len(args.prompt) <= 40 else args.prompt[:37] + "..."
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty; give the text to continue (or token ids, without a tokenizer)")
+    if tokenizer is not None:
+        return tokenizer.tokenize(args.prompt)
+    try:
+        ids = [int(token) for token in args.prompt.split()]
+    except ValueError:
+        if identity.get("type") in (None, "NullTokenizer"):
+            why, fix = "the checkpoint was trained with the NullTokenizer, which has no text", ", e.g. --prompt '1 2 3'"
+        else:
+            why, fix = f"the checkpoint's {identity['type']} files are not here", ", or pass --tokenizer-model"
+        raise InputError(f"--prompt {shown!r} is text but {why}; give whitespace-separated token ids {fix}") from None
+    outside = [token for token in ids if not 0 <= token < vocab]
+    if outside:
+        raise InputError(f"--prompt holds token id {outside[0]}, outside this model's vocabulary [0, {vocab}); "
+                         f"give ids below {vocab}")
+    return ids
+
+
+def check_request(args, prompt_length: int, running_mode: str, positions: int) -> None:
+    """The length flags against the model, in this tool's flag names, before its weights are loaded."""
+    new = args.max_new_tokens
+    if new < 1:
+        raise InputError(f"--max-new-tokens {new} must be at least 1")
+    if prompt_length + new > positions:
+        raise InputError(f"--prompt ({prompt_length} tokens) plus --max-new-tokens {new} needs "
+                         f"{prompt_length + new} positions, more than the model's {positions}; shorten --prompt "
+                         "or lower --max-new-tokens")
+    if running_mode == "vanilla":
+        return
+    block = args.inference_block_size
+    if block < 1:
+        raise InputError(f"--inference-block-size {block} must be at least 1")
+    if new % block:
+        raise InputError(f"--max-new-tokens {new} is not a multiple of --inference-block-size {block}; use "
+                         f"--max-new-tokens {-(-new // block) * block} or a block size that divides {new}")
+    blocks = new // block
+    if args.threshold is None and args.sample_steps % blocks:
+        raise InputError(f"--sample-steps {args.sample_steps} is not a multiple of the {blocks} blocks "
+                         f"(--max-new-tokens / --inference-block-size); use --sample-steps "
+                         f"{max(1, args.sample_steps // blocks) * blocks}")
+
+
+def generation_options(args, running_mode: str, device: torch.device) -> dict:
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   generator=torch.Generator(device).manual_seed(args.seed))
+    if running_mode != "vanilla":
+        options.update(sample_steps=args.sample_steps, inference_block_size=args.inference_block_size, cfg=args.cfg,
+                       remasking=args.remasking, threshold=args.threshold, cache=args.cache)
+    resolve_options(running_mode, **options)  # the library's own checks, before any weight is loaded
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", help="A --save directory of pretrain_difflm.py; none: a random model.")
     parser.add_argument("--tokenizer-type", help="Default: the checkpoint's.")
@@ -109,31 +170,50 @@ def main() -> None:
                              "has the speed-ups on an H200).")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="Replay a CUDA graph per forward shape (CUDA only; composes with --torch-compile).")
-    args = parser.parse_args()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.cuda_graphs and device.type != "cuda":
-        parser.error("--cuda-graphs needs a CUDA device; drop it on CPU")
+    return parser
 
+
+def run(args, device: torch.device) -> None:
+    """Check the checkpoint, the tokenizer, the prompt and the options; then load, generate, print."""
     torch.manual_seed(args.seed)
-    model, identity = load_checkpoint_model(args.load, device) if args.load else (None, {})
+    metadata = checkpoint_io.inference_metadata(args.load) if args.load else None
+    identity = (metadata or {}).get("tokenizer") or {}
     tokenizer = build_text_tokenizer(args, identity)
-    if model is None:
+    model = None
+    if metadata is None:  # tiny: built first, its sizes are the limits
         model = random_model(tokenizer.vocab_size if tokenizer else 256, tokenizer.mask if tokenizer else 255)
         model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        config, running_mode = model.config, model.running_mode
+    else:
+        config, dlm = checkpoint_io.configs_from_metadata(metadata)
+        running_mode = dlm.model_running_mode
+    ids = prompt_ids(args, tokenizer, identity, config.unpadded_vocab_size or config.vocab_size)
+    check_request(args, len(ids), running_mode, config.max_position_embeddings)
+    options = generation_options(args, running_mode, device)
+    if model is None:
+        model = load_checkpoint_model(args.load, device)
     if args.torch_compile:  # dynamic shapes: the canvas, block and cache offsets change between forwards
         compile_transformer_layers(model, dynamic=True)
-    ids = tokenizer.tokenize(args.prompt) if tokenizer else [int(token) for token in args.prompt.split()]
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   eos_token_id=tokenizer.eod if tokenizer else identity.get("eod"),
-                   generator=torch.Generator(device).manual_seed(args.seed))
-    if model.running_mode != "vanilla":
-        options.update(sample_steps=args.sample_steps, inference_block_size=args.inference_block_size, cfg=args.cfg,
-                       remasking=args.remasking, threshold=args.threshold, cache=args.cache)
     output = model.generate(torch.tensor([ids], device=device), cuda_graphs=args.cuda_graphs,
+                            eos_token_id=tokenizer.eod if tokenizer else identity.get("eod"),
                             **options)[0, len(ids):].tolist()
     print(f"prompt:    {args.prompt}")
     print(f"generated: {tokenizer.detokenize(output) if tokenizer else output}")
 
 
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("--cuda-graphs needs a CUDA device; drop it on CPU")
+    try:
+        run(args, device)
+    except (ValueError, OSError) as error:  # InputError, the library's option checks, unreadable files
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

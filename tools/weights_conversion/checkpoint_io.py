@@ -10,7 +10,14 @@ Writing (`write_checkpoint`) produces what `pretrain_difflm.py --load` accepts. 
 tensor_parallel=1 the global tensors are saved directly (one process, memory = one model).
 A larger tensor_parallel spawns that many gloo processes on CPU, each building the TP-sharded
 GPTModel and saving its own slices through the framework's save path, so the files are exactly
-those of a TP=N training run. Both load under any layout, since loading reshards.
+those of a TP=N training run. Both load under any layout, since loading reshards. The new
+iteration is written to a staging folder inside the save directory and renamed to
+`iter_NNNNNNN/` once complete; the tracker is written (atomically) after that. So a failure or a
+kill at any moment leaves no tracker naming an incomplete iteration, and an existing iteration
+is never written over.
+
+Bad checkpoints (a tracker naming a missing iteration, no or unreadable metadata.json, a
+missing or truncated shard) raise `CheckpointError`, an `InputError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -29,41 +36,59 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
+from megatron.core.errors import InputError
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from megatron.training.checkpointing import FORMAT_VERSION, TRACKER, checkpoint_dir, latest_iteration
+from megatron.training.checkpointing import (FORMAT_VERSION, TRACKER, _write_tracker, install_checkpoint,
+                                             iteration_dir, latest_iteration, read_checkpoint_metadata)
 from megatron.training.tokenizer import vocab_size_with_padding
 
 MODEL_PREFIX = "model."
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     pass
 
 
 # ---------------------------------------------------------------------- reading
 def resolve_checkpoint(load: str, iteration: Optional[int] = None) -> Tuple[str, int]:
     """(iter directory, iteration) of `load`: a save directory (latest or `iteration`) or an iter_ directory."""
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load {load} does not exist or is not a directory; pass the --save directory "
+                              "of a training run")
     if os.path.isfile(os.path.join(load, "metadata.json")):
         with open(os.path.join(load, "metadata.json")) as handle:
             return load, int(json.load(handle).get("iteration", 0))
     if iteration is None:
-        iteration = latest_iteration(load)
+        iteration = latest_iteration(load)  # which also refuses a tracker naming a missing iteration
         if iteration is None:
             raise CheckpointError(f"{load} has no {TRACKER} and no metadata.json: pass a checkpoint directory "
                                   "written by --save (or one of its iter_NNNNNNN folders), or --iteration N")
-    path = checkpoint_dir(load, iteration)
+    path = iteration_dir(load, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--iteration {iteration}: {path} does not exist; pass an iteration that {load} holds")
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path}/metadata.json does not exist: no checkpoint of iteration {iteration} in {load}")
+        raise CheckpointError(f"{path}/metadata.json is missing, so {path} is incomplete (an interrupted save or "
+                              f"copy); copy it again, or write an earlier complete iteration into {TRACKER}")
     return path, iteration
 
 
 def read_metadata(iter_dir: str) -> dict:
-    with open(os.path.join(iter_dir, "metadata.json")) as handle:
-        metadata = json.load(handle)
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{iter_dir}: checkpoint format {metadata.get('format_version')} is not "
-                              f"{FORMAT_VERSION}, the one this converter reads")
+    metadata = read_checkpoint_metadata(iter_dir)  # readable JSON of this format, or an InputError
+    if not isinstance(metadata.get("transformer_config"), dict):
+        raise CheckpointError(f"{iter_dir}/metadata.json has no transformer_config; it is not the metadata of a "
+                              "MegaDLMs checkpoint")
+    return metadata
+
+
+def inference_metadata(load: str) -> dict:
+    """metadata.json of the checkpoint `load_inference_model(load)` reads (the tracker's iteration),
+    with its shard files checked, so a bad --load is one clear error before any model is built."""
+    if os.path.isdir(load) and latest_iteration(load) is None:
+        raise CheckpointError(f"--load {load} has no {TRACKER}; point it at the --save directory of a training run")
+    iter_dir, _ = resolve_checkpoint(load)
+    metadata = read_metadata(iter_dir)
+    check_shard_files(iter_dir)
     return metadata
 
 
@@ -86,9 +111,32 @@ def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]
     return config, dlm
 
 
+def _index(iter_dir: str):
+    """DCP's index (`.metadata`) of a checkpoint, read without executing code from it."""
+    if not os.path.isfile(os.path.join(iter_dir, ".metadata")):
+        raise CheckpointError(f"{iter_dir}/.metadata is missing: the save was interrupted or the copy is "
+                              "incomplete; load an earlier iteration")
+    return SafeFileSystemReader(iter_dir).read_metadata()
+
+
+def check_shard_files(iter_dir: str) -> None:
+    """Fail before any tensor is read when a shard file the index names is missing or shorter than the
+    index says (a truncated copy); damage inside a file is found when it is read."""
+    needed: Dict[str, int] = {}
+    for info in (_index(iter_dir).storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(iter_dir, name)
+        actual = os.path.getsize(path) if os.path.isfile(path) else None
+        if actual is None or actual < size:
+            state = "missing" if actual is None else f"{actual} bytes where the index expects {size}"
+            raise CheckpointError(f"{path} is {state}: the checkpoint is damaged (an interrupted save or copy); "
+                                  "copy it again or load an earlier iteration")
+
+
 def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """{model tensor name (without `model.`): (global shape, dtype)} of a checkpoint."""
-    metadata = SafeFileSystemReader(iter_dir).read_metadata().state_dict_metadata
+    metadata = _index(iter_dir).state_dict_metadata
     shapes = {}
     for key, item in metadata.items():
         if key.startswith(MODEL_PREFIX) and hasattr(item, "size"):
@@ -104,9 +152,13 @@ def read_tensors(iter_dir: str, names: Iterable[str], shapes=None) -> Dict[str, 
         raise CheckpointError(f"{iter_dir} has no tensor model.{missing[0]} ({len(missing)} missing); "
                               "is it a checkpoint of this architecture?")
     state = {MODEL_PREFIX + name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with warnings.catch_warnings():  # DCP notes that it runs without a process group: intended
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=SafeFileSystemReader(iter_dir))
+    try:
+        with warnings.catch_warnings():  # DCP notes that it runs without a process group: intended
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=SafeFileSystemReader(iter_dir))
+    except (Exception, dcp.api.CheckpointException) as error:  # DCP's error for a damaged file is not an Exception
+        raise CheckpointError(f"{iter_dir} could not be read ({type(error).__name__}): a shard file is damaged; "
+                              "copy it again or load an earlier iteration") from None
     return {name[len(MODEL_PREFIX):]: tensor for name, tensor in state.items()}
 
 
@@ -116,6 +168,7 @@ def load_model(load: str, iteration: Optional[int] = None):
 
     iter_dir, _ = resolve_checkpoint(load, iteration)
     metadata = read_metadata(iter_dir)
+    check_shard_files(iter_dir)
     config, dlm = configs_from_metadata(metadata)
     with torch.device("meta"):  # no random init of weights that are read next
         model = GPTModel(config, dlm)
@@ -153,31 +206,53 @@ def padded_config(config: TransformerConfig, tensor_parallel: int, divisible_by:
                           unpadded_vocab_size=vocab, tensor_model_parallel_size=tensor_parallel)
 
 
-def _write_tracker(root: str, iteration: int) -> None:
-    temporary = os.path.join(root, TRACKER + ".tmp")
-    with open(temporary, "w") as handle:
-        handle.write(str(iteration))
-    os.replace(temporary, os.path.join(root, TRACKER))
+def check_save_target(save: str, iteration: int) -> None:
+    """Refuse, before any weight is read, a --save where writing `iteration` would overwrite a checkpoint
+    or repoint the tracker of a training run's later iterations."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise CheckpointError(f"--save {save} is a file; choose a directory")
+    target = iteration_dir(save, iteration)
+    if os.path.isdir(target) and os.listdir(target):
+        raise CheckpointError(f"--save {save} already holds iteration {iteration} ({target}); choose another "
+                              "--save directory or remove it")
+    latest = latest_iteration(save, missing_ok=True) if os.path.isdir(save) else None
+    if latest is not None and latest != iteration and os.path.isdir(iteration_dir(save, latest)):
+        raise CheckpointError(f"--save {save} holds a checkpoint ({TRACKER} names iteration {latest}) that this "
+                              "one would replace as the latest; choose an empty --save directory")
+
+
+def _write_staged(staging: str, tensors: Dict[str, torch.Tensor], metadata: dict, tensor_parallel: int) -> None:
+    whole = staging if tensor_parallel == 1 else staging + "-tp1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({MODEL_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()},
+                     checkpoint_id=whole)
+        if tensor_parallel > 1:
+            reshard_with_processes(whole, staging, metadata, tensor_parallel)
+    finally:
+        if whole != staging:
+            shutil.rmtree(whole, ignore_errors=True)
+    with open(os.path.join(staging, "metadata.json"), "w") as handle:
+        json.dump(metadata, handle, indent=1)
 
 
 def write_checkpoint(save: str, tensors: Dict[str, torch.Tensor], metadata: dict, tensor_parallel: int = 1) -> str:
-    """Write `tensors` (our names, global shapes) as iteration `metadata['iteration']` of `save`."""
+    """Write `tensors` (our names, global shapes) as iteration `metadata['iteration']` of `save`: staged
+    in a hidden folder of `save`, renamed into place when complete, the tracker last."""
     iteration = metadata["iteration"]
-    target = checkpoint_dir(save, iteration)
-    if os.path.exists(target) and os.listdir(target):
-        raise CheckpointError(f"{target} already exists; choose another --save directory or remove it")
+    check_save_target(save, iteration)
+    created = not os.path.isdir(save)
     os.makedirs(save, exist_ok=True)
-    staged = target if tensor_parallel == 1 else os.path.join(save, f".staging_tp1_{iteration:07d}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({MODEL_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()}, checkpoint_id=staged)
-    if tensor_parallel > 1:
-        try:
-            reshard_with_processes(staged, target, metadata, tensor_parallel)
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
-    with open(os.path.join(target, "metadata.json"), "w") as handle:
-        json.dump(metadata, handle, indent=1)
+    staging = os.path.join(save, f".tmp-iter_{iteration:07d}-{os.getpid()}")  # not iter_*: training skips it
+    try:
+        _write_staged(staging, tensors, metadata, tensor_parallel)
+        target = install_checkpoint(save, iteration, staging)  # renames; training's own way in
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(save):
+            os.rmdir(save)
+        raise
     _write_tracker(save, iteration)
     return target
 

@@ -10,12 +10,16 @@ difflm-shift` adapts an AR model into a diffusion LM (position i keeps predictin
 Any layout loads any checkpoint (loading reshards), so --tensor-model-parallel-size only picks
 the layout written: N > 1 spawns N gloo processes on CPU that write the shards a TP=N run would
 (and pads the vocabulary as that run does); 1 (default) writes whole tensors from one process.
+
+A bad input (an unreadable or truncated HF file, a --save that already holds a checkpoint) is
+one line `error: ...` before any weight is converted. The iteration is staged and renamed into
+place, the tracker written last (checkpoint_io.write_checkpoint), so a failure or a kill never
+leaves a tracker naming an incomplete iteration and never touches an existing checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import List, Optional
@@ -26,7 +30,7 @@ from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, 
                                                           DLMConfig, TransformerConfig)
 from tools.weights_conversion import checkpoint_io, hf_config, mapping  # noqa: E402
 from tools.weights_conversion.megatron_to_hf import progress_bar  # noqa: E402
-from tools.weights_conversion.safetensors_io import LazyWeights  # noqa: E402
+from tools.weights_conversion.safetensors_io import LazyWeights, read_config  # noqa: E402
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -98,8 +102,10 @@ def _dlm_config(args, fields: dict, vocab: int, hf_path: str) -> DLMConfig:
 
 
 def convert(args: argparse.Namespace) -> str:
-    with open(os.path.join(args.hf_path, "config.json")) as handle:
-        hf = json.load(handle)
+    if args.tensor_model_parallel_size < 1:
+        raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} must be at least 1")
+    checkpoint_io.check_save_target(args.save, 0)
+    hf = read_config(args.hf_path)
     weights = LazyWeights(args.hf_path)
     architecture, fields, dlm_fields = hf_config.import_configs(
         hf, _bias_presence(weights), "lm_head.weight" in weights)
@@ -159,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     try:
         target = convert(args)
-    except (ValueError, FileNotFoundError, KeyError) as error:
+    except (ValueError, OSError, KeyError) as error:  # InputError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"> wrote {target} (tensor-parallel layout {args.tensor_model_parallel_size}); continue with "

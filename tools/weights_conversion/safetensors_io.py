@@ -1,4 +1,9 @@
-"""Hugging Face weight files: sharded safetensors writing (with the index) and lazy reading."""
+"""Hugging Face folders: sharded safetensors writing (with the index), lazy reading, config.json.
+
+Reading checks the whole folder before any tensor is read: config.json parses, the index names
+files that exist, and every safetensors header opens (safetensors checks that its data fills the
+file, so a truncated download is found here). A bad folder raises `InputError` naming the file.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import re
 from typing import Dict, Iterator, List, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from megatron.core.errors import InputError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,23 +81,57 @@ class ShardedWriter:
         return names
 
 
+_REFETCH = "the download or copy is incomplete or damaged: fetch or export the folder again"
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as handle:
+            value = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path} is not readable JSON ({error}); {_REFETCH}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path} is not a {what} (a JSON object); {_REFETCH}")
+    return value
+
+
+def read_config(folder: str) -> dict:
+    """config.json of an HF folder (`--hf-path`)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        problem = "has no config.json" if os.path.isdir(folder) else "does not exist"
+        raise InputError(f"--hf-path {folder} {problem}; point it at a Hugging Face model folder "
+                         "(config.json + safetensors weights)")
+    return _read_json(path, "model config")
+
+
+def _open(path: str):
+    if not os.path.isfile(path):
+        raise InputError(f"{path} is missing although {INDEX_FILE} names it; {_REFETCH}")
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise InputError(f"{path} is not a readable safetensors file ({error}); {_REFETCH}") from None
+
+
 class LazyWeights:
     """The tensors of an HF folder (model.safetensors or sharded with an index), read one at a time."""
 
     def __init__(self, folder: str) -> None:
         index = os.path.join(folder, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index) as handle:
-                weight_map = json.load(handle)["weight_map"]
+            weight_map = _read_json(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise InputError(f"{index} has no weight_map; {_REFETCH}")
             self.location = {name: os.path.join(folder, file) for name, file in weight_map.items()}
         elif os.path.isfile(os.path.join(folder, SINGLE_FILE)):
             path = os.path.join(folder, SINGLE_FILE)
-            with safe_open(path, framework="pt") as handle:
-                self.location = {name: path for name in handle.keys()}
+            self.location = {name: path for name in _open(path).keys()}
         else:
-            raise FileNotFoundError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}: only safetensors "
-                                    "weights are read (save with safe_serialization=True)")
-        self._handles = {}
+            raise InputError(f"--hf-path {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}: only safetensors "
+                             "weights are read (save with safe_serialization=True)")
+        # Every header now, so a truncated shard is an error before any conversion work.
+        self._handles = {path: _open(path) for path in sorted(set(self.location.values()))}
 
     def names(self) -> Iterator[str]:
         return iter(self.location)
@@ -102,6 +143,7 @@ class LazyWeights:
         if name not in self.location:
             raise KeyError(f"the Hugging Face checkpoint has no tensor {name}")
         path = self.location[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(name)
+        try:
+            return self._handles[path].get_tensor(name)
+        except SafetensorError as error:  # e.g. an index naming a tensor its shard does not hold
+            raise InputError(f"{path}: tensor {name} is not readable ({error}); {_REFETCH}") from None

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.core.models.difflm import diffusion  # noqa: E402
 from tools.weights_conversion import checkpoint_io  # noqa: E402
+from tools.weights_conversion.safetensors_io import LazyWeights, read_config  # noqa: E402
 from tools.weights_conversion.tokenizer_export import (TokenizerExportError,  # noqa: E402
                                                        rebuild_training_tokenizer)
 
@@ -149,12 +150,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from transformers import AutoModelForCausalLM
 
+        read_config(args.hf_path)  # the export checked before any model is built (load_model checks --load)
+        LazyWeights(args.hf_path)
         model, metadata, iter_dir = checkpoint_io.load_model(args.load, args.iteration)
         hf_model = AutoModelForCausalLM.from_pretrained(args.hf_path, trust_remote_code=True,
                                                         dtype=torch.float32).eval()
         ids = token_rows(args, metadata, model.config.unpadded_vocab_size, model.config.max_position_embeddings)
         result = compare(model, hf_model, ids)
-    except (ValueError, FileNotFoundError, OSError) as error:
+    except (ValueError, OSError) as error:  # InputError and TokenizerExportError are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"> {iter_dir} vs {args.hf_path} ({result['mode']}, fp32)")

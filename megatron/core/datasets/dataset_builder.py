@@ -14,7 +14,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, split_document_ranges
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, check_indexed_dataset
+from megatron.core.errors import InputError
 
 SPLIT_NAMES = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005
@@ -24,7 +25,7 @@ def parse_data_paths(values: Sequence[str], flag: str = "--data-path") -> Tuple[
     """`a b` -> equal weights; `0.7 a 0.3 b` -> those weights (normalised)."""
     values = list(values)
     if not values:
-        raise ValueError(f"{flag} is empty")
+        raise InputError(f"{flag} is empty")
     if len(values) == 1:
         return values, [1.0]
     try:
@@ -35,22 +36,34 @@ def parse_data_paths(values: Sequence[str], flag: str = "--data-path") -> Tuple[
     if not weighted:
         return values, [1.0 / len(values)] * len(values)
     if len(values) % 2:
-        raise ValueError(f"{flag} with weights takes pairs 'weight prefix ...', got {len(values)} values")
+        raise InputError(f"{flag} with weights takes pairs 'weight prefix ...', got {len(values)} values")
     try:
         weights = [float(w) for w in values[0::2]]
     except ValueError:
-        raise ValueError(f"{flag}: every other value must be a weight, got {values[0::2]}") from None
+        raise InputError(f"{flag}: every other value must be a weight, got {values[0::2]}") from None
     total = sum(weights)
     if total <= 0 or any(w <= 0 for w in weights):
-        raise ValueError(f"{flag} weights must be positive, got {weights}")
+        raise InputError(f"{flag} weights must be positive, got {weights}")
     return values[1::2], [w / total for w in weights]
 
 
 def check_prefixes_exist(prefixes: Sequence[str], flag: str) -> None:
+    """Every prefix is a present, undamaged, non-empty pair; InputError naming `flag` otherwise.
+
+    Called when the flags are parsed, so a bad corpus stops the run before a model is built;
+    the check reads headers and sizes only (see check_indexed_dataset).
+    """
     for prefix in prefixes:
         if not IndexedDataset.exists(prefix):
-            raise ValueError(f"{flag}: {prefix}.bin / {prefix}.idx not found; give the prefix written by "
+            raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx not found; give the prefix written by "
                              "tools/preprocess_data.py (e.g. corpus_text_document)")
+        try:
+            documents = check_indexed_dataset(prefix)
+        except InputError as error:
+            raise InputError(f"{flag}: {error}") from None
+        if documents == 0:
+            raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx holds no documents; re-run "
+                             "tools/preprocess_data.py on an input with at least one document")
 
 
 class DatasetBuilder:
@@ -82,7 +95,12 @@ class DatasetBuilder:
                   for prefix in prefixes}
         datasets = []
         for index, (name, size) in enumerate(zip(SPLIT_NAMES, sizes)):
-            if size <= 0 or all(ranges[p][index][1] <= ranges[p][index][0] for p in prefixes):
+            empty = all(ranges[p][index][1] <= ranges[p][index][0] for p in prefixes)
+            if empty and size > 0 and name == "train":  # validation and test may be left out; training not
+                counts = ", ".join(f"{p}: {len(self.indexed(p))} documents" for p in prefixes)
+                raise InputError(f"--split {split} leaves the train split no documents ({counts}); "
+                                 "raise the first --split weight or use more data")
+            if size <= 0 or empty:
                 datasets.append(None)
                 continue
             parts = [(p, ranges[p][index]) for p in prefixes]

@@ -11,7 +11,8 @@ them read ours). The layout is specified in `reference/frameworks.md` section 2.
 
 This module imports numpy only: the preprocessing tool imports it and must start without
 torch. Every check on load raises before any data is returned, so a corrupt or truncated
-corpus fails at start-up with one message naming the file, not hours later as garbage tokens.
+corpus fails at start-up with one message naming the file, not hours later as garbage tokens:
+an InputError (`check_indexed_dataset` is the cheap subset run when the flags are parsed).
 """
 
 import os
@@ -19,6 +20,8 @@ import struct
 from array import array
 
 import numpy as np
+
+from megatron.core.errors import InputError
 
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float64, 7: np.float32, 8: np.uint16}
@@ -61,6 +64,12 @@ def dtype_code(dtype) -> int:
     raise ValueError(f"dtype {np.dtype(dtype).name} cannot be stored in an indexed dataset; use one of {names}")
 
 
+def _corrupt(path: str, problem: str) -> InputError:
+    # Bad bytes on disk are the user's input, not our bug; the only cure is a fresh pair.
+    return InputError(f"{path}: {problem}; the pair is damaged or incomplete: "
+                      "re-run tools/preprocess_data.py to rebuild it")
+
+
 def _little_endian(dtype) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
@@ -71,22 +80,22 @@ def _read_header(idx_path: str) -> tuple[int, int, int, bool]:
     with open(idx_path, "rb") as f:
         head = f.read(HEADER_SIZE)
     if head[:len(MAGIC)] != MAGIC[:len(head)]:
-        raise ValueError(f"{idx_path}: not a Megatron indexed dataset (magic bytes are "
+        raise _corrupt(idx_path, f"not a Megatron indexed dataset (magic bytes are "
                          f"{head[:len(MAGIC)]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_SIZE:
-        raise ValueError(f"{idx_path}: truncated: {file_size} bytes is shorter than the "
+        raise _corrupt(idx_path, f"truncated: {file_size} bytes is shorter than the "
                          f"{HEADER_SIZE}-byte header")
     _, version, code, num_sequences, num_doc_entries = _HEADER.unpack(head)
     if version != VERSION:
-        raise ValueError(f"{idx_path}: unsupported index version {version} (only {VERSION} is known)")
+        raise _corrupt(idx_path, f"unsupported index version {version} (only {VERSION} is known)")
     if code not in DTYPE_CODES:
-        raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+        raise _corrupt(idx_path, f"unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
     body = HEADER_SIZE + 12 * num_sequences + 8 * num_doc_entries
     if file_size < body:
-        raise ValueError(f"{idx_path}: truncated: the header declares {num_sequences} sequences and "
+        raise _corrupt(idx_path, f"truncated: the header declares {num_sequences} sequences and "
                          f"{num_doc_entries} document indices ({body} bytes) but the file has {file_size}")
     if file_size not in (body, body + num_sequences):
-        raise ValueError(f"{idx_path}: {file_size - body} unexpected bytes after the document indices "
+        raise _corrupt(idx_path, f"{file_size - body} unexpected bytes after the document indices "
                          f"(only an optional int8 sequence_modes block of {num_sequences} bytes may follow)")
     has_modes = num_sequences > 0 and file_size == body + num_sequences
     return code, num_sequences, num_doc_entries, has_modes
@@ -105,13 +114,13 @@ def _check_lengths_and_pointers(idx_path: str, lengths: np.ndarray, pointers: np
         negative = np.flatnonzero(chunk_lengths < 0)
         if negative.size:
             i = start + int(negative[0])
-            raise ValueError(f"{idx_path}: negative length {int(lengths[i])} for sequence {i}")
+            raise _corrupt(idx_path, f"negative length {int(lengths[i])} for sequence {i}")
         sizes = chunk_lengths * itemsize
         expected = next_pointer + np.cumsum(sizes) - sizes
         wrong = np.flatnonzero(pointers[start:start + _CHECK_CHUNK] != expected)
         if wrong.size:
             i = start + int(wrong[0])
-            raise ValueError(f"{idx_path}: pointers inconsistent with lengths: sequence {i} points at "
+            raise _corrupt(idx_path, f"pointers inconsistent with lengths: sequence {i} points at "
                              f"byte {int(pointers[i])}, expected {int(expected[wrong[0]])}")
         next_pointer = int(expected[-1] + sizes[-1])
     return next_pointer
@@ -120,11 +129,11 @@ def _check_lengths_and_pointers(idx_path: str, lengths: np.ndarray, pointers: np
 def _check_document_indices(idx_path: str, document_indices: np.ndarray, num_sequences: int) -> None:
     """Document boundaries must run from 0 to S without going backwards."""
     if len(document_indices) == 0:
-        raise ValueError(f"{idx_path}: document_indices is empty (it must start with 0 and end with {num_sequences})")
+        raise _corrupt(idx_path, f"document_indices is empty (it must start with 0 and end with {num_sequences})")
     if document_indices[0] != 0:
-        raise ValueError(f"{idx_path}: document_indices starts at {int(document_indices[0])}, expected 0")
+        raise _corrupt(idx_path, f"document_indices starts at {int(document_indices[0])}, expected 0")
     if document_indices[-1] != num_sequences:
-        raise ValueError(f"{idx_path}: document_indices ends at {int(document_indices[-1])}, "
+        raise _corrupt(idx_path, f"document_indices ends at {int(document_indices[-1])}, "
                          f"expected the sequence count {num_sequences}")
     # Chunks overlap by one entry so a decrease across a chunk boundary is still seen.
     for start in range(0, len(document_indices) - 1, _CHECK_CHUNK):
@@ -132,7 +141,7 @@ def _check_document_indices(idx_path: str, document_indices: np.ndarray, num_seq
         backwards = np.flatnonzero(steps < 0)
         if backwards.size:
             i = start + int(backwards[0]) + 1
-            raise ValueError(f"{idx_path}: document_indices decreases at entry {i} "
+            raise _corrupt(idx_path, f"document_indices decreases at entry {i} "
                              f"({int(document_indices[i - 1])} -> {int(document_indices[i])})")
 
 
@@ -140,10 +149,61 @@ def _check_bin_size(bin_path: str, data_bytes: int, itemsize: int) -> None:
     """The .bin must hold every indexed byte; extra whole items are tolerated, partial ones not."""
     size = os.path.getsize(bin_path)
     if size < data_bytes:
-        raise ValueError(f"{bin_path}: truncated: the index needs {data_bytes} bytes but the file has {size}")
+        raise _corrupt(bin_path, f"truncated: the index needs {data_bytes} bytes but the file has {size}")
     if (size - data_bytes) % itemsize:
-        raise ValueError(f"{bin_path}: size {size} exceeds the indexed {data_bytes} bytes by "
+        raise _corrupt(bin_path, f"size {size} exceeds the indexed {data_bytes} bytes by "
                          f"{size - data_bytes}, not a multiple of the {itemsize}-byte item size")
+
+
+def _require_pair(path_prefix: str) -> tuple[str, str]:
+    """(idx path, bin path), or FileNotFoundError naming the half that is missing."""
+    idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: file not found (an indexed dataset needs both "
+                                    f"{os.path.basename(bin_path)} and {os.path.basename(idx_path)})")
+    return idx_path, bin_path
+
+
+def _index_arrays(idx_map: np.ndarray, num_sequences: int, num_doc_entries: int, has_modes: bool):
+    """Zero-copy views (lengths, pointers, document_indices, modes or None) of a mapped .idx."""
+    offset = HEADER_SIZE
+    lengths = np.frombuffer(idx_map, "<i4", num_sequences, offset)
+    offset += 4 * num_sequences
+    pointers = np.frombuffer(idx_map, "<i8", num_sequences, offset)
+    offset += 8 * num_sequences
+    document_indices = np.frombuffer(idx_map, "<i8", num_doc_entries, offset)
+    offset += 8 * num_doc_entries
+    modes = np.frombuffer(idx_map, "<i1", num_sequences, offset) if has_modes else None
+    return lengths, pointers, document_indices, modes
+
+
+def check_indexed_dataset(path_prefix: str) -> int:
+    """Cheap start-up check of a `.bin`/`.idx` pair; returns its number of documents.
+
+    Runs at argument-parse time, before any model is built, so it reads only the header and the
+    first and last index entries (memory-mapped: no array and no token is read), which keeps a
+    terabyte corpus instant to check. Everything a damaged pair usually shows is caught here:
+    bad magic, version or dtype code, a truncated .idx, a last sequence ending past the end of
+    the .bin. IndexedDataset still checks every pointer when the data is loaded.
+    Raises InputError naming the file (FileNotFoundError when a half is missing).
+    """
+    idx_path, bin_path = _require_pair(path_prefix)
+    code, num_sequences, num_doc_entries, has_modes = _read_header(idx_path)
+    itemsize = np.dtype(DTYPE_CODES[code]).itemsize
+    idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    lengths, pointers, document_indices, _ = _index_arrays(idx_map, num_sequences, num_doc_entries, has_modes)
+    _check_document_indices(idx_path, document_indices[[0, -1]] if num_doc_entries else document_indices,
+                            num_sequences)
+    data_bytes = 0
+    if num_sequences:
+        first, last, length = int(pointers[0]), int(pointers[-1]), int(lengths[-1])
+        if first != 0 or last < 0 or length < 0:
+            raise _corrupt(idx_path, f"sequence index out of range: first pointer {first} (expected 0), "
+                                     f"last pointer {last}, last length {length}")
+        data_bytes = last + length * itemsize
+    _check_bin_size(bin_path, data_bytes, itemsize)
+    return num_doc_entries - 1
 
 
 class IndexedDataset:
@@ -157,25 +217,14 @@ class IndexedDataset:
     def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = path_prefix
         self.mmap = mmap
-        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: file not found (an indexed dataset needs both "
-                                        f"{os.path.basename(bin_path)} and {os.path.basename(idx_path)})")
+        idx_path, bin_path = _require_pair(path_prefix)
         code, num_sequences, num_doc_entries, has_modes = _read_header(idx_path)
         self.dtype = DTYPE_CODES[code]
         self._item = _little_endian(self.dtype)
 
         self._idx_map = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        offset = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(self._idx_map, "<i4", num_sequences, offset)
-        offset += 4 * num_sequences
-        self.sequence_pointers = np.frombuffer(self._idx_map, "<i8", num_sequences, offset)
-        offset += 8 * num_sequences
-        self.document_indices = np.frombuffer(self._idx_map, "<i8", num_doc_entries, offset)
-        offset += 8 * num_doc_entries
-        self.sequence_modes = (np.frombuffer(self._idx_map, "<i1", num_sequences, offset)
-                               if has_modes else None)
+        (self.sequence_lengths, self.sequence_pointers, self.document_indices,
+         self.sequence_modes) = _index_arrays(self._idx_map, num_sequences, num_doc_entries, has_modes)
 
         _check_document_indices(idx_path, self.document_indices, num_sequences)
         self._data_bytes = _check_lengths_and_pointers(
