@@ -249,7 +249,8 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
 
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[ExtraArgsProvider] = None,
                world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse and validate; any problem exits with one line and code 2 (argparse's convention)."""
+    """Parse and validate; any problem exits with one line and code 2 (argparse's convention;
+    an unrecognised flag gets argparse's own usage message)."""
     parser = build_parser(extra_args_provider)
     args = parser.parse_args(argv)
     # A flag counts as given when its value differs from the default: a default typed out
@@ -264,7 +265,9 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
         validate_args(args, given)
     # ImportError: a flag's optional dependency is missing; OSError: a path given cannot be read or written.
     except (ValueError, ImportError, OSError) as error:
-        parser.error(str(error))
+        # One line, argparse's exit code; no usage block: the flags were all recognised.
+        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     return args
 
 
