@@ -309,6 +309,7 @@ def _collect(processes: List[multiprocessing.Process], receivers: list) -> List[
             if isinstance(result, BaseException):
                 raise result
             if result is None:
+                processes[k].join(timeout=5)  # its pipe can close a moment before its exit status is known
                 code = processes[k].exitcode
                 how = (f"killed by signal {-code}, out of memory?" if code is not None and code < 0
                        else f"exit code {code}, see its message above")

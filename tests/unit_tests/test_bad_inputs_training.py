@@ -182,3 +182,17 @@ def test_cli_empty_train_split_exits_1_without_traceback(tmp_path):
     line = error_line(result.stderr)
     assert line.startswith("error: --split 1,100,0 leaves the train split no documents")
     assert f"{prefix}: 2 documents" in line
+
+
+def test_variable_length_cuts_that_sequence_parallelism_cannot_split(capsys):
+    argv = TINY + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--difflm-varilen-prob", "0.1",
+                   "--difflm-varilen-multiple", "3"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, add_difflm_args, world_size=2)
+    line = error_line(capsys.readouterr().err)
+    assert "--difflm-varilen-multiple 3" in line and "pass --difflm-varilen-multiple 6" in line
+
+
+def test_use_checkpoint_args_without_a_checkpoint(tmp_path, capsys):
+    line = parse_error(TINY + ["--use-checkpoint-args", "--load", str(tmp_path)], capsys)
+    assert "--use-checkpoint-args" in line and str(tmp_path) in line
