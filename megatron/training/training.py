@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded, no_sync,
+from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded,
                                                      optimizer_sharding_group, wrap_data_parallel)
+from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
@@ -73,7 +75,8 @@ class TrainState:
 class StepResult:
     loss: float
     grad_norm: float
-    loss_tokens: float
+    normalizer: float
+    """What the step's loss sum was divided by (tokens, masked tokens or sequences)."""
     skipped: bool
     nan: bool
 
@@ -114,40 +117,35 @@ class Trainer:
         self.signal_handler: Optional[ExitSignalHandler] = None
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
                                                 enabled=args.fp16)
+        self.schedule = get_forward_backward_func(args.pipeline_model_parallel_size)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
-                          first_sample: int, stream: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Run every micro-batch of a global batch; returns (sum of losses, sum of loss tokens)."""
-        num_micro = self.args.num_microbatches
-        device = self.runtime.device
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for micro in range(num_micro):
-            ctx = StepContext(iteration, first_sample, self.args.global_batch_size, micro, training, stream)
-            with no_sync(self.model, last_microbatch=micro == num_micro - 1 or not training):
-                output, loss_func = self.forward_step(data_iterator, self.model, ctx)
-                loss_sum, loss_tokens = loss_func(output)
-                if training:
-                    self.grad_scaler.scale(loss_sum).backward()
-            totals += torch.stack([loss_sum.detach().double(), loss_tokens.detach().double()])
-        # Tensor-parallel peers hold the same loss: sum over the data-parallel replicas only.
-        if self.groups.dp is not None and dist.get_world_size(self.groups.dp) > 1:
-            dist.all_reduce(totals, group=self.groups.dp)
-        return totals[0], totals[1]
+                          first_sample: int, stream: int) -> GlobalBatchLoss:
+        """Run every micro-batch of a global batch through the schedule; returns its reduced loss."""
+        def forward_step(iterator: Iterator, model: nn.Module, microbatch: int):
+            ctx = StepContext(iteration, first_sample, self.args.global_batch_size, microbatch, training, stream)
+            return self.forward_step(iterator, model, ctx)
+
+        loss = self.schedule(forward_step, data_iterator, self.model, self.args.num_microbatches,
+                             GlobalBatchLoss(self.runtime.device), forward_only=not training,
+                             scale_loss=self.grad_scaler.scale)
+        # Tensor-parallel peers hold the same values: sum over the data-parallel replicas only.
+        return loss.reduce(self.groups.dp)
 
     def train_step(self, data_iterator: Iterator) -> StepResult:
         state = self.state
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, loss_tokens = self._forward_backward(
-            data_iterator, True, state.iteration, state.consumed_train_samples, stream=0)
+        batch_loss = self._forward_backward(data_iterator, True, state.iteration, state.consumed_train_samples,
+                                            stream=0)
         self.grad_scaler.unscale_(self.optimizer)
-        normaliser = finalize_gradients(self.model, loss_tokens.float(), self.groups.tp)
+        gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp)
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
-        # applies the normaliser and the clipping as it reads the gradients.
+        # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
         grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp,
-                                   self.groups.dp if is_fully_sharded(self.model) else None, scale=normaliser,
+                                   self.groups.dp if is_fully_sharded(self.model) else None, scale=gradient_scale,
                                    optimizer=None if self.args.fp16 else self.optimizer)
-        loss = loss_sum / loss_tokens.clamp(min=1.0)
+        loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
         finite_loss, finite_grads = (bool(v) for v in torch.stack([loss.isfinite(), grad_norm.isfinite()]).cpu())
@@ -162,7 +160,7 @@ class Trainer:
             self.scheduler.step(1)
         forget_gradient_scale(self.optimizer)
         nan = not finite_loss or (skipped and not self.args.fp16)
-        return StepResult(float(loss), float(grad_norm), float(loss_tokens), skipped, nan)
+        return StepResult(float(loss), float(grad_norm), float(batch_loss.normalizer), skipped, nan)
 
     def _account(self, result: StepResult) -> None:
         state = self.state
@@ -230,13 +228,13 @@ class Trainer:
         with fixed corruption draws (stream 1, keyed by validation sample index)."""
         self.model.eval()
         data_iterator = self.valid_loader()
-        loss_sum = loss_tokens = 0.0
+        loss_sum = normalizer = 0.0
         for step in range(self.args.eval_iters):
             first = step * self.args.global_batch_size
-            batch_sum, batch_tokens = self._forward_backward(data_iterator, False, 0, first, stream=1)
-            loss_sum, loss_tokens = loss_sum + float(batch_sum), loss_tokens + float(batch_tokens)
+            batch_loss = self._forward_backward(data_iterator, False, 0, first, stream=1)
+            loss_sum, normalizer = loss_sum + float(batch_loss.loss_sum), normalizer + float(batch_loss.normalizer)
         self.model.train()
-        return loss_sum / max(loss_tokens, 1.0)
+        return loss_sum / max(normalizer, 1.0)
 
     def evaluate_and_log(self) -> float:
         loss = self.evaluate()

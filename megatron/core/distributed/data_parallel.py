@@ -9,21 +9,24 @@
 Every strategy skips gradient synchronisation on non-final micro-batches. Tensor-parallel
 layers are plain local tensors, so FSDP2 shards each tp rank's slice over the dp group.
 
-Micro-batches backpropagate the *sum* of their weighted token losses; after the last one,
-`finalize_gradients` divides by the number of loss tokens of the whole global batch (all
-micro-batches, all data-parallel ranks). Gradient accumulation and data parallelism then
-equal one big batch exactly, whatever the split.
+Micro-batches backpropagate the *sum* of their weighted token losses; after the last one the
+gradients are taken as divided by the normalizer of the whole global batch (all micro-batches,
+all data-parallel ranks: loss_normalization.py). Gradient accumulation and data parallelism
+then equal one big batch exactly, whatever the split.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import ContextManager, Dict, List, Optional
+from typing import TYPE_CHECKING, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Attributes the tensor-parallel code reads from parameters; FSDP2 replaces the Parameter
@@ -133,12 +136,12 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
             grad.copy_(chunk.view_as(grad))
 
 
-def finalize_gradients(model: nn.Module, total_loss_tokens: torch.Tensor, tp_group=None) -> torch.Tensor:
+def finalize_gradients(model: nn.Module, loss: "GlobalBatchLoss", tp_group=None) -> torch.Tensor:
     """Complete the tensor-parallel partial gradients; returns the factor that turns the
-    (replica-averaged) summed gradients into gradients of sum / total_loss_tokens, for
+    (replica-averaged) summed gradients into gradients of the reduced batch `loss`, for
     `clip_grad_norm(scale=...)` to apply together with the clipping."""
     allreduce_tensor_parallel_partial_grads(model, tp_group)
-    return data_parallel_size(model) / total_loss_tokens.clamp(min=1.0)
+    return loss.gradient_scale(data_parallel_size(model))
 
 
 def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:

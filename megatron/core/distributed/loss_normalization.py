@@ -1,0 +1,78 @@
+"""The loss of a global batch, and the one place its normalizer is applied.
+
+Every micro-batch backpropagates the *sum* of its weighted token losses, never a mean: a mean
+per micro-batch would weigh a short (variable-length, padded) micro-batch like a full one, and
+accumulation or data parallelism would then not equal one big batch. What the sum is divided by
+is the batch's *normalizer*: valid tokens (LLaDA's B*L), masked tokens, or sequences, as
+`--difflm-loss-normalizer` says (`diffusion.loss_weights`), and loss-mask tokens in AR mode.
+
+`GlobalBatchLoss` owns the rest of the story:
+1. `add(loss_sum, normalizer)` once per micro-batch (the schedule does it);
+2. `reduce()` once per step: the sums and the normalizers over the data-parallel replicas
+   (tensor-parallel peers hold the same values). Context parallelism will sum loss sums over
+   dp x cp but normalizers over dp only; the last pipeline stage will broadcast its values:
+   the groups are arguments, so those layouts change a call, not this class;
+3. `loss` for the log, and `gradient_scale(replicas)` for the gradients. DDP and FSDP2 average
+   gradients over the replicas, so the summed gradients are multiplied by
+   replicas / normalizer. That factor is never applied to the gradients here: it goes to
+   `clip_grad_norm(scale=...)`, which folds it into the clipping factor, and with a fused AdamW
+   (which multiplies by `1 / optimizer.grad_scale` as it reads each gradient, the hook torch's
+   GradScaler uses) into the optimizer step itself, so no pass over the gradients is spent on
+   it (`optimizer.scale_gradients`; `forget_gradient_scale` drops it after the step).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class GlobalBatchLoss:
+    """Running (sum of weighted token losses, normalizer) of one global batch, in float64."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.reduced = False
+
+    def add(self, loss_sum: torch.Tensor, normalizer: torch.Tensor) -> None:
+        """One micro-batch's values (detached: the backward already has the loss)."""
+        self.totals += torch.stack([loss_sum.detach().double(), normalizer.detach().double()])
+
+    def reduce(self, loss_group: Optional[dist.ProcessGroup] = None,
+               normalizer_group: Optional[dist.ProcessGroup] = None) -> "GlobalBatchLoss":
+        """Sum over the replicas that saw other samples (one all-reduce when the groups agree)."""
+        normalizer_group = loss_group if normalizer_group is None else normalizer_group
+        if normalizer_group is loss_group:
+            if _size(loss_group) > 1:
+                dist.all_reduce(self.totals, group=loss_group)
+        else:
+            for index, group in ((0, loss_group), (1, normalizer_group)):
+                if _size(group) > 1:
+                    dist.all_reduce(self.totals[index:index + 1], group=group)
+        self.reduced = True
+        return self
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        return self.totals[0]
+
+    @property
+    def normalizer(self) -> torch.Tensor:
+        return self.totals[1]
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The batch's loss: sum / normalizer (an empty batch counts as normalizer 1)."""
+        return self.totals[0] / self.totals[1].clamp(min=1.0)
+
+    def gradient_scale(self, replicas: int) -> torch.Tensor:
+        """The factor that turns the (replica-averaged) summed gradients into gradients of `loss`."""
+        if not self.reduced:
+            raise RuntimeError("GlobalBatchLoss.gradient_scale before reduce(): the normalizer is partial")
+        return replicas / self.totals[1].float().clamp(min=1.0)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1

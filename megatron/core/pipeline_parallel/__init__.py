@@ -1,0 +1,1 @@
+"""Schedules of a global batch's micro-batches (schedules.py)."""
