@@ -24,7 +24,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers>=4.56", "torchao"],
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.56", "torchao", "ruff"],
         "hf": ["transformers"],
         # Optional kernels; the package imports and runs without them.
         "kernels": ["liger-kernel", "torchao"],

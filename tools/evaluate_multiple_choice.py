@@ -89,8 +89,8 @@ def evaluate(model, tokenizer, questions: List[dict], args: argparse.Namespace, 
         for choice in question["choices"]:
             context, answer = split_tokens(tokenizer, question["context"], delimiter + choice)
             generator = torch.Generator().manual_seed(args.seed + index)  # every choice sees the same draws
-            scores.append(model.log_likelihood(torch.tensor(context, device=device), torch.tensor(answer, device=device),
-                                               generator=generator, **options))
+            context_ids, answer_ids = torch.tensor(context, device=device), torch.tensor(answer, device=device)
+            scores.append(model.log_likelihood(context_ids, answer_ids, generator=generator, **options))
         normalised = [score / len(choice.encode()) for score, choice in zip(scores, question["choices"])]
         items.append({"label": question["label"], "scores": scores,
                       "prediction": max(range(len(scores)), key=scores.__getitem__),

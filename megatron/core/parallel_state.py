@@ -5,9 +5,11 @@ Rank order follows Megatron-LM, read fastest-varying first: tp, cp, dp, pp, i.e.
 so tensor-parallel peers are adjacent ranks (one NVLink island). Experts use their own grid
 over the same ranks, tp-ep-edp-pp (expert tensor parallelism = tp), sharing the pp dimension.
 
-Modules take the groups they need explicitly (a `ProcessGroups` value); the Megatron-named
-getters at the bottom exist for familiarity and read the state set by
-`initialize_model_parallel`, the one process-wide object of the package.
+Modules take the groups they need explicitly (a `ProcessGroups` value). The Megatron-named
+getters at the bottom are a compatibility shim for code written against Megatron-LM (user
+model providers, forward steps): they read the state set by `initialize_model_parallel`, the
+one process-wide object of the package, and nothing in the package itself calls them
+(tests/distributed/test_parallel_state_getters.py checks them on a tp=2 x dp=2 layout).
 """
 
 from __future__ import annotations

@@ -223,7 +223,8 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true", help="Same as --data-parallel-sharding-strategy optim.")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Same as --data-parallel-sharding-strategy optim.")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -519,7 +520,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=args.padded_vocab_size, unpadded_vocab_size=args.tokenizer.vocab_size, max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.padded_vocab_size, unpadded_vocab_size=args.tokenizer.vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",

@@ -44,7 +44,7 @@ DLM_FUNCTION_FIELDS = {"model_running_mode": "--model-running-mode", "mask_token
 
 
 def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bool) -> InputError:
-    fix = (f"pass the checkpoint's value, or --finetune to change it on purpose" if changeable else
+    fix = ("pass the checkpoint's value, or --finetune to change it on purpose" if changeable else
            "use the checkpoint's architecture")
     return InputError(f"--load {source}: the checkpoint has {field}={saved!r} but this run has {current!r} "
                       f"({flag}); {fix} (--use-checkpoint-args takes the architecture from the checkpoint)")

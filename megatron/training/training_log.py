@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from datetime import datetime
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 from torch import nn

@@ -79,7 +79,6 @@ def ancestors(pid: int) -> list:
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     import re
     import signal
-    import time
 
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, NPROC="2", TRAIN_ITERS="2000", MOCK_DATA="1", OMP_NUM_THREADS="1",

@@ -38,3 +38,4 @@ def test_only_rank_zero_builds_and_both_ranks_read_the_same(tmp_path):
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert rank0["built"] == [True, True] and rank1["built"] == [False, False]
     assert rank0["digest"] == rank1["digest"]
+

@@ -21,7 +21,8 @@ DLM = DLMConfig(mask_token_id=512)
 def check(saved: TransformerConfig, run: TransformerConfig, finetune=False, saved_sha="a", run_sha="a",
           saved_dlm=DLM, run_dlm=DLM, saved_tokenizer=None, run_tokenizer=None):
     metadata = {"format_version": FORMAT_VERSION, "transformer_config": dataclasses.asdict(saved),
-                "dlm_config": dataclasses.asdict(saved_dlm), "tokenizer": {"sha256": saved_sha, **(saved_tokenizer or {})}}
+                "dlm_config": dataclasses.asdict(saved_dlm),
+                "tokenizer": {"sha256": saved_sha, **(saved_tokenizer or {})}}
     args = SimpleNamespace(transformer_config=run, dlm_config=run_dlm, finetune=finetune, tokenizer=SimpleNamespace(
         identity={"sha256": run_sha, **(run_tokenizer or {})}))
     _check_compatible(args, metadata, "ckpt/iter_0000010")
@@ -32,7 +33,8 @@ def test_same_architecture_and_tokenizer_load():
 
 
 def test_an_architecture_difference_names_the_field():
-    with pytest.raises(ValueError, match="ckpt/iter_0000010: the checkpoint has hidden_size=32 but this run has 48 \\(--hidden-size\\)"):
+    expected = "ckpt/iter_0000010: the checkpoint has hidden_size=32 but this run has 48 \\(--hidden-size\\)"
+    with pytest.raises(ValueError, match=expected):
         check(config(), config(hidden_size=48))
 
 
@@ -48,7 +50,8 @@ def test_extra_stored_vocabulary_rows_load_as_padding():
 
 def test_a_grown_vocabulary_needs_finetune():
     grown = config(unpadded_vocab_size=520)
-    with pytest.raises(ValueError, match="513 vocabulary rows but this run's tokenizer has 520 tokens; pass --finetune"):
+    expected = "513 vocabulary rows but this run's tokenizer has 520 tokens; pass --finetune"
+    with pytest.raises(ValueError, match=expected):
         check(config(), grown)
     check(config(), grown, finetune=True)
 

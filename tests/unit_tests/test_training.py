@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
-        "--seq-length", "32", "--disable-bias-linear", "--mock-data", "--vocab-size", "60", "--add-mask-token", "--lr", "1e-3",
+        "--seq-length", "32", "--disable-bias-linear", "--mock-data", "--vocab-size", "60", "--add-mask-token",
+        "--lr", "1e-3",
         "--log-interval", "1000", "--eval-iters", "0", "--attention-backend", "math"]
 
 

@@ -40,7 +40,7 @@ def train_byte_level_bpe(workdir: str, vocab_size: int = 8192):
     tokenizer.train_from_iterator(texts(), vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|mask|>"])
     tokenizer.save(os.path.join(workdir, "tokenizer.json"))
     tokenizer.save_model(workdir)  # vocab.json + merges.txt for the GPT-2 BPE tokenizer
-    return os.path.join(workdir, "tokenizer.json"), os.path.join(workdir, "vocab.json"), os.path.join(workdir, "merges.txt")
+    return tuple(os.path.join(workdir, name) for name in ("tokenizer.json", "vocab.json", "merges.txt"))
 
 
 def ids_corpus(workdir: str) -> str:
@@ -72,7 +72,8 @@ def main() -> None:
             rates, counts = [], None
             for repeat in range(args.repeats):
                 start = time.perf_counter()
-                counts = preprocess_data.main(["--input", source, "--output-prefix", os.path.join(workdir, f"out{repeat}"),
+                output = os.path.join(workdir, f"out{repeat}")
+                counts = preprocess_data.main(["--input", source, "--output-prefix", output,
                                                "--tokenizer-type", name, "--append-eod", "--workers",
                                                str(args.workers), *flags])
                 rates.append((time.perf_counter() - start, counts["tokens"]))

@@ -62,6 +62,8 @@ import torch
 __all__ = ["KVCache", "GenerationOptions", "generate", "resolve_options", "RUNNING_MODES"]
 
 ModelFn = Callable[..., torch.Tensor]
+# Copies of transformer_config.py's lists: this file ships inside Hugging Face exports and imports
+# torch only (tests/unit_tests/test_copies_agree.py keeps the copies equal).
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
 MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
 REMASKING = ("low_confidence", "random")

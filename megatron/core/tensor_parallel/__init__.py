@@ -42,6 +42,7 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "all_gather_dim", "reduce_scatter_dim", "all_reduce_sum",
-    "split_dim", "MODEL_PARALLEL_RNG", "TensorParallelRNGTracker", "checkpoint_with_tracker", "model_parallel_rng_tracker",
+    "split_dim", "MODEL_PARALLEL_RNG", "TensorParallelRNGTracker", "checkpoint_with_tracker",
+    "model_parallel_rng_tracker",
     "model_parallel_seed", "divide", "group_rank", "group_size", "partition_range",
 ]

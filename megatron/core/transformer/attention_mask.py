@@ -17,7 +17,10 @@ from typing import Optional
 
 import torch
 
-MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window", "explicit")
+from megatron.core.transformer.transformer_config import ATTENTION_MASK_TYPES
+
+# The mask types a model trains with (one list: transformer_config.py), plus an explicit bool tensor.
+MASK_TYPES = ATTENTION_MASK_TYPES + ("explicit",)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,4 +1,9 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+Both sub-blocks are slots: `self_attention` and `mlp` take any module with the call signature of
+`SelfAttention` / `MLP` (a mixture-of-experts layer goes into `mlp`); left out, the dense ones
+are built from the config.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +24,14 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 
 class TransformerLayer(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0,
-                 self_attention: Optional[SelfAttention] = None, pg: Optional[ProcessGroups] = None) -> None:
+                 self_attention: Optional[nn.Module] = None, mlp: Optional[nn.Module] = None,
+                 pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = self_attention or SelfAttention(config, layer_number, pg)
+        self.self_attention = self_attention if self_attention is not None else SelfAttention(config, layer_number, pg)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config, layer_number, pg)
+        self.mlp = mlp if mlp is not None else MLP(config, layer_number, pg)
 
     rng_tracker = None
     """Set by GPTModel under sequence parallelism: each tp rank drops out its own tokens."""
@@ -52,5 +58,6 @@ class DiffLMTransformerLayer(TransformerLayer):
 
     def __init__(self, config: TransformerConfig, dlm_config: DLMConfig, layer_number: int = 0,
                  pg: Optional[ProcessGroups] = None) -> None:
-        super().__init__(config, layer_number, DiffLMSelfAttention(config, dlm_config, layer_number, pg), pg)
+        super().__init__(config, layer_number, self_attention=DiffLMSelfAttention(config, dlm_config, layer_number, pg),
+                         pg=pg)
         self.dlm_config = dlm_config
