@@ -19,6 +19,7 @@ import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.tokenizer import add_tokenizer_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -389,6 +390,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
+    args.run_record = RunRecord.from_args(args)
 
 
 def _validate_parallel(args: argparse.Namespace) -> None:
@@ -467,13 +469,10 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
             raise ValueError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        raise ValueError("--save-interval needs --save DIR and a positive interval")
-    if args.async_save and not args.save:
-        raise ValueError("--async-save needs --save DIR")
-    for flag in ("log_interval", "eval_interval"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    # The loop's typed configs, built once; their validate() checks their own flags.
+    args.training_config = TrainingConfig.from_args(args)
+    args.checkpoint_config = CheckpointConfig.from_args(args)
+    args.logging_config = LoggingConfig.from_args(args)
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -62,36 +62,37 @@ def _dlm_function(dlm: dict) -> dict:
     return function
 
 
-def check_compatible(args, metadata: dict, source: str) -> None:
-    """Raise InputError naming the first field where the checkpoint and this run differ."""
+def check_compatible(record, finetune: bool, metadata: dict, source: str) -> None:
+    """Raise InputError naming the first field where the checkpoint and this run (its
+    `configs.RunRecord`) differ; `finetune` accepts a function change on purpose."""
     saved = metadata["transformer_config"]
-    current = dataclasses.asdict(args.transformer_config)
+    current = dataclasses.asdict(record.transformer_config)
     for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
         if saved.get(field) != current[field]:
             raise _mismatch(source, field, flag, saved.get(field), current[field], changeable=False)
-    if not args.finetune:
+    if not finetune:
         for field, (flag, _, _) in FUNCTION_FIELDS.items():
             if field in saved and saved[field] != current[field]:
                 raise _mismatch(source, field, flag, saved[field], current[field], changeable=True)
         saved_dlm = _dlm_function(metadata.get("dlm_config") or {})
-        current_dlm = _dlm_function(dataclasses.asdict(args.dlm_config))
+        current_dlm = _dlm_function(dataclasses.asdict(record.dlm_config))
         for field, flag in DLM_FUNCTION_FIELDS.items():
             if saved_dlm.get(field) != current_dlm.get(field):
                 raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)
-    _check_vocabulary(args, metadata, source)
+    _check_vocabulary(record, finetune, metadata, source)
 
 
-def _check_vocabulary(args, metadata: dict, source: str) -> None:
+def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> None:
     saved = metadata["transformer_config"]
     # More stored rows than this tokenizer has (Hugging Face models pad their embeddings, e.g. Qwen's
     # 151,936 rows for 151,665 tokens) load as padding. Fewer (tokens added, say a mask token) leave
     # the new rows at their initialisation: only for a new run.
-    saved_rows, vocab = saved.get("unpadded_vocab_size"), args.transformer_config.unpadded_vocab_size
-    if saved_rows is not None and vocab is not None and saved_rows < vocab and not args.finetune:
+    saved_rows, vocab = saved.get("unpadded_vocab_size"), record.transformer_config.unpadded_vocab_size
+    if saved_rows is not None and vocab is not None and saved_rows < vocab and not finetune:
         raise InputError(f"--load {source}: the checkpoint has {saved_rows} vocabulary rows but this run's "
                          f"tokenizer has {vocab} tokens; pass --finetune to start from it with the new rows "
                          "initialised")
-    saved_tokenizer, tokenizer = metadata.get("tokenizer"), getattr(args.tokenizer, "identity", None)
+    saved_tokenizer, tokenizer = metadata.get("tokenizer"), record.tokenizer
     if not (saved_tokenizer and tokenizer):
         return
     if saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
@@ -99,7 +100,7 @@ def _check_vocabulary(args, metadata: dict, source: str) -> None:
                          f"({saved_tokenizer}); pass the same --tokenizer-model")
     # Tokenizers without files (NullTokenizer) hash alike: their size and special ids tell them apart.
     for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type"), ("mask", "--mask-token")):
-        if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not args.finetune:
+        if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not finetune:
             raise InputError(f"--load {source}: the checkpoint's tokenizer has {field}={saved_tokenizer[field]!r} "
                              f"but this run's has {tokenizer.get(field)!r} ({flag}); use the checkpoint's "
                              "tokenizer, or --finetune to change it on purpose")

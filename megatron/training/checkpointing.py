@@ -38,6 +38,7 @@ import megatron
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
+from megatron.training.configs import CheckpointConfig, RunRecord
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
 from megatron.core.distributed.data_parallel import unwrap
@@ -142,17 +143,18 @@ def _set_rng_state(model, state: Dict[str, torch.Tensor]) -> None:
         tracker.set_states(streams)
 
 
-def _metadata(args, trainer, iteration: int) -> dict:
+def _metadata(record: RunRecord, trainer, iteration: int) -> dict:
     return {"format_version": FORMAT_VERSION, "iteration": iteration,
             "framework": {"megadlms": megatron.__version__, "torch": torch.__version__},
             "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
             "adam_step": trainer.scheduler.num_steps,  # both advance once per applied update
             "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
-                                   for k, v in dataclasses.asdict(args.transformer_config).items()},
-            "dlm_config": dataclasses.asdict(args.dlm_config),
-            "layout": {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
-                       "data_parallel_size": args.data_parallel_size},
-            "tokenizer": getattr(args.tokenizer, "identity", None), "seq_length": args.seq_length,
+                                   for k, v in dataclasses.asdict(record.transformer_config).items()},
+            "dlm_config": dataclasses.asdict(record.dlm_config),
+            "layout": {"world_size": record.world_size,
+                       "tensor_model_parallel_size": record.tensor_model_parallel_size,
+                       "data_parallel_size": record.data_parallel_size},
+            "tokenizer": record.tokenizer, "seq_length": record.seq_length,
             # fp16's dynamic loss scale: a resumed run continues with the scale it had reached.
             "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None}
 
@@ -162,20 +164,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(args, trainer, process_group=None) -> Tuple[str, Optional[Future]]:
+def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
+                    process_group=None) -> Tuple[str, Optional[Future]]:
     """Collective. Writes the shards (in the background with `--async-save`: the returned future
     completes when this rank's files are written), RNG states and metadata. The tracker is
     moved by `finalize_save` once every rank finished, never here."""
     iteration = trainer.state.iteration
-    target = checkpoint_dir(args.save, iteration) + STAGING_SUFFIX
+    target = checkpoint_dir(config.save, iteration) + STAGING_SUFFIX
     rank = _rank()
     if rank == 0 and os.path.isdir(target):  # a save of N that died earlier: never part of a checkpoint
         shutil.rmtree(target)
     _barrier()
     sharded = model_sharded_state_dict(unwrap(trainer.model))
-    if not args.no_save_optim:
+    if not config.no_save_optim:
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
-    if args.async_save:
+    if config.async_save:
         future = serialization.save_async(sharded, target, process_group)
     else:
         serialization.save(sharded, target)
@@ -184,24 +187,24 @@ def save_checkpoint(args, trainer, process_group=None) -> Tuple[str, Optional[Fu
     torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         with open(os.path.join(target, "metadata.json"), "w") as handle:
-            json.dump(_metadata(args, trainer, iteration), handle, indent=1)
+            json.dump(_metadata(record, trainer, iteration), handle, indent=1)
     return target, future
 
 
-def finalize_save(args, iteration: int) -> str:
+def finalize_save(config: CheckpointConfig, iteration: int) -> str:
     """Collective, once every rank's files are written: rename the staged directory into place,
     move the tracker (never backwards), drop this run's older checkpoints. Returns the path."""
     _barrier()
-    final = checkpoint_dir(args.save, iteration)
+    final = checkpoint_dir(config.save, iteration)
     if _rank() == 0:
-        install_checkpoint(args.save, iteration, final + STAGING_SUFFIX)
-        newest = latest_iteration(args.save, missing_ok=True)
+        install_checkpoint(config.save, iteration, final + STAGING_SUFFIX)
+        newest = latest_iteration(config.save, missing_ok=True)
         if newest is None or newest <= iteration:
-            _write_tracker(args.save, iteration)
+            _write_tracker(config.save, iteration)
         else:
-            print(f"warning: {args.save} already holds iteration {newest}, newer than this save ({iteration}); "
+            print(f"warning: {config.save} already holds iteration {newest}, newer than this save ({iteration}); "
                   f"{TRACKER} keeps naming {newest}", file=sys.stderr, flush=True)
-        _remove_old_checkpoints(args.save, args.keep_last_checkpoints, iteration)
+        _remove_old_checkpoints(config.save, config.keep_last_checkpoints, iteration)
     _barrier()
     return final
 
@@ -212,20 +215,24 @@ class Checkpointer:
     continues; the tracker moves only after all ranks report their writes done (polled once
     a step, a one-element all-reduce, while a save is pending)."""
 
-    def __init__(self, args, log: Callable[[str], None] = print) -> None:
-        self.args, self.log = args, log
+    def __init__(self, config: CheckpointConfig, record: RunRecord, log: Callable[[str], None] = print) -> None:
+        self.config, self.record, self.log = config, record, log
         self.pending: Optional[Tuple[int, str, Future]] = None
         # DCP's collectives run in the writer thread: they get their own group, so they never
         # interleave with the training loop's collectives on the default one.
-        self.group = dist.new_group(backend="gloo") if args.async_save and dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo") if config.async_save and dist.is_initialized() else None
+
+    def due(self, iteration: int) -> bool:
+        """Whether --save-interval asks for a save after `iteration`."""
+        return bool(self.config.save_interval) and iteration % self.config.save_interval == 0
 
     def save(self, trainer) -> None:
         self.finalize(blocking=True)  # one save in flight at a time
         started = time.perf_counter()
-        target, future = save_checkpoint(self.args, trainer, self.group)
+        target, future = save_checkpoint(self.config, self.record, trainer, self.group)
         blocked = time.perf_counter() - started
         if future is None:
-            target = finalize_save(self.args, trainer.state.iteration)
+            target = finalize_save(self.config, trainer.state.iteration)
             self.log(f"> saved {target} ({blocked:.2f} s)")
             return
         self.pending = (trainer.state.iteration, target, future)
@@ -247,7 +254,7 @@ class Checkpointer:
             return
         future.result()
         self.pending = None
-        target = finalize_save(self.args, saved_iteration)
+        target = finalize_save(self.config, saved_iteration)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")
 
@@ -346,29 +353,29 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     return model.eval(), metadata
 
 
-def check_loadable(args) -> None:
+def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one."""
-    iteration = latest_iteration(args.load)
+    iteration = latest_iteration(config.load)
     if iteration is not None:
-        source = iteration_dir(args.load, iteration)
-        _check_compatible(args, read_checkpoint_metadata(source), source)
+        source = iteration_dir(config.load, iteration)
+        _check_compatible(record, config.finetune, read_checkpoint_metadata(source), source)
 
 
-def load_checkpoint(args, trainer) -> Optional[int]:
+def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer) -> Optional[int]:
     """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)."""
-    iteration = latest_iteration(args.load)
+    iteration = latest_iteration(config.load)
     if iteration is None:
         return None
-    source = iteration_dir(args.load, iteration)
+    source = iteration_dir(config.load, iteration)
     metadata = read_checkpoint_metadata(source)
-    _check_compatible(args, metadata, source)
-    load_optim = not (args.no_load_optim or args.finetune)
+    _check_compatible(record, config.finetune, metadata, source)
+    load_optim = not (config.no_load_optim or config.finetune)
     sharded = model_sharded_state_dict(unwrap(trainer.model))
     if load_optim:
         _initialise_adam_state(getattr(trainer.optimizer, "optim", trainer.optimizer), metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
     serialization.load(sharded, source)
-    if args.finetune:
+    if config.finetune:
         return 0
     if load_optim:
         trainer.scheduler.load_state_dict(metadata["scheduler"])
@@ -377,7 +384,8 @@ def load_checkpoint(args, trainer) -> Optional[int]:
     trainer.state = type(trainer.state)(**metadata["train_state"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_path = os.path.join(source, "rng", f"rank_{rank}.pt")
-    if not args.no_load_rng and metadata["layout"]["world_size"] == args.world_size and os.path.exists(rng_path):
+    same_layout = metadata["layout"]["world_size"] == record.world_size
+    if not config.no_load_rng and same_layout and os.path.exists(rng_path):
         _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
     return iteration
 
@@ -394,7 +402,7 @@ def _initialise_adam_state(optimizer, step: float) -> None:
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def _check_compatible(args, metadata: dict, source: str) -> None:
+def _check_compatible(record: RunRecord, finetune: bool, metadata: dict, source: str) -> None:
     if metadata.get("format_version") != FORMAT_VERSION:
         raise InputError(f"{source}: checkpoint format {metadata.get('format_version')} is not {FORMAT_VERSION}")
-    check_compatible(args, metadata, source)
+    check_compatible(record, finetune, metadata, source)

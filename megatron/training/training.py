@@ -33,6 +33,7 @@ from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.fp8 import enable_fp8_training
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
+from megatron.training.configs import TrainingConfig
 from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
@@ -101,12 +102,12 @@ class ExitSignalHandler:
 
 
 class Trainer:
-    def __init__(self, args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, config: TrainingConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
                  train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
                  runtime: Runtime, logger: Optional[TrainingLogger] = None,
                  groups: Optional[ProcessGroups] = None) -> None:
-        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
         self.forward_step = forward_step
         self.train_loader, self.valid_loader = train_loader, valid_loader
@@ -115,19 +116,19 @@ class Trainer:
         self.history: List[StepResult] = []
         self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
-        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=args.initial_loss_scale,
-                                                enabled=args.fp16)
-        self.schedule = get_forward_backward_func(args.pipeline_model_parallel_size)
+        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.initial_loss_scale,
+                                                enabled=config.fp16)
+        self.schedule = get_forward_backward_func(config.pipeline_model_parallel_size)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
                           first_sample: int, stream: int) -> GlobalBatchLoss:
         """Run every micro-batch of a global batch through the schedule; returns its reduced loss."""
         def forward_step(iterator: Iterator, model: nn.Module, microbatch: int):
-            ctx = StepContext(iteration, first_sample, self.args.global_batch_size, microbatch, training, stream)
+            ctx = StepContext(iteration, first_sample, self.config.global_batch_size, microbatch, training, stream)
             return self.forward_step(iterator, model, ctx)
 
-        loss = self.schedule(forward_step, data_iterator, self.model, self.args.num_microbatches,
+        loss = self.schedule(forward_step, data_iterator, self.model, self.config.num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
                              scale_loss=self.grad_scaler.scale)
         # Tensor-parallel peers hold the same values: sum over the data-parallel replicas only.
@@ -142,9 +143,9 @@ class Trainer:
         gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp)
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
-        grad_norm = clip_grad_norm(self.model.parameters(), self.args.clip_grad, self.groups.tp,
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
                                    self.groups.dp if is_fully_sharded(self.model) else None, scale=gradient_scale,
-                                   optimizer=None if self.args.fp16 else self.optimizer)
+                                   optimizer=None if self.config.fp16 else self.optimizer)
         loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -152,25 +153,25 @@ class Trainer:
         skipped = not (finite_loss and finite_grads)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
-            if self.args.fp16:
+            if self.config.fp16:
                 self.grad_scaler.update()
         else:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
             self.scheduler.step(1)
         forget_gradient_scale(self.optimizer)
-        nan = not finite_loss or (skipped and not self.args.fp16)
+        nan = not finite_loss or (skipped and not self.config.fp16)
         return StepResult(float(loss), float(grad_norm), float(batch_loss.normalizer), skipped, nan)
 
     def _account(self, result: StepResult) -> None:
         state = self.state
         state.iteration += 1
-        state.consumed_train_samples += self.args.global_batch_size
-        state.consumed_train_tokens += self.args.global_batch_size * self.args.seq_length
+        state.consumed_train_samples += self.config.global_batch_size
+        state.consumed_train_tokens += self.config.global_batch_size * self.config.seq_length
         state.skipped_iterations += int(result.skipped)
         state.nan_iterations += int(result.nan)
         state.consecutive_nan_iterations = state.consecutive_nan_iterations + 1 if result.nan else 0
-        if state.consecutive_nan_iterations >= self.args.max_consecutive_nan_iterations:
+        if state.consecutive_nan_iterations >= self.config.max_consecutive_nan_iterations:
             raise TrainingDiverged(
                 f"{state.consecutive_nan_iterations} iterations in a row had a non-finite loss or grad norm "
                 f"(iteration {state.iteration}); lower --lr or check the data. "
@@ -178,41 +179,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainState:
-        args, state = self.args, self.state
+        config, state = self.config, self.state
         self.model.train()
         data_iterator = self.train_loader(state.consumed_train_samples)
         start_time = time.time()
-        while state.iteration < args.train_iters:
+        while state.iteration < config.train_iters:
             result = self.train_step(data_iterator)
             self.history.append(result)
             self._account(result)
             if self.logger is not None:
                 self.logger.on_step(state, result, self.scheduler.get_lr(), self.grad_scaler.get_scale()
-                                    if args.fp16 else 1.0)
-            if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+                                    if config.fp16 else 1.0)
+            if self._evaluates() and state.iteration % config.eval_interval == 0:
                 self.evaluate_and_log()
             if self.checkpointer is not None:
                 self.checkpointer.finalize(blocking=False, iteration=state.iteration)
-                if args.save_interval and state.iteration % args.save_interval == 0:
+                if self.checkpointer.due(state.iteration):
                     self.checkpointer.save(self)
             if self._should_exit(start_time):
                 break
-        if self.valid_loader is not None and args.eval_iters > 0 and state.iteration % args.eval_interval != 0:
+        if self._evaluates() and state.iteration % config.eval_interval != 0:
             self.evaluate_and_log()
         if self.checkpointer is not None:
-            if not (args.save_interval and state.iteration % args.save_interval == 0):
+            if not self.checkpointer.due(state.iteration):
                 self.checkpointer.save(self)  # the end of training is always saved
             self.checkpointer.finalize(blocking=True)
         return state
 
+    def _evaluates(self) -> bool:
+        return self.valid_loader is not None and self.config.eval_iters > 0
+
     def _should_exit(self, start_time: float) -> bool:
-        args = self.args
-        if args.exit_interval and self.state.iteration % args.exit_interval == 0:
+        config = self.config
+        if config.exit_interval and self.state.iteration % config.exit_interval == 0:
             return True
-        if args.exit_duration_in_mins is None and self.signal_handler is None:
+        if config.exit_duration_in_mins is None and self.signal_handler is None:
             return False
         # Ranks must agree, or one would leave the collective of the next step alone.
-        elapsed = (time.time() - start_time) / 60.0 if args.exit_duration_in_mins is not None else 0.0
+        elapsed = (time.time() - start_time) / 60.0 if config.exit_duration_in_mins is not None else 0.0
         signalled = float(self.signal_handler is not None and self.signal_handler.received)
         flags = torch.tensor([elapsed, signalled], device=self.runtime.device)
         if dist.get_world_size() > 1:
@@ -220,7 +224,7 @@ class Trainer:
         if flags[1] > 0:
             self.logger.print(f"> exit signal received: checkpointing at iteration {self.state.iteration} and exiting")
             return True
-        return args.exit_duration_in_mins is not None and float(flags[0]) > args.exit_duration_in_mins
+        return config.exit_duration_in_mins is not None and float(flags[0]) > config.exit_duration_in_mins
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -229,8 +233,8 @@ class Trainer:
         self.model.eval()
         data_iterator = self.valid_loader()
         loss_sum = normalizer = 0.0
-        for step in range(self.args.eval_iters):
-            first = step * self.args.global_batch_size
+        for step in range(self.config.eval_iters):
+            first = step * self.config.global_batch_size
             batch_loss = self._forward_backward(data_iterator, False, 0, first, stream=1)
             loss_sum, normalizer = loss_sum + float(batch_loss.loss_sum), normalizer + float(batch_loss.normalizer)
         self.model.train()
@@ -244,18 +248,18 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- building blocks
-def build_data_loader(dataset, consumed_samples: int, args: argparse.Namespace, runtime: Runtime,
-                      state: ParallelState) -> Iterator:
+def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, runtime: Runtime,
+                      layout: ParallelState) -> Iterator:
     """An iterator of this replica's micro-batches (tensor-parallel peers read the same ones),
     starting after `consumed_samples`."""
-    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                         state.dp_rank, state.dp)
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, config.micro_batch_size,
+                                         layout.dp_rank, layout.dp)
     # Starting an iterator draws a base seed (for the workers) from the loader's generator; without
     # one of its own it draws from the global torch RNG, which dropout uses: a resumed run (which
     # starts its iterator after restoring the RNG) or an evaluation would shift every later mask.
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers,
                                          pin_memory=runtime.device.type == "cuda",
-                                         generator=torch.Generator().manual_seed(args.seed))
+                                         generator=torch.Generator().manual_seed(config.seed))
     return iter(loader)
 
 
@@ -268,38 +272,39 @@ def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp
     return optimizer, scheduler
 
 
-def dataset_sizes(args: argparse.Namespace) -> List[int]:
+def dataset_sizes(config: TrainingConfig) -> List[int]:
     """Samples needed from the train, validation and test splits over the whole run."""
-    evaluations = args.train_iters // args.eval_interval + 1
-    eval_samples = args.eval_iters * args.global_batch_size
-    return [args.train_iters * args.global_batch_size, eval_samples, eval_samples if evaluations else 0]
+    evaluations = config.train_iters // config.eval_interval + 1
+    eval_samples = config.eval_iters * config.global_batch_size
+    return [config.train_iters * config.global_batch_size, eval_samples, eval_samples if evaluations else 0]
 
 
 def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_datasets_provider: Callable,
                   model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
     """Model (initialised on the device), data-parallel wrapper, optimizer, schedule and data."""
     set_random_seeds(args.seed)
-    state = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                      args.context_parallel_size, args.expert_model_parallel_size)
+    layout = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                       args.context_parallel_size, args.expert_model_parallel_size)
     with torch.device(runtime.device):  # no host-side init of billions of weights
-        model = model_provider(args, pre_process=True, post_process=True, pg=state.groups)
+        model = model_provider(args, pre_process=True, post_process=True, pg=layout.groups)
     model = model.to(runtime.device)
     # Module swaps first, then the compiler sees (and fuses) the fp8 casts.
     fp8_layers = enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8_format else 0
     if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
         compile_transformer_layers(model)
-    logger = TrainingLogger(args, runtime, model.config)
-    logger.log_start(model, state)
+    training = args.training_config
+    logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
+    logger.log_start(model, layout)
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
-    model = wrap_data_parallel(model, runtime.device, state.groups.dp, args.data_parallel_sharding_strategy)
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model, state.groups.dp)
-    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(args))
+    model = wrap_data_parallel(model, runtime.device, layout.groups.dp, args.data_parallel_sharding_strategy)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model, layout.groups.dp)
+    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     return Trainer(
-        args, model, optimizer, scheduler, partial(forward_step_func, args=args),
-        train_loader=lambda consumed: build_data_loader(train_ds, consumed, args, runtime, state),
-        valid_loader=(lambda: build_data_loader(valid_ds, 0, args, runtime, state)) if valid_ds is not None else None,
-        runtime=runtime, logger=logger, groups=state.groups)
+        training, model, optimizer, scheduler, partial(forward_step_func, args=args),
+        train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
+        valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
+        runtime=runtime, logger=logger, groups=layout.groups)
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -313,16 +318,17 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = lock = None
     try:
-        lock = acquire_save_lock(args.save, runtime.device) if args.save else None
-        if args.load:  # a checkpoint this run cannot load is found before anything is built
-            check_loadable(args)
+        checkpoint, record = args.checkpoint_config, args.run_record
+        lock = acquire_save_lock(checkpoint.save, runtime.device) if checkpoint.save else None
+        if checkpoint.load:  # a checkpoint this run cannot load is found before anything is built
+            check_loadable(checkpoint, record)
         trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
-        if args.load:
-            loaded = load_checkpoint(args, trainer)
-            trainer.logger.print(f"> loaded {args.load} at iteration {loaded}" if loaded is not None
-                                 else f"> no checkpoint in {args.load}; starting from scratch")
-        if args.save:
-            trainer.checkpointer = Checkpointer(args, trainer.logger.print)
+        if checkpoint.load:
+            loaded = load_checkpoint(checkpoint, record, trainer)
+            trainer.logger.print(f"> loaded {checkpoint.load} at iteration {loaded}" if loaded is not None
+                                 else f"> no checkpoint in {checkpoint.load}; starting from scratch")
+        if checkpoint.save:
+            trainer.checkpointer = Checkpointer(checkpoint, record, trainer.logger.print)
     except InputError as error:  # the user's input, not our bug: no traceback
         # Every rank prints its line: in the common case all of them find the same problem, and a
         # rank that alone finds one still says why it stops (then torchrun stops the others).
@@ -332,7 +338,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         if runtime.owns_process_group and runtime.world_size == 1:  # no peer to wait for
             dist.destroy_process_group()
         sys.exit(1)
-    if args.exit_signal_handler:
+    if args.training_config.exit_signal_handler:
         trainer.signal_handler = ExitSignalHandler()
     try:
         trainer.train()

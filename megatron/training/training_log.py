@@ -6,7 +6,7 @@ work: `iteration  N/ M | consumed samples: ... | lm loss: 1.234567E+00 | ...`.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import time
 from datetime import datetime
 from typing import Dict
@@ -14,38 +14,42 @@ from typing import Dict
 import torch
 from torch import nn
 
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import flops
+from megatron.training.configs import LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.initialize import Runtime
 
 
-def _open_wandb(args: argparse.Namespace):
+def _open_wandb(config: LoggingConfig, run: dict):
     """wandb is optional and imported here only."""
     try:
         import wandb
     except ImportError as error:
         raise SystemExit("--wandb-project needs the wandb package: pip install 'megadlms[wandb]'") from error
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name, config=vars(args).copy())
+    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name, config=run)
 
 
 class TrainingLogger:
     """Everything printed or recorded during training; only rank 0 writes."""
 
-    def __init__(self, args: argparse.Namespace, runtime: Runtime, config: TransformerConfig) -> None:
-        self.args, self.runtime = args, runtime
-        dlm = args.dlm_config
+    def __init__(self, config: LoggingConfig, training: TrainingConfig, record: RunRecord, runtime: Runtime) -> None:
+        self.config, self.training, self.record, self.runtime = config, training, record, runtime
+        model, dlm = record.transformer_config, record.dlm_config
         self.flops_per_iteration = flops.training_flops_per_iteration(
-            config, args.seq_length, args.global_batch_size, mask_type=dlm.effective_mask_type,
-            block_size=dlm.block_size, window=config.sliding_window)
+            model, training.seq_length, training.global_batch_size, mask_type=dlm.effective_mask_type,
+            block_size=dlm.block_size, window=model.sliding_window)
         device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else None
         self.peak = flops.peak_tflops(device_name, "bf16")
         self.writer = self.wandb = None
-        if runtime.is_main and args.tensorboard_dir:
+        if runtime.is_main and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
-        if runtime.is_main and args.wandb_project:
-            self.wandb = _open_wandb(args)
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir)
+        if runtime.is_main and config.wandb_project:
+            self.wandb = _open_wandb(config, {"training": dataclasses.asdict(training),
+                                              "logging": dataclasses.asdict(config),
+                                              "dlm": dataclasses.asdict(record.dlm_config),
+                                              "model": {k: str(v) for k, v in
+                                                        dataclasses.asdict(record.transformer_config).items()}})
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -57,19 +61,19 @@ class TrainingLogger:
             print(message, flush=True)
 
     def log_start(self, model: nn.Module, state=None) -> None:
-        args = self.args
+        training, record = self.training, self.record
         tp = state.tp if state is not None else 1
         # Tensor-parallel weights hold 1/tp of the model on this rank.
         params = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
                      for p in model.parameters())
-        self.print(f"> MegaDLMs: {args.dlm_config.model_running_mode} "
-                   f"(attention {args.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
+        self.print(f"> MegaDLMs: {record.dlm_config.model_running_mode} "
+                   f"(attention {record.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
                    f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
         self.print("> parallel layout\n" + (state.layout_table() + "\n" if state is not None else "") +
-                   f"  sequence parallel: {args.sequence_parallel}, data-parallel sharding: "
-                   f"{args.data_parallel_sharding_strategy}, micro-batch {args.micro_batch_size} x "
-                   f"{args.num_microbatches} accumulation x {args.data_parallel_size} replicas = global batch "
-                   f"{args.global_batch_size}")
+                   f"  sequence parallel: {record.sequence_parallel}, data-parallel sharding: "
+                   f"{record.data_parallel_sharding_strategy}, micro-batch {training.micro_batch_size} x "
+                   f"{training.num_microbatches} accumulation x {record.data_parallel_size} replicas = global batch "
+                   f"{training.global_batch_size}")
 
     def _scalars(self, values: Dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -83,14 +87,14 @@ class TrainingLogger:
             self.window_loss += result.loss
             self.window_counted += 1
         self.window_steps += 1
-        if state.iteration % self.args.log_interval:
+        if state.iteration % self.config.log_interval:
             return
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         loss = self.window_loss / max(self.window_counted, 1)
-        tokens = self.args.global_batch_size * self.args.seq_length
-        rates = flops.throughput_metrics(self.flops_per_iteration, tokens, seconds, self.args.world_size, self.peak)
+        tokens = self.training.global_batch_size * self.training.seq_length
+        rates = flops.throughput_metrics(self.flops_per_iteration, tokens, seconds, self.record.world_size, self.peak)
         self.print(self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates))
         values = {"lm loss": loss, "learning-rate": learning_rate, "grad-norm": result.grad_norm,
                   "loss-scale": loss_scale, "skipped-iterations": state.skipped_iterations,
@@ -106,16 +110,16 @@ class TrainingLogger:
         self._reset_window()
 
     def _line(self, state, seconds, learning_rate, loss, loss_scale, grad_norm, rates) -> str:
-        args = self.args
-        parts = [f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {state.iteration:8d}/{args.train_iters:8d}",
+        training = self.training
+        parts = [f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {state.iteration:8d}/{training.train_iters:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
                  f"elapsed time per iteration (ms): {seconds * 1000:.1f}"]
-        if args.log_throughput:
+        if self.config.log_throughput:
             parts.append(f"throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.1f}")
             parts.append(f"tokens per second per GPU: {rates['tokens_per_sec_per_gpu']:.1f}")
             if rates["mfu"] is not None:
                 parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
-        parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {args.global_batch_size:5d}",
+        parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {training.global_batch_size:5d}",
                   f"lm loss: {loss:.6E}", f"loss scale: {loss_scale:.1f}", f"grad norm: {grad_norm:.3f}",
                   f"number of skipped iterations: {state.skipped_iterations:3d}",
                   f"number of nan iterations: {state.nan_iterations:3d}"]

@@ -54,7 +54,7 @@ def _logits_worker(rank: int, world: int, port: int, argv: list, out: str) -> No
     args = parse_args(argv, add_difflm_args)
     trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    assert load_checkpoint(args, trainer) is not None
+    assert load_checkpoint(args.checkpoint_config, args.run_record, trainer) is not None
     trainer.model.eval()
     input_ids = torch.randint(0, 120, (3, 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
@@ -125,7 +125,7 @@ def _async_worker(rank: int, world: int, port: int, argv: list, out: str) -> Non
     args = parse_args(argv, add_difflm_args)
     trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    trainer.checkpointer = Checkpointer(args, log=lambda line: events.append(line))
+    trainer.checkpointer = Checkpointer(args.checkpoint_config, args.run_record, log=lambda line: events.append(line))
     events, next_step_started = [], threading.Event()
     write_data, train_step = FileSystemWriter.write_data, trainer.train_step
 

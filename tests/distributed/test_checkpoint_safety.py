@@ -15,12 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.training import checkpointing
+from megatron.training.configs import CheckpointConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -136,7 +136,7 @@ def _finalize(root: Path, iteration: int, keep):
     staged = root / f"iter_{iteration:07d}.tmp"
     staged.mkdir()
     (staged / "metadata.json").write_text("{}")
-    checkpointing.finalize_save(SimpleNamespace(save=str(root), keep_last_checkpoints=keep), iteration)
+    checkpointing.finalize_save(CheckpointConfig(save=str(root), keep_last_checkpoints=keep), iteration)
 
 
 def test_keep_last_prunes_only_older_iterations_and_the_tracker_never_moves_back(tmp_path, capsys):

@@ -1,12 +1,12 @@
 """What --load accepts from a checkpoint's metadata, and the message when it does not."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.checkpointing import FORMAT_VERSION, _check_compatible
+from megatron.training.configs import RunRecord
 
 
 def config(**changes) -> TransformerConfig:
@@ -23,9 +23,9 @@ def check(saved: TransformerConfig, run: TransformerConfig, finetune=False, save
     metadata = {"format_version": FORMAT_VERSION, "transformer_config": dataclasses.asdict(saved),
                 "dlm_config": dataclasses.asdict(saved_dlm),
                 "tokenizer": {"sha256": saved_sha, **(saved_tokenizer or {})}}
-    args = SimpleNamespace(transformer_config=run, dlm_config=run_dlm, finetune=finetune, tokenizer=SimpleNamespace(
-        identity={"sha256": run_sha, **(run_tokenizer or {})}))
-    _check_compatible(args, metadata, "ckpt/iter_0000010")
+    record = RunRecord(transformer_config=run, dlm_config=run_dlm, seq_length=16,
+                       tokenizer={"sha256": run_sha, **(run_tokenizer or {})})
+    _check_compatible(record, finetune, metadata, "ckpt/iter_0000010")
 
 
 def test_same_architecture_and_tokenizer_load():

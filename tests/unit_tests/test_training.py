@@ -11,6 +11,7 @@ import torch
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.models.difflm.batch import document_ids_from_eod
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import TrainingDiverged, build_trainer
@@ -67,7 +68,7 @@ def test_gradient_accumulation_equals_one_big_micro_batch(runtime, mode):
         trainer.train()
         runs.append((trainer.history, grads))
     (history_a, grads_a), (history_b, grads_b) = runs
-    assert trainer.args.num_microbatches == 1
+    assert trainer.config.num_microbatches == 1
     for step in range(2):
         assert history_a[step].loss == pytest.approx(history_b[step].loss, rel=1e-6)
     # From the same weights the gradients agree to fp32 rounding. After one Adam step they no
@@ -142,7 +143,7 @@ def test_mock_data_is_deterministic_and_has_documents():
     assert not torch.equal(dataset[4]["tokens"], dataset[5]["tokens"])
     assert dataset[4]["tokens"].shape == (65,)
     assert (dataset[4]["tokens"] == 50).any(), "EOD separates documents"
-    documents = pretrain_difflm.document_ids_from_eod(torch.tensor([[1, 2, 9, 3, 9, 4]]), eod=9)
+    documents = document_ids_from_eod(torch.tensor([[1, 2, 9, 3, 9, 4]]), eod=9)
     assert documents.tolist() == [[0, 0, 0, 1, 1, 2]]
 
 
@@ -187,7 +188,7 @@ def test_flags_build_the_configs():
 def test_exit_interval_and_train_samples(runtime):
     trainer = make_trainer(runtime, "--train-samples", "40", "--global-batch-size", "4", "--micro-batch-size", "4",
                            "--exit-interval", "3")
-    assert trainer.args.train_iters == 10
+    assert trainer.config.train_iters == 10
     state = trainer.train()
     assert state.iteration == 3 and state.consumed_train_samples == 12
 
