@@ -5,7 +5,9 @@
 
 The three functions Megatron users know: `model_provider`, `forward_step` (with its
 `loss_func`) and `train_valid_test_datasets_provider`. The corruption happens here, on the
-data side, keyed by each sample's index in its stream (megatron/core/models/difflm/diffusion.py).
+data side, keyed by each sample's index in its stream: `forward_step` builds the key and hands
+the clean batch to megatron/core/models/difflm/objective.py (`loss_inputs`, the one path from a
+clean batch to the model's input, loss weights and normaliser; diffusion.py is the process).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.dataset_builder import DatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.mock_dataset import MockGPTDataset
-from megatron.core.distributed.data_parallel import unwrap
-from megatron.core.models.difflm import diffusion
-from megatron.core.models.difflm.gpt_model import GPTModel, check_token_ids, positions_from_documents
+from megatron.core.models.difflm import diffusion, objective
+from megatron.core.models.difflm.batch import check_token_ids, document_ids_from_eod, positions_from_documents
+from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training import pretrain
 from megatron.training.training import StepContext
@@ -54,12 +56,6 @@ def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: Li
         return tuple(builder.from_split(args.data_path, args.split, num_samples))
     paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
     return tuple(builder.from_split_paths(paths, num_samples))
-
-
-def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """Packed-document ids: a document runs up to and including its EOD token."""
-    is_eod = (tokens == eod).long()
-    return torch.cumsum(is_eod, dim=1) - is_eod
 
 
 def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContext,
@@ -102,18 +98,15 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
     device = next(model.parameters()).device
     batch = get_batch(data_iterator, args, ctx, device)
     dlm = args.dlm_config
+    key = None
     if dlm.is_diffusion:
         key = diffusion.CorruptionKey(
             seed=dlm.seed, sample_index=batch["index"], batch_position=batch["index"] - ctx.first_sample_index,
             global_batch_size=ctx.global_batch_size, iteration=ctx.iteration, stream=ctx.stream)
-        maskable = unwrap(model).maskable_positions(batch["inputs"], batch["loss_mask"])
-        corruption = diffusion.corrupt(batch["inputs"], dlm, key, maskable, batch["document_ids"])
-        weights, normalizer = diffusion.loss_weights(corruption, dlm, maskable, clamp_normaliser=False)
-        model_input = corruption.noisy_input_ids
-    else:
-        weights = batch["loss_mask"].float()
-        normalizer = weights.sum()
-        model_input = batch["inputs"]
+    # Unclamped: the loop sums the normalisers of all micro-batches and replicas and divides once
+    # (GPTModel.compute_loss, scoring one batch alone, clamps its own; objective.py says more).
+    model_input, weights, normalizer, _ = objective.loss_inputs(
+        batch["inputs"], dlm, key, batch["loss_mask"], batch["document_ids"], clamp_normaliser=False)
     # A normaliser of 1 makes the model return the weighted sum itself: its gradient then flows
     # through the model's loss, which the masked-only output layer prepares in its forward.
     _, loss_sum = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],

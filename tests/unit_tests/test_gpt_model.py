@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.difflm import diffusion
-from megatron.core.models.difflm.gpt_model import GPTModel, positions_from_documents
+from megatron.core.models.difflm.batch import positions_from_documents
+from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 VOCAB = 64

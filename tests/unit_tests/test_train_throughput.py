@@ -244,3 +244,46 @@ def test_recompute_reaches_our_model_and_leaves_the_losses_unchanged(recompute):
     row = result["rows"][0]
     assert row["name"] == f"MegaDLMs recompute-{recompute}" and result["config"]["recompute"] == recompute
     assert row["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-6)  # the same math, replayed
+
+
+@pytest.mark.parametrize("mode", ["dlm", "ar"])
+def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
+    """The benchmark's step and pretrain_difflm.forward_step both build the model's input through
+    objective.loss_inputs, and for the same rows and key they get the same corruption and weights:
+    the step timed is the step trained."""
+    from types import SimpleNamespace
+
+    import pretrain_difflm
+    from megatron.core.models.difflm import objective
+
+    calls = []
+    real = objective.loss_inputs
+
+    def counting(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(objective, "loss_inputs", counting)
+    spec = tt.MODELS["tiny"]
+    args = tt.build_parser().parse_args([*TINY, "--mode", mode])
+    tt.validate(args)
+    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
+    batch = args.micro_batch_size
+    tokens = tt.random_batches(spec, 1, batch, args.seq_length + 1, args.seed, torch.device("cpu"))[0]
+    index = 3  # a step after the first: its key is not the default one
+    step(tokens[:, :-1], index)
+    assert len(calls) == 1
+    # forward_step on the same rows, placed in the stream where the benchmark's key puts them.
+    train_args = SimpleNamespace(padded_vocab_size=spec.vocab_size, seq_length=args.seq_length,
+                                 dlm_config=model.dlm_config, tokenizer=SimpleNamespace(eod=tt.mask_token_id(spec) - 1),
+                                 eod_mask_loss=False, reset_attention_mask=False, reset_position_ids=False)
+    ctx = SimpleNamespace(iteration=index, first_sample_index=index * batch, global_batch_size=batch,
+                          microbatch=0, training=True, stream=0)
+    sample = {"tokens": tokens, "index": torch.arange(batch) + index * batch}
+    pretrain_difflm.forward_step(iter([sample]), model, ctx, train_args)
+    assert len(calls) == 2
+    if mode == "dlm":
+        timed, trained = calls
+        assert timed.corruption.masked_positions.any()
+        assert torch.equal(timed.model_input, trained.model_input) and torch.equal(timed.weights, trained.weights)
+        assert torch.equal(timed.normalizer, trained.normalizer)  # B*L: the clamp of compute_loss changes nothing

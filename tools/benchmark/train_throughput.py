@@ -9,7 +9,9 @@ Our row is the real thing on one device: `GPTModel` built from `TransformerConfi
 (bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
 AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (the keyed
 diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
-gradient clipping, optimizer step and zero-grad, on seeded random tokens. The levers of the
+gradient clipping, optimizer step and zero-grad, on seeded random tokens. `compute_loss` builds
+the model's input, weights and normaliser with `objective.loss_inputs`, the function
+pretrain_difflm.forward_step trains with, so the step timed is the step trained. The levers of the
 library are flags here as in pretrain_difflm.py: `--masked-only-loss` (DLMConfig.masked_only_loss:
 output layer and cross-entropy at the loss positions only, chunked) and `--torch-compile`
 (megatron.core.transformer.compilation, every transformer layer compiled in place).

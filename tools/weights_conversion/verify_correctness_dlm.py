@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.models.difflm import diffusion  # noqa: E402
+from megatron.core.models.difflm import objective  # noqa: E402
 from tools.weights_conversion import checkpoint_io  # noqa: E402
 from tools.weights_conversion.safetensors_io import LazyWeights, read_config  # noqa: E402
 from tools.weights_conversion.tokenizer_export import (TokenizerExportError,  # noqa: E402
@@ -102,7 +102,7 @@ def token_rows(args, metadata: dict, vocab: int, max_length: int) -> torch.Tenso
 
 def mode_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, normalizer: torch.Tensor,
               shift: bool) -> torch.Tensor:
-    """The training loss of the running mode from full-vocabulary logits (what GPTModel._loss computes)."""
+    """The training loss of the running mode from full-vocabulary logits (what OutputLayer.loss computes)."""
     if shift:
         logits, targets = logits[:, :-1], labels[:, 1:]
     else:
@@ -120,19 +120,13 @@ def mode_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
 def compare(model, hf_model, ids: torch.Tensor) -> dict:
     dlm = model.dlm_config
     vocab = model.config.unpadded_vocab_size
-    if dlm.is_diffusion:
-        key = diffusion.CorruptionKey.for_batch(dlm.seed, iteration=0, global_batch_size=ids.shape[0],
-                                                first_sample_index=0, batch_size=ids.shape[0])
-        ours = model.compute_loss(ids, key)
-        inputs = ours.corruption.noisy_input_ids
-        weights, normalizer = diffusion.loss_weights(ours.corruption, dlm, model.maskable_positions(ids))
-        labels, shift = ids, dlm.model_running_mode == "difflm-shift"
-    else:
-        ours = model.compute_loss(ids)
-        inputs, labels, shift = ids, torch.roll(ids, -1, dims=1), False
-        weights = torch.ones_like(ids, dtype=torch.float32)
-        weights[:, -1] = 0.0
-        normalizer = weights.sum()
+    # Both sides see the batch compute_loss makes (objective.py): the same corruption, weights,
+    # normaliser and, in vanilla, the same next-token labels.
+    key = objective.default_corruption_key(ids, dlm) if dlm.is_diffusion else None
+    labels, loss_mask = (ids, None) if dlm.is_diffusion else objective.next_token_labels(ids)
+    inputs, weights, normalizer, _ = objective.loss_inputs(ids, dlm, key, loss_mask, clamp_normaliser=True)
+    ours = model.compute_loss(ids, key)
+    shift = dlm.model_running_mode == "difflm-shift"
     our_logits = model(inputs)[..., :vocab].float()
     hf_logits = hf_model(inputs).logits.float()
     if hf_logits.shape != our_logits.shape:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from contextlib import nullcontext
+from typing import ContextManager, Dict, Optional
 
 import torch
 from torch import nn
@@ -33,6 +34,13 @@ class MegatronModule(nn.Module):
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Pipeline stages after the first receive their input here (overridden where used)."""
         raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage entry point")
+
+    def _autocast(self, device: torch.device) -> ContextManager:
+        """Mixed-precision compute (--bf16 / --fp16) over the fp32 master weights; a no-op in fp32.
+        Here, not in GPTModel, because the output layer enters it as well as the decoder."""
+        if self.config.bf16 or self.config.fp16:
+            return torch.autocast(device.type, dtype=self.config.compute_dtype)
+        return nullcontext()
 
 
 def collect_sharded_state_dict(module: nn.Module, prefix: str = "") -> Dict[str, ShardedTensor]:

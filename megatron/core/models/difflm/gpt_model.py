@@ -1,6 +1,6 @@
 """GPTModel: the decoder-only transformer of MegaDLMs, for diffusion and autoregressive LMs.
 
-`forward` dispatches on the running mode:
+One job: embedding -> decoder -> output layer. `forward` dispatches on the running mode:
 - `difflm_forward` (modes difflm-noshift and difflm-shift): the input is an already
   corrupted batch, the labels are the clean tokens at the same positions. noshift: the
   logits at position i predict token i. shift: the logits at i predict token i+1 (models
@@ -11,32 +11,29 @@ Per-token losses are aligned with the label positions in every mode, so the diff
 loss weights (see diffusion.py) multiply them directly.
 
 The corruption is not part of the forward pass: it is a pure function of a seed key that
-the data side (or `difflm_forward_process`) applies, so every pipeline stage and tensor-
-parallel rank can derive the same mask without communication.
+the data side applies (objective.py: `loss_inputs`, behind `compute_loss` and
+`difflm_forward_process` here), so every pipeline stage and tensor-parallel rank can derive
+the same mask without communication. The head (logits, vocabulary padding, both loss paths)
+is output_layer.py; id checks and packing metadata are batch.py.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from megatron.core.inference import generation, likelihood
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
-from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm import objective
+from megatron.core.models.difflm.batch import POSITION_FIX, VOCAB_FIX, check_id_ranges, positions_from_documents
+from megatron.core.models.difflm.output_layer import OutputLayer
 from megatron.core.transformer.attention import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
-                                           copy_to_tensor_model_parallel_region,
-                                           gather_from_sequence_parallel_region,
-                                           gather_from_tensor_model_parallel_region, group_rank, group_size,
-                                           model_parallel_rng_tracker, vocab_parallel_cross_entropy)
-from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, group_rank, group_size,
+                                           model_parallel_rng_tracker)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.mlp import parameter_seed
@@ -46,23 +43,6 @@ from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class LossOutput:
-    """Everything `compute_loss` produced, for logging and for global normalisation."""
-
-    loss: torch.Tensor
-    """loss_sum / normalizer."""
-    loss_sum: torch.Tensor
-    """Sum of weighted per-token losses; summed over micro-batches and ranks before dividing."""
-    normalizer: torch.Tensor
-    """Denominator of this batch (valid tokens, masked tokens or sequences)."""
-    per_token_loss: torch.Tensor
-    """Unweighted cross-entropy [b, s] at the label positions (0 where there is no target, and with
-    DLMConfig.masked_only_loss wherever the loss weight is 0)."""
-    corruption: Optional[diffusion.Corruption] = None
-    """The corrupted batch (DLM modes)."""
 
 
 class LanguageModelEmbedding(MegatronModule):
@@ -78,57 +58,6 @@ class LanguageModelEmbedding(MegatronModule):
         """[b, s] token ids -> [s, b, h] hidden states ([s/tp, b, h] under sequence parallelism)."""
         embedded = self.word_embeddings(input_ids.t()).contiguous()
         return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=self.training)
-
-
-VOCAB_FIX = "check the tokenizer, --vocab-size and --make-vocab-size-divisible-by"
-POSITION_FIX = "raise --max-position-embeddings"
-
-
-IdCheck = Tuple[str, Optional[torch.Tensor], int, str]
-"""(name, ids or None, exclusive upper limit, the fix to name in the error)."""
-
-
-def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
-    """ValueError naming the first tensor of ids outside [0, limit), before any heavy work.
-
-    Every min and max comes back in one transfer: one host sync for ids on an accelerator,
-    none on CPU. With `sync=False` (and always inside a CUDA graph capture), ids on an
-    accelerator get a device-side assert instead: no sync, and a bad id aborts the process
-    with the same message a little later.
-    """
-    checks = [check for check in checks if check[1] is not None]
-    for name, ids, _, _ in checks:
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an integer tensor of ids, got {ids.dtype}")
-    checks = [check for check in checks if check[1].numel()]
-    if not checks:
-        return
-    device = checks[0][1].device
-    # A CUDA graph being captured cannot stop for a host check: it records the device assert.
-    if device.type != "cpu" and (not sync or torch.cuda.is_current_stream_capturing()):
-        for name, ids, limit, fix in checks:
-            torch._assert_async(((ids >= 0) & (ids < limit)).all(), f"{name} holds ids outside [0, {limit}); {fix}")
-        return
-    bounds = torch.stack([torch.stack(torch.aminmax(ids)).to(device=device, dtype=torch.int64)
-                          for _, ids, _, _ in checks]).tolist()
-    for (name, _, limit, fix), (low, high) in zip(checks, bounds):
-        if low < 0 or high >= limit:
-            raise ValueError(f"{name} holds values in [{low}, {high}], outside [0, {limit}); {fix}")
-
-
-def check_token_ids(name: str, ids: torch.Tensor, limit: int, fix: str = VOCAB_FIX) -> None:
-    """Fail with a clear message instead of an index error deep inside an embedding lookup."""
-    check_id_ranges([(name, ids, limit, fix)])
-
-
-def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
-    """Position ids that restart at 0 at every document boundary of a packed row."""
-    seq = document_ids.shape[1]
-    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_of_document = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - start_of_document
 
 
 class GPTModel(MegatronModule):
@@ -160,6 +89,9 @@ class GPTModel(MegatronModule):
                 config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
                 init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
                 params_dtype=config.params_dtype)
+        if post_process:
+            # Parameter-free: the weight stays above (or in the embedding), so checkpoint keys are Megatron's.
+            self.head = OutputLayer(config, self.dlm_config, self.tp_group)
         self._graph_runner: Optional[CUDAGraphRunner] = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
 
@@ -201,9 +133,11 @@ class GPTModel(MegatronModule):
         return path(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids, decoder_input)
 
     def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
-                       loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
+                       loss_normalizer=None, document_ids=None, decoder_input=None, *,
+                       checked: bool = False) -> ForwardResult:
+        """Bidirectional (or the DLMConfig's mask); `checked`: the caller already ran `check_inputs`."""
         return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                             decoder_input, causal=False)
+                             decoder_input, causal=False, checked=checked)
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                         loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
@@ -212,20 +146,25 @@ class GPTModel(MegatronModule):
 
     def _forward(self, input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
                  decoder_input, causal: bool, checked: bool = False) -> ForwardResult:
-        """`checked`: the caller already ran `_check_inputs` on these ids."""
+        """`checked`: the caller already ran `check_inputs` on these ids."""
         if not checked:
-            self._check_inputs(input_ids, position_ids, labels)
+            self.check_inputs(input_ids, position_ids, labels)
         mask = build_attention_mask(self.config, self.dlm_config, document_ids,
                                     mask_type="causal" if causal else None)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
         if labels is None:
-            return self._full_vocabulary(self._logits(hidden))
+            return self.head.logits(hidden, self._output_weight())
         shift = not causal and self.running_mode == "difflm-shift"
-        return self._loss(hidden, labels, loss_weights, loss_normalizer, shift=shift)
+        return self.head.loss(hidden, self._output_weight(), labels, loss_weights, loss_normalizer, shift=shift)
 
-    def _check_inputs(self, input_ids, position_ids, labels) -> None:
+    def _output_weight(self) -> torch.Tensor:
+        """This rank's [V / tp, h] slice of the output layer (the word embedding when tied), read at
+        each call: FSDP2 and loading may replace the parameter objects."""
+        return self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
+
+    def check_inputs(self, input_ids, position_ids=None, labels=None) -> None:
         """Shapes and id ranges of a forward's inputs, in one host sync at most (see
         TransformerConfig.check_token_ids), so bad data fails before the decoder runs."""
         if self.pre_process and (input_ids is None or input_ids.dim() != 2):
@@ -235,29 +174,6 @@ class GPTModel(MegatronModule):
         check_id_ranges([("input_ids", input_ids if self.pre_process else None, self.config.vocab_size, VOCAB_FIX),
                          ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX),
                          ("labels", labels, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
-
-    def _full_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits of every vocabulary entry (gathered over tp)."""
-        return gather_from_tensor_model_parallel_region(self._without_padding(logits), self.tp_group)
-
-    def _without_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """-inf at the vocabulary padding columns of this rank's slice: the padding (a multiple of
-        tp) is never predicted, and the loss does not depend on the parallel layout."""
-        vocab = self.config.unpadded_vocab_size
-        if vocab is None or vocab >= self.config.vocab_size:
-            return logits
-        local = logits.shape[-1]
-        first = group_rank(self.tp_group) * local
-        valid = max(0, min(local, vocab - first))
-        if valid == local:
-            return logits
-        padding = torch.arange(local, device=logits.device) >= valid
-        return logits.masked_fill(padding, float("-inf"))
-
-    def _autocast(self, device: torch.device):
-        if self.config.bf16 or self.config.fp16:
-            return torch.autocast(device.type, dtype=self.config.compute_dtype)
-        return nullcontext()
 
     def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask) -> torch.Tensor:
         """Embedding (first stage) and decoder: hidden states [s, b, h] ([s/tp, b, h] under sequence
@@ -281,83 +197,6 @@ class GPTModel(MegatronModule):
         with self._autocast(device):
             hidden = self.embedding(input_ids) if self.pre_process else hidden
             return self.decoder(hidden, mask, rotary)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[b, s, V / tp] logits of this rank's vocabulary slice, in the compute dtype."""
-        with self._autocast(hidden.device):
-            return self._local_logits(hidden).transpose(0, 1)
-
-    def _output_weight(self) -> torch.Tensor:
-        """This rank's [V / tp, h] slice of the output layer (the word embedding when tied)."""
-        return self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
-
-    def _output_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer's input on every tp rank, as a column-parallel linear takes it: all-gathered
-        from sequence-parallel slices (gradients reduce-scattered) or copied (gradients all-reduced)."""
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
-        return copy_to_tensor_model_parallel_region(hidden, self.tp_group)
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[s, b, V / tp]: this rank's vocabulary slice; the loss never gathers the full vocabulary."""
-        if not self.tied_output:
-            return self.output_layer(hidden)
-        return nn.functional.linear(self._output_input(hidden), self._output_weight())
-
-    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
-              loss_normalizer: Optional[torch.Tensor], shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(per-token loss [b, s], sum(per-token loss * weights) / normaliser) from the last hidden states."""
-        batch = hidden.shape[1]
-        seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        if labels.shape != (batch, seq):
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
-        weights = (torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_weights is None
-                   else loss_weights.to(torch.float32))
-        if shift:
-            # Target position j is predicted by the hidden state at j - 1; position 0 has no predictor.
-            weights = weights.clone()
-            weights[:, 0] = 0.0
-        if loss_normalizer is None:
-            loss_normalizer = (weights != 0).sum().clamp(min=1)
-        # Weights that need a gradient (rare) keep the full path, which gives them one.
-        if self.dlm_config.masked_only_loss and not (loss_weights is not None and loss_weights.requires_grad):
-            per_token, loss_sum = self._selected_positions_loss(hidden, labels, weights, shift)
-        else:
-            per_token = self._full_logits_loss(hidden, labels, shift)
-            loss_sum = (per_token * weights).sum()
-        return per_token, loss_sum / loss_normalizer
-
-    def _full_logits_loss(self, hidden: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-        """Per-token fp32 cross-entropy [b, s] at every position, from the logits of all of them."""
-        logits = self._logits(hidden)
-        if shift:
-            logits, targets = logits[:, :-1], labels[:, 1:]
-        else:
-            targets = labels
-        # fp32 cross-entropy: bf16 log-softmax over a large vocabulary is too coarse.
-        logits = self._without_padding(logits.float())
-        if group_size(self.tp_group) > 1:
-            # The labels were checked on entry (TransformerConfig.check_token_ids): no second sync here.
-            ce = vocab_parallel_cross_entropy(logits, targets, self.tp_group, check_targets=False)
-        else:
-            ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             reduction="none").view(targets.shape)
-        return nn.functional.pad(ce, (1, 0)) if shift else ce
-
-    def _selected_positions_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                                 shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(per-token loss [b, s], weighted sum) with the output layer applied only where the weight is
-        nonzero, in chunks (DLMConfig.masked_only_loss). Every tp rank holds the same weights, so
-        all select the same positions and run the same collectives."""
-        # The one host sync of this path: the number of selected positions sets the shapes below.
-        rows, positions = weights.nonzero(as_tuple=True)
-        selected = self._output_input(hidden)[positions - int(shift), rows]
-        losses, loss_sum = linear_cross_entropy(
-            selected, self._output_weight(), labels[rows, positions], weights[rows, positions], self.tp_group,
-            unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
-            chunk_size=self.dlm_config.loss_chunk_size, compiled=self.dlm_config.compile_loss)
-        per_token = losses.new_zeros(labels.shape).index_put((rows, positions), losses)
-        return per_token, loss_sum
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -391,8 +230,8 @@ class GPTModel(MegatronModule):
         with self._autocast(input_ids.device):
             hidden = self.embedding(input_ids)
             hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
-            logits = self._local_logits(hidden)
-        return self._full_vocabulary(logits.transpose(0, 1))
+            logits = self.head.local_logits(hidden, self._output_weight())
+        return self.head.full_vocabulary(logits.transpose(0, 1))
 
     def _trained_pattern(self) -> dict:
         return dict(attention_mask_type=self.dlm_config.effective_mask_type,
@@ -421,57 +260,24 @@ class GPTModel(MegatronModule):
                                    running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
                                    **(self._trained_pattern() | options))
 
-    # ------------------------------------------------------------------ diffusion helpers
+    # ------------------------------------------------------------------ the objective (objective.py)
     def maskable_positions(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Positions the corruption may touch: the loss mask, minus position 0 in the shift
-        mode (nothing predicts it)."""
-        maskable = (torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool().clone())
-        if self.running_mode == "difflm-shift":
-            maskable[:, 0] = False
-        return maskable
+        """objective.maskable_positions under this model's DLMConfig."""
+        return objective.maskable_positions(input_ids, self.dlm_config, loss_mask)
 
-    def default_corruption_key(self, input_ids: torch.Tensor) -> diffusion.CorruptionKey:
-        batch = input_ids.shape[0]
-        return diffusion.CorruptionKey.for_batch(self.dlm_config.seed, iteration=0, global_batch_size=batch,
-                                                 first_sample_index=0, batch_size=batch, device=input_ids.device)
+    def default_corruption_key(self, input_ids: torch.Tensor) -> objective.CorruptionKey:
+        """objective.default_corruption_key under this model's DLMConfig."""
+        return objective.default_corruption_key(input_ids, self.dlm_config)
 
-    def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[diffusion.CorruptionKey] = None,
+    def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
                                loss_mask: Optional[torch.Tensor] = None,
                                document_ids: Optional[torch.Tensor] = None):
         """The forward (noising) process: returns (noisy_batch, masked_indices, p_mask)."""
-        if not self.dlm_config.is_diffusion:
-            raise ValueError("difflm_forward_process needs a difflm-* model_running_mode, not 'vanilla'")
-        check_id_ranges([("input_ids", input_ids, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
-        key = key or self.default_corruption_key(input_ids)
-        corruption = diffusion.corrupt(input_ids, self.dlm_config, key,
-                                       self.maskable_positions(input_ids, loss_mask), document_ids)
-        return corruption.noisy_input_ids, corruption.masked_positions, corruption.p_mask
+        return objective.difflm_forward_process(self, input_ids, key, loss_mask, document_ids)
 
-    def compute_loss(self, input_ids: torch.Tensor, key: Optional[diffusion.CorruptionKey] = None,
+    def compute_loss(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
                      loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                      document_ids: Optional[torch.Tensor] = None,
-                     position_ids: Optional[torch.Tensor] = None) -> LossOutput:
-        """Loss of a clean batch in the model's running mode, corruption included.
-
-        DLM modes corrupt `input_ids` with `key` and weight the loss as the DLMConfig says.
-        The vanilla mode predicts `labels` (default: the next token of `input_ids`, the last
-        position having no target) wherever `loss_mask` is set.
-        """
-        if self.running_mode == "vanilla":
-            weights = torch.ones_like(input_ids, dtype=torch.float32) if loss_mask is None else loss_mask.float()
-            if labels is None:
-                labels = torch.roll(input_ids, shifts=-1, dims=1)
-                weights = weights.clone()
-                weights[:, -1] = 0.0
-            normalizer = weights.sum().clamp(min=1)
-            per_token, loss = self.vanilla_forward(input_ids, position_ids, labels, weights, normalizer, document_ids)
-            return LossOutput(loss, loss * normalizer, normalizer, per_token)
-        # The clean ids are also the labels, and the corrupted ones add only the (validated) mask token.
-        self._check_inputs(input_ids, position_ids, None)
-        maskable = self.maskable_positions(input_ids, loss_mask)
-        key = key or self.default_corruption_key(input_ids)
-        corruption = diffusion.corrupt(input_ids, self.dlm_config, key, maskable, document_ids)
-        weights, normalizer = diffusion.loss_weights(corruption, self.dlm_config, maskable)
-        per_token, loss = self._forward(corruption.noisy_input_ids, position_ids, input_ids, weights, normalizer,
-                                        document_ids, None, causal=False, checked=True)
-        return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
+                     position_ids: Optional[torch.Tensor] = None) -> objective.LossOutput:
+        """Loss of a clean batch in the model's running mode, corruption included (objective.compute_loss)."""
+        return objective.compute_loss(self, input_ids, key, loss_mask, labels, document_ids, position_ids)

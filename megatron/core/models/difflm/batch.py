@@ -1,0 +1,70 @@
+"""Batch metadata and id checks: what the data side derives from a batch before the model runs.
+
+Packed rows carry several documents; `document_ids_from_eod` numbers them and
+`positions_from_documents` restarts the position ids in each, so `get_batch`
+(pretrain_difflm.py) and the model's default positions agree. The id checks fail with a message
+naming the tensor and the flag to fix, in one host sync at most, instead of an index error deep
+inside an embedding lookup. Nothing here depends on the model or the diffusion process.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+VOCAB_FIX = "check the tokenizer, --vocab-size and --make-vocab-size-divisible-by"
+POSITION_FIX = "raise --max-position-embeddings"
+
+
+IdCheck = Tuple[str, Optional[torch.Tensor], int, str]
+"""(name, ids or None, exclusive upper limit, the fix to name in the error)."""
+
+
+def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
+    """ValueError naming the first tensor of ids outside [0, limit), before any heavy work.
+
+    Every min and max comes back in one transfer: one host sync for ids on an accelerator,
+    none on CPU. With `sync=False` (and always inside a CUDA graph capture), ids on an
+    accelerator get a device-side assert instead: no sync, and a bad id aborts the process
+    with the same message a little later.
+    """
+    checks = [check for check in checks if check[1] is not None]
+    for name, ids, _, _ in checks:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor of ids, got {ids.dtype}")
+    checks = [check for check in checks if check[1].numel()]
+    if not checks:
+        return
+    device = checks[0][1].device
+    # A CUDA graph being captured cannot stop for a host check: it records the device assert.
+    if device.type != "cpu" and (not sync or torch.cuda.is_current_stream_capturing()):
+        for name, ids, limit, fix in checks:
+            torch._assert_async(((ids >= 0) & (ids < limit)).all(), f"{name} holds ids outside [0, {limit}); {fix}")
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)).to(device=device, dtype=torch.int64)
+                          for _, ids, _, _ in checks]).tolist()
+    for (name, _, limit, fix), (low, high) in zip(checks, bounds):
+        if low < 0 or high >= limit:
+            raise ValueError(f"{name} holds values in [{low}, {high}], outside [0, {limit}); {fix}")
+
+
+def check_token_ids(name: str, ids: torch.Tensor, limit: int, fix: str = VOCAB_FIX) -> None:
+    """Fail with a clear message instead of an index error deep inside an embedding lookup."""
+    check_id_ranges([(name, ids, limit, fix)])
+
+
+def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """Packed-document ids: a document runs up to and including its EOD token."""
+    is_eod = (tokens == eod).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids that restart at 0 at every document boundary of a packed row."""
+    seq = document_ids.shape[1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_of_document = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_of_document

@@ -1,0 +1,166 @@
+"""The training objective: what a clean batch becomes before the model scores it.
+
+`loss_inputs` is the one path from a clean batch and its corruption key to (the ids the model
+sees, the loss weight of every label position, the normaliser). pretrain_difflm.forward_step
+trains with it; `compute_loss` (GPTModel.compute_loss: the examples, the training benchmark
+tools/benchmark/train_throughput.py) and tools/weights_conversion/verify_correctness_dlm.py
+score with it, so what they time or check is what training optimises. In the DLM modes it
+corrupts the batch (diffusion.corrupt, keyed by where each row sits in its stream) and weights
+the masked positions (diffusion.loss_weights); in vanilla the weights are the loss mask.
+
+Every rule here reads only the DLMConfig (the running mode and the diffusion options), never the
+model: the data side applies them without reaching through a data-parallel wrapper.
+
+The callers differ in two conventions, each kept on purpose:
+- the normaliser: training sums the normalisers of every micro-batch and replica and divides
+  once (megatron/core/distributed/loss_normalization.py), so forward_step passes
+  clamp_normaliser=False; `compute_loss` scores one batch on its own and clamps it to >= 1 (a
+  batch without a loss token gives 0, not 0/0).
+- AR labels: get_batch reads s + 1 tokens and slices labels = tokens[:, 1:s + 1] (Megatron's
+  convention); `compute_loss`, given only [b, s] ids, takes the ids shifted left by one and
+  gives the last position no loss (`next_token_labels`). Both train position i on token i + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+
+import torch
+
+from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm.batch import VOCAB_FIX, check_id_ranges
+from megatron.core.models.difflm.diffusion import Corruption, CorruptionKey
+from megatron.core.transformer.transformer_config import DLMConfig
+
+if TYPE_CHECKING:  # the model calls in here: an import at run time would be a cycle
+    from megatron.core.models.difflm.gpt_model import GPTModel
+
+__all__ = ["LossOutput", "LossInputs", "Corruption", "CorruptionKey", "maskable_positions",
+           "default_corruption_key", "loss_inputs", "next_token_labels", "difflm_forward_process",
+           "compute_loss"]
+
+
+@dataclass
+class LossOutput:
+    """Everything `compute_loss` produced, for logging and for global normalisation."""
+
+    loss: torch.Tensor
+    """loss_sum / normalizer."""
+    loss_sum: torch.Tensor
+    """Sum of weighted per-token losses; summed over micro-batches and ranks before dividing."""
+    normalizer: torch.Tensor
+    """Denominator of this batch (valid tokens, masked tokens or sequences)."""
+    per_token_loss: torch.Tensor
+    """Unweighted cross-entropy [b, s] at the label positions (0 where there is no target, and with
+    DLMConfig.masked_only_loss wherever the loss weight is 0)."""
+    corruption: Optional[Corruption] = None
+    """The corrupted batch (DLM modes)."""
+
+
+class LossInputs(NamedTuple):
+    """What `loss_inputs` makes of a clean batch (unpacks as a tuple)."""
+
+    model_input: torch.Tensor
+    """The ids the model sees: corrupted in the DLM modes, the clean ids in vanilla."""
+    weights: torch.Tensor
+    """float32 [b, s]: the loss weight of each label position (0: no loss there)."""
+    normalizer: torch.Tensor
+    """0-dim float32: what the weighted loss sum is divided by."""
+    corruption: Optional[Corruption]
+    """The corrupted batch (DLM modes; None in vanilla)."""
+
+
+def maskable_positions(input_ids: torch.Tensor, dlm: DLMConfig,
+                       loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Positions the corruption may touch: the loss mask, minus position 0 in the shift
+    mode (nothing predicts it)."""
+    maskable = (torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool().clone())
+    if dlm.model_running_mode == "difflm-shift":
+        maskable[:, 0] = False
+    return maskable
+
+
+def default_corruption_key(input_ids: torch.Tensor, dlm: DLMConfig) -> CorruptionKey:
+    """The key of a batch scored outside training: its rows as samples 0..b-1 of iteration 0,
+    seeded by DLMConfig.seed, so the same batch always draws the same masks."""
+    batch = input_ids.shape[0]
+    return CorruptionKey.for_batch(dlm.seed, iteration=0, global_batch_size=batch,
+                                   first_sample_index=0, batch_size=batch, device=input_ids.device)
+
+
+def _corrupt_batch(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[CorruptionKey],
+                   loss_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor]) -> Corruption:
+    key = key or default_corruption_key(input_ids, dlm)
+    return diffusion.corrupt(input_ids, dlm, key, maskable_positions(input_ids, dlm, loss_mask), document_ids)
+
+
+def loss_inputs(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[CorruptionKey] = None,
+                loss_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None, *,
+                clamp_normaliser: bool) -> LossInputs:
+    """Clean batch + corruption key -> (model input, loss weights, normaliser, corruption).
+
+    `loss_mask` marks the label positions that may carry a loss (padding, EOD under
+    --eod-mask-loss); the DLM modes never mask nor count the others. `key` defaults to
+    `default_corruption_key`; vanilla ignores it. `clamp_normaliser`: see the module docstring
+    (False in training, which normalises the global batch; True to score one batch alone).
+    """
+    if not dlm.is_diffusion:
+        weights = torch.ones_like(input_ids, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        normalizer = weights.sum()
+        if clamp_normaliser:
+            normalizer = normalizer.clamp(min=1)
+        return LossInputs(input_ids, weights, normalizer, None)
+    corruption = _corrupt_batch(input_ids, dlm, key, loss_mask, document_ids)
+    weights, normalizer = diffusion.loss_weights(corruption, dlm, corruption.maskable,
+                                                 clamp_normaliser=clamp_normaliser)
+    return LossInputs(corruption.noisy_input_ids, weights, normalizer, corruption)
+
+
+def next_token_labels(input_ids: torch.Tensor,
+                      loss_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(labels, loss mask) of the next-token loss when only the [b, s] ids are at hand: the ids
+    shifted left by one, and no loss at the last position, which has no next token."""
+    labels = torch.roll(input_ids, shifts=-1, dims=1)
+    loss_mask = torch.ones_like(input_ids, dtype=torch.float32) if loss_mask is None else loss_mask.clone()
+    loss_mask[:, -1] = 0
+    return labels, loss_mask
+
+
+def difflm_forward_process(model: "GPTModel", input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
+                           loss_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
+    """The forward (noising) process: returns (noisy_batch, masked_indices, p_mask)."""
+    if not model.dlm_config.is_diffusion:
+        raise ValueError("difflm_forward_process needs a difflm-* model_running_mode, not 'vanilla'")
+    check_id_ranges([("input_ids", input_ids, model.config.vocab_size, VOCAB_FIX)],
+                    sync=model.config.check_token_ids)
+    corruption = _corrupt_batch(input_ids, model.dlm_config, key, loss_mask, document_ids)
+    return corruption.noisy_input_ids, corruption.masked_positions, corruption.p_mask
+
+
+def compute_loss(model: "GPTModel", input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
+                 loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                 document_ids: Optional[torch.Tensor] = None,
+                 position_ids: Optional[torch.Tensor] = None) -> LossOutput:
+    """Loss of a clean batch in the model's running mode, corruption included.
+
+    DLM modes corrupt `input_ids` with `key` and weight the loss as the DLMConfig says.
+    The vanilla mode predicts `labels` (default: the next token of `input_ids`, the last
+    position having no target) wherever `loss_mask` is set.
+    """
+    dlm = model.dlm_config
+    if dlm.is_diffusion:
+        # The clean ids are also the labels, and the corrupted ones add only the (validated) mask
+        # token: one check of the clean batch here, none in the forward.
+        model.check_inputs(input_ids, position_ids, None)
+    elif labels is None:
+        labels, loss_mask = next_token_labels(input_ids, loss_mask)
+    model_input, weights, normalizer, corruption = loss_inputs(input_ids, dlm, key, loss_mask, document_ids,
+                                                               clamp_normaliser=True)
+    if dlm.is_diffusion:
+        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, normalizer,
+                                               document_ids, checked=True)
+    else:
+        per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, normalizer,
+                                                document_ids)
+    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
