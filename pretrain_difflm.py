@@ -7,7 +7,7 @@ The three functions Megatron users know: `model_provider`, `forward_step` (with 
 `loss_func`) and `train_valid_test_datasets_provider`. The corruption happens here, on the
 data side, keyed by each sample's index in its stream: `forward_step` builds the key and hands
 the clean batch to megatron/core/models/difflm/objective.py (`loss_inputs`, the one path from a
-clean batch to the model's input, loss weights and normaliser; diffusion.py is the process).
+clean batch to the model's input, loss weights and normalizer; diffusion.py is the process).
 """
 
 from __future__ import annotations
@@ -103,11 +103,11 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
         key = diffusion.CorruptionKey(
             seed=dlm.seed, sample_index=batch["index"], batch_position=batch["index"] - ctx.first_sample_index,
             global_batch_size=ctx.global_batch_size, iteration=ctx.iteration, stream=ctx.stream)
-    # Unclamped: the loop sums the normalisers of all micro-batches and replicas and divides once
+    # Unclamped: the loop sums the normalizers of all micro-batches and replicas and divides once
     # (GPTModel.compute_loss, scoring one batch alone, clamps its own; objective.py says more).
     model_input, weights, normalizer, _ = objective.loss_inputs(
-        batch["inputs"], dlm, key, batch["loss_mask"], batch["document_ids"], clamp_normaliser=False)
-    # A normaliser of 1 makes the model return the weighted sum itself: its gradient then flows
+        batch["inputs"], dlm, key, batch["loss_mask"], batch["document_ids"], clamp_normalizer=False)
+    # A normalizer of 1 makes the model return the weighted sum itself: its gradient then flows
     # through the model's loss, which the masked-only output layer prepares in its forward.
     _, loss_sum = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
                         loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"])

@@ -35,7 +35,7 @@ def test_zero_max_norm_reports_without_clipping():
 
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
 def test_scale_and_clip_folded_into_a_fused_adamw_step_equal_multiplying_first(max_norm):
-    """The loss normaliser and the clip coefficient handed to a fused AdamW (its grad_scale)
+    """The loss normalizer and the clip coefficient handed to a fused AdamW (its grad_scale)
     give the weights of scaling the gradients, clipping them with torch and stepping."""
     scale = torch.tensor(1 / 37.0)
     results = []

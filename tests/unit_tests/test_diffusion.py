@@ -285,24 +285,24 @@ def test_sums_over_microbatches_equal_one_batch():
     cfg = cfg_(loss_weight="inverse_p", loss_normalizer="sequence")
     x = torch.zeros(8, 32, dtype=torch.long)
     ce = torch.rand(8, 32, generator=torch.Generator().manual_seed(4))
-    w, n = loss_weights(corrupt(x, cfg, CorruptionKey.for_batch(1, 0, 8, 0, 8)), cfg, clamp_normaliser=False)
+    w, n = loss_weights(corrupt(x, cfg, CorruptionKey.for_batch(1, 0, 8, 0, 8)), cfg, clamp_normalizer=False)
     total_sum, total_n = 0.0, 0.0
     for start in (0, 2, 4, 6):
         key = CorruptionKey.for_batch(1, 0, 8, start, 2, first_batch_position=start)
-        wi, ni = loss_weights(corrupt(x[start:start + 2], cfg, key), cfg, clamp_normaliser=False)
+        wi, ni = loss_weights(corrupt(x[start:start + 2], cfg, key), cfg, clamp_normalizer=False)
         total_sum += (ce[start:start + 2] * wi).sum().item()
         total_n += ni.item()
     assert total_n == n.item()
     assert abs(total_sum / total_n - ((ce * w).sum() / n).item()) < 1e-6
 
 
-def test_empty_batch_normaliser_clamped():
+def test_empty_batch_normalizer_clamped():
     cfg = cfg_(loss_normalizer="masked")
     c = corrupt(torch.zeros(2, 8, dtype=torch.long), cfg, CorruptionKey.for_batch(1, 0, 2, 0, 2),
                 torch.zeros(2, 8, dtype=torch.bool))
     w, n = loss_weights(c, cfg)
     assert n.item() == 1.0 and not bool(w.any())
-    assert loss_weights(c, cfg, clamp_normaliser=False)[1].item() == 0.0
+    assert loss_weights(c, cfg, clamp_normalizer=False)[1].item() == 0.0
 
 
 def test_inverse_empirical_forces_one_mask():

@@ -128,7 +128,8 @@ def expected_dlm_loss(model, ids, key, cfg, maskable=None):
     t = diffusion.sample_t(cfg, key, ids.device).double()
     p = ((1 - cfg.eps) * t + cfg.eps)[:, None].expand_as(masked)
     weight = {"inverse_p": 1.0 / p,
-              "inverse_empirical": (valid.sum(1, keepdim=True) / masked.sum(1, keepdim=True).clamp(min=1)).expand_as(masked),
+              "inverse_empirical": (valid.sum(1, keepdim=True)
+                                    / masked.sum(1, keepdim=True).clamp(min=1)).expand_as(masked),
               "none": torch.ones_like(masked)}[cfg.loss_weight] * masked
     total = (ce * weight)
     if cfg.loss_normalizer == "tokens":

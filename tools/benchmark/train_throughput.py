@@ -10,7 +10,7 @@ Our row is the real thing on one device: `GPTModel` built from `TransformerConfi
 AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (the keyed
 diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
 gradient clipping, optimizer step and zero-grad, on seeded random tokens. `compute_loss` builds
-the model's input, weights and normaliser with `objective.loss_inputs`, the function
+the model's input, weights and normalizer with `objective.loss_inputs`, the function
 pretrain_difflm.forward_step trains with, so the step timed is the step trained. The levers of the
 library are flags here as in pretrain_difflm.py: `--masked-only-loss` (DLMConfig.masked_only_loss:
 output layer and cross-entropy at the loss positions only, chunked) and `--torch-compile`
@@ -132,7 +132,7 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
                compile_loss: bool = False) -> DLMConfig:
-    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normaliser), fixed length."""
+    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normalizer), fixed length."""
     if mode == "ar":
         return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss,
                          compile_loss=compile_loss)
@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", choices=("none", "hf"), default="none",
                         help="hf: also time the equivalent transformers model in this process.")
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradient element type.")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid",
+                        help="With --fp8: gradient element type.")
     parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
@@ -504,7 +505,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                                for name, value in dataclasses.asdict(config).items()},
         "attention_mask_type": "causal" if args.mode == "ar" else "no_mask",
         "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
-        "rows": rows, "ratio": ratio, "fp8_ratio": fp8_ratio, "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
+        "rows": rows, "ratio": ratio, "fp8_ratio": fp8_ratio,
+        "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
         "device": _device_name(device) or "cpu",
     }

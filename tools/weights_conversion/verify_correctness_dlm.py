@@ -121,10 +121,10 @@ def compare(model, hf_model, ids: torch.Tensor) -> dict:
     dlm = model.dlm_config
     vocab = model.config.unpadded_vocab_size
     # Both sides see the batch compute_loss makes (objective.py): the same corruption, weights,
-    # normaliser and, in vanilla, the same next-token labels.
+    # normalizer and, in vanilla, the same next-token labels.
     key = objective.default_corruption_key(ids, dlm) if dlm.is_diffusion else None
     labels, loss_mask = (ids, None) if dlm.is_diffusion else objective.next_token_labels(ids)
-    inputs, weights, normalizer, _ = objective.loss_inputs(ids, dlm, key, loss_mask, clamp_normaliser=True)
+    inputs, weights, normalizer, _ = objective.loss_inputs(ids, dlm, key, loss_mask, clamp_normalizer=True)
     ours = model.compute_loss(ids, key)
     shift = dlm.model_running_mode == "difflm-shift"
     our_logits = model(inputs)[..., :vocab].float()

@@ -200,7 +200,8 @@ def _check_corrupt_args(input_ids, cfg, key, maskable, document_ids, t) -> None:
     shape = tuple(input_ids.shape)
     if cfg.mask_token_id is None:
         raise ValueError("cfg.mask_token_id is None; the diffusion objective needs a mask token id")
-    if maskable is not None and (not isinstance(maskable, torch.Tensor) or maskable.dtype != torch.bool or tuple(maskable.shape) != shape):
+    if maskable is not None and (not isinstance(maskable, torch.Tensor) or maskable.dtype != torch.bool
+                                 or tuple(maskable.shape) != shape):
         raise ValueError(f"maskable must be a bool tensor of shape {shape} like input_ids, got "
                          f"{maskable.dtype} with shape {tuple(maskable.shape)}")
     if document_ids is not None and (not isinstance(document_ids, torch.Tensor)
@@ -211,7 +212,8 @@ def _check_corrupt_args(input_ids, cfg, key, maskable, document_ids, t) -> None:
     if not isinstance(key, CorruptionKey) or key.num_rows != shape[0]:
         rows = key.num_rows if isinstance(key, CorruptionKey) else type(key).__name__
         raise ValueError(f"key has {rows} rows but input_ids has {shape[0]}; build the key for this batch")
-    if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape[:1] or not t.dtype.is_floating_point):
+    if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape[:1]
+                          or not t.dtype.is_floating_point):
         raise ValueError(f"t must be a floating tensor of shape {shape[:1]}, got {t.dtype} {tuple(t.shape)}")
 
 
@@ -264,16 +266,16 @@ def corrupt(input_ids: torch.Tensor, cfg: DLMConfig, key: CorruptionKey,
 
 
 def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torch.Tensor] = None,
-                 clamp_normaliser: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token weights [b, s] float32 and a normaliser (0-dim float32): loss = (ce * w).sum() / norm.
+                 clamp_normalizer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token weights [b, s] float32 and a normalizer (0-dim float32): loss = (ce * w).sum() / norm.
 
     Weights (zero at unmasked positions): inverse_p 1/p; inverse_empirical n_maskable / n_masked
-    of the row (per row even with per-document t); none 1. Normalisers: tokens = maskable tokens
+    of the row (per row even with per-document t); none 1. Normalizers: tokens = maskable tokens
     (B*L without padding, LLaDA); masked = masked tokens; sequence = weights divided by each
-    row's maskable count, normaliser = rows with a maskable token (mean over sequences).
-    Sum and normaliser are returned apart so the training loop can sum both over micro-batches
+    row's maskable count, normalizer = rows with a maskable token (mean over sequences).
+    Sum and normalizer are returned apart so the training loop can sum both over micro-batches
     and DP ranks and divide once: accumulation then equals one big batch exactly. For that, pass
-    clamp_normaliser=False and clamp the total; by default the normaliser is clamped to >= 1 so
+    clamp_normalizer=False and clamp the total; by default the normalizer is clamped to >= 1 so
     a batch without any maskable/masked token gives loss 0 instead of 0/0 (its sum is 0 anyway).
     `maskable` defaults to the one stored by `corrupt` (all True if none).
     """
@@ -299,19 +301,19 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
         raise ValueError(f"DLMConfig.loss_weight={cfg.loss_weight!r} is not one of "
                          "['inverse_p', 'inverse_empirical', 'none']")
     if cfg.loss_normalizer == "tokens":
-        normaliser = maskable.sum()
+        normalizer = maskable.sum()
     elif cfg.loss_normalizer == "masked":
-        normaliser = masked.sum()
+        normalizer = masked.sum()
     elif cfg.loss_normalizer == "sequence":
         weights = weights / n_maskable.clamp(min=1.0)
-        normaliser = (n_maskable > 0).sum()
+        normalizer = (n_maskable > 0).sum()
     else:
         raise ValueError(f"DLMConfig.loss_normalizer={cfg.loss_normalizer!r} is not one of "
                          "['tokens', 'masked', 'sequence']")
-    normaliser = normaliser.to(torch.float32)
-    if clamp_normaliser:
-        normaliser = normaliser.clamp(min=1.0)
-    return weights, normaliser
+    normalizer = normalizer.to(torch.float32)
+    if clamp_normalizer:
+        normalizer = normalizer.clamp(min=1.0)
+    return weights, normalizer
 
 
 def varilen_length(cfg: DLMConfig, iteration: int, batch_position: int, seq_length: int,

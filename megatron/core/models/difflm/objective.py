@@ -1,7 +1,7 @@
 """The training objective: what a clean batch becomes before the model scores it.
 
 `loss_inputs` is the one path from a clean batch and its corruption key to (the ids the model
-sees, the loss weight of every label position, the normaliser). pretrain_difflm.forward_step
+sees, the loss weight of every label position, the normalizer). pretrain_difflm.forward_step
 trains with it; `compute_loss` (GPTModel.compute_loss: the examples, the training benchmark
 tools/benchmark/train_throughput.py) and tools/weights_conversion/verify_correctness_dlm.py
 score with it, so what they time or check is what training optimises. In the DLM modes it
@@ -12,9 +12,9 @@ Every rule here reads only the DLMConfig (the running mode and the diffusion opt
 model: the data side applies them without reaching through a data-parallel wrapper.
 
 The callers differ in two conventions, each kept on purpose:
-- the normaliser: training sums the normalisers of every micro-batch and replica and divides
+- the normalizer: training sums the normalizers of every micro-batch and replica and divides
   once (megatron/core/distributed/loss_normalization.py), so forward_step passes
-  clamp_normaliser=False; `compute_loss` scores one batch on its own and clamps it to >= 1 (a
+  clamp_normalizer=False; `compute_loss` scores one batch on its own and clamps it to >= 1 (a
   batch without a loss token gives 0, not 0/0).
 - AR labels: get_batch reads s + 1 tokens and slices labels = tokens[:, 1:s + 1] (Megatron's
   convention); `compute_loss`, given only [b, s] ids, takes the ids shifted left by one and
@@ -97,23 +97,23 @@ def _corrupt_batch(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[Corrup
 
 def loss_inputs(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[CorruptionKey] = None,
                 loss_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None, *,
-                clamp_normaliser: bool) -> LossInputs:
-    """Clean batch + corruption key -> (model input, loss weights, normaliser, corruption).
+                clamp_normalizer: bool) -> LossInputs:
+    """Clean batch + corruption key -> (model input, loss weights, normalizer, corruption).
 
     `loss_mask` marks the label positions that may carry a loss (padding, EOD under
     --eod-mask-loss); the DLM modes never mask nor count the others. `key` defaults to
-    `default_corruption_key`; vanilla ignores it. `clamp_normaliser`: see the module docstring
+    `default_corruption_key`; vanilla ignores it. `clamp_normalizer`: see the module docstring
     (False in training, which normalises the global batch; True to score one batch alone).
     """
     if not dlm.is_diffusion:
         weights = torch.ones_like(input_ids, dtype=torch.float32) if loss_mask is None else loss_mask.float()
         normalizer = weights.sum()
-        if clamp_normaliser:
+        if clamp_normalizer:
             normalizer = normalizer.clamp(min=1)
         return LossInputs(input_ids, weights, normalizer, None)
     corruption = _corrupt_batch(input_ids, dlm, key, loss_mask, document_ids)
     weights, normalizer = diffusion.loss_weights(corruption, dlm, corruption.maskable,
-                                                 clamp_normaliser=clamp_normaliser)
+                                                 clamp_normalizer=clamp_normalizer)
     return LossInputs(corruption.noisy_input_ids, weights, normalizer, corruption)
 
 
@@ -156,7 +156,7 @@ def compute_loss(model: "GPTModel", input_ids: torch.Tensor, key: Optional[Corru
     elif labels is None:
         labels, loss_mask = next_token_labels(input_ids, loss_mask)
     model_input, weights, normalizer, corruption = loss_inputs(input_ids, dlm, key, loss_mask, document_ids,
-                                                               clamp_normaliser=True)
+                                                               clamp_normalizer=True)
     if dlm.is_diffusion:
         per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, normalizer,
                                                document_ids, checked=True)

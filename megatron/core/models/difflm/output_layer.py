@@ -83,7 +83,7 @@ class OutputLayer(MegatronModule):
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
              loss_weights: Optional[torch.Tensor], loss_normalizer: Optional[torch.Tensor],
              shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(per-token loss [b, s], sum(per-token loss * weights) / normaliser) from the last hidden states.
+        """(per-token loss [b, s], sum(per-token loss * weights) / normalizer) from the last hidden states.
 
         `shift` (difflm-shift): the loss of target position j uses the hidden state at j - 1."""
         batch = hidden.shape[1]
