@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron.core.tensor_parallel.utils import group_size
+
 if TYPE_CHECKING:
     from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 
@@ -34,15 +36,11 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp")
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
 def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strategy: str = "no_shard") -> nn.Module:
     """The model wrapped for `strategy` over `group`; the bare model with one replica."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(STRATEGIES)}")
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return model
     if strategy in ("no_shard", "optim"):
         device_ids = [device] if device.type == "cuda" else None
@@ -105,7 +103,7 @@ def data_parallel_group(model: nn.Module):
 
 
 def data_parallel_size(model: nn.Module) -> int:
-    return _group_size(data_parallel_group(model))
+    return group_size(data_parallel_group(model))
 
 
 def local_gradients(model: nn.Module) -> List[torch.Tensor]:
@@ -123,7 +121,7 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
     `allreduce_over_tp`): under sequence parallelism every weight applied to the sequence-split
     activations (norm weights and biases, row-parallel biases); QK-norms, shared by heads split
     over ranks, always."""
-    if _group_size(tp_group) == 1:
+    if group_size(tp_group) == 1:
         return
     grads = []
     for param in model.parameters():
@@ -156,4 +154,4 @@ def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def optimizer_sharding_group(strategy: str, group) -> Optional[dist.ProcessGroup]:
     """The group a ZeRO-1 optimizer splits its state over (None when it keeps it whole)."""
-    return group if strategy == "optim" and _group_size(group) > 1 else None
+    return group if strategy == "optim" and group_size(group) > 1 else None

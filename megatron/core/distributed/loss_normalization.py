@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel.utils import group_size
+
 
 class GlobalBatchLoss:
     """Running (sum of weighted token losses, normalizer) of one global batch, in float64."""
@@ -45,11 +47,11 @@ class GlobalBatchLoss:
         """Sum over the replicas that saw other samples (one all-reduce when the groups agree)."""
         normalizer_group = loss_group if normalizer_group is None else normalizer_group
         if normalizer_group is loss_group:
-            if _size(loss_group) > 1:
+            if group_size(loss_group) > 1:
                 dist.all_reduce(self.totals, group=loss_group)
         else:
             for index, group in ((0, loss_group), (1, normalizer_group)):
-                if _size(group) > 1:
+                if group_size(group) > 1:
                     dist.all_reduce(self.totals[index:index + 1], group=group)
         self.reduced = True
         return self
@@ -72,7 +74,3 @@ class GlobalBatchLoss:
         if not self.reduced:
             raise RuntimeError("GlobalBatchLoss.gradient_scale before reduce(): the normalizer is partial")
         return replicas / self.totals[1].float().clamp(min=1.0)
-
-
-def _size(group) -> int:
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1

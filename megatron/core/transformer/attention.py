@@ -19,8 +19,8 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            divide,
                                            gather_from_sequence_parallel_region, group_rank, group_size)
 from megatron.core.transformer.attention_backends import core_attention
-from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.transformer.mlp import output_init_std, parameter_seed
+from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
+from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rope import apply_rotary_pos_emb
@@ -205,15 +205,3 @@ class DiffLMSelfAttention(SelfAttention):
 
 
 # The name MegaDLMs users look for.
-DiffLMAttention = DiffLMSelfAttention
-
-
-def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
-                         document_ids: Optional[torch.Tensor] = None,
-                         mask_type: Optional[str] = None) -> AttentionMask:
-    """The mask of a running mode: the DLM mask type, or causal for the vanilla (AR) mode."""
-    mask_type = mask_type or dlm_config.effective_mask_type
-    return AttentionMask(mask_type=mask_type,
-                         block_size=dlm_config.block_size if mask_type == "block_causal" else None,
-                         window=config.sliding_window if mask_type == "sliding_window" else None,
-                         document_ids=document_ids)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.transformer_config import ATTENTION_MASK_TYPES
+from megatron.core.transformer.transformer_config import ATTENTION_MASK_TYPES, DLMConfig, TransformerConfig
 
 # The mask types a model trains with (one list: transformer_config.py), plus an explicit bool tensor.
 MASK_TYPES = ATTENTION_MASK_TYPES + ("explicit",)
@@ -199,3 +199,14 @@ class AttentionMask:
     def __hash__(self) -> int:
         # Consistent with __eq__: equal masks share structure and document presence.
         return hash((self.structure_key, self.document_ids is not None))
+
+
+def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
+                         document_ids: Optional[torch.Tensor] = None,
+                         mask_type: Optional[str] = None) -> AttentionMask:
+    """The mask of a running mode: the DLM mask type, or causal for the vanilla (AR) mode."""
+    mask_type = mask_type or dlm_config.effective_mask_type
+    return AttentionMask(mask_type=mask_type,
+                         block_size=dlm_config.block_size if mask_type == "block_causal" else None,
+                         window=config.sliding_window if mask_type == "sliding_window" else None,
+                         document_ids=document_ids)

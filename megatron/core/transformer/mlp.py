@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import math
 from typing import Optional
 
 import torch
@@ -11,25 +9,11 @@ from torch import nn
 
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "relu": nn.functional.relu}
-
-
-def parameter_seed(layer_number: int, name: str) -> int:
-    """Seed of one weight's init: the run's seed (torch.manual_seed) and the weight's identity.
-
-    Every weight is drawn whole from its own seed and then sliced, so any tensor-parallel
-    layout starts from exactly the weights of the single-process model.
-    """
-    text = f"{torch.initial_seed()}:{layer_number}:{name}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def output_init_std(config: TransformerConfig) -> float:
-    """Projections that write into the residual stream are scaled by 1/sqrt(2 * layers)."""
-    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
 class MLP(MegatronModule):

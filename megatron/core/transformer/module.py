@@ -27,10 +27,6 @@ class MegatronModule(nn.Module):
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
         return collect_sharded_state_dict(self, prefix)
 
-    def state_dict_for_save_checkpoint(self, prefix: str = "") -> Dict[str, torch.Tensor]:
-        """Megatron's name for the plain (unsharded) state dict."""
-        return self.state_dict(prefix=prefix)
-
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Pipeline stages after the first receive their input here (overridden where used)."""
         raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage entry point")

@@ -13,8 +13,8 @@ from torch import nn
 from megatron.core.tensor_parallel import checkpoint_with_tracker
 
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.transformer.attention import RotaryPair, build_attention_mask
-from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.attention import RotaryPair
+from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig

@@ -8,7 +8,7 @@ dataclasses; nothing in megatron/core reads global arguments.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -298,22 +298,4 @@ class DLMConfig:
         if self.effective_mask_type == "sliding_window" and not sliding_window:
             raise ValueError(f"{owner}.attention_mask_type='sliding_window' needs "
                              "TransformerConfig.sliding_window; pass --sliding-window <tokens>")
-        return self
-
-
-@dataclass
-class ModelConfig:
-    """A transformer and its objective, validated together."""
-
-    transformer: TransformerConfig = field(default_factory=TransformerConfig)
-    dlm: DLMConfig = field(default_factory=DLMConfig)
-    seq_length: Optional[int] = None
-    """Training sequence length, when known; checked against the block size and positions."""
-
-    def validate(self) -> "ModelConfig":
-        self.transformer.validate()
-        self.dlm.validate(self.transformer.vocab_size, self.seq_length, self.transformer.sliding_window)
-        if self.seq_length is not None and self.seq_length > self.transformer.max_position_embeddings:
-            raise ValueError(f"ModelConfig.seq_length={self.seq_length} exceeds max_position_embeddings="
-                             f"{self.transformer.max_position_embeddings}; raise --max-position-embeddings")
         return self

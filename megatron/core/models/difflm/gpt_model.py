@@ -29,14 +29,14 @@ from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
 from megatron.core.models.difflm import objective
 from megatron.core.models.difflm.batch import POSITION_FIX, VOCAB_FIX, check_id_ranges, positions_from_documents
 from megatron.core.models.difflm.output_layer import OutputLayer
-from megatron.core.transformer.attention import build_attention_mask
+from megatron.core.transformer.attention_mask import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, group_rank, group_size,
                                            model_parallel_rng_tracker)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.transformer.mlp import parameter_seed
+from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
