@@ -52,6 +52,24 @@ class ProcessGroups:
     embedding: Optional[dist.ProcessGroup] = None
 
 
+@dataclass
+class ParallelContext(ProcessGroups):
+    """The groups plus the two layout facts layers act on when they are built: whether the
+    activations between tensor-parallel regions are split over the sequence, and the RNG tracker
+    whose tp-rank-specific stream dropout draws from where ranks hold different values. GPTModel
+    builds it once (`GPTModel.parallel_context`) and hands it down; a plain ProcessGroups means
+    neither (one rank's view: no tracker, no sequence split)."""
+
+    sequence_parallel: bool = False
+    rng_tracker: Optional[object] = None
+    """A `tensor_parallel.TensorParallelRNGTracker` when tp > 1."""
+
+    @classmethod
+    def extend(cls, groups: Optional[ProcessGroups], **facts) -> "ParallelContext":
+        groups = groups if groups is not None else ProcessGroups()
+        return cls(**{name: getattr(groups, name) for name in ProcessGroups.__dataclass_fields__}, **facts)
+
+
 class ParallelState:
     """Sizes, this rank's coordinates and the process groups of one layout."""
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron.core.tensor_parallel.utils import group_size
+from megatron.core.tensor_parallel.utils import group_size, local_tensor
 
 if TYPE_CHECKING:
     from megatron.core.distributed.loss_normalization import GlobalBatchLoss
@@ -112,7 +112,7 @@ def local_gradients(model: nn.Module) -> List[torch.Tensor]:
     for param in model.parameters():
         if param.grad is not None:
             grad = param.grad
-            grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)
+            grads.append(local_tensor(grad))
     return grads
 
 
@@ -126,7 +126,7 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
     grads = []
     for param in model.parameters():
         if param.grad is not None and getattr(param, "allreduce_over_tp", False):
-            grads.append(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
+            grads.append(local_tensor(param.grad))
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=tp_group)

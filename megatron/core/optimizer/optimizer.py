@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.tensor_parallel.utils import local_tensor
+
 
 @dataclass
 class OptimizerConfig:
@@ -53,10 +55,6 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
     return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if hasattr(grad, "to_local") else grad
-
-
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
                    dp_shard_group=None, scale: Optional[torch.Tensor] = None,
                    optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
@@ -75,9 +73,9 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    sharded = [_local(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [_local(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
-    device = _local(params[0].grad).device
+    sharded = [local_tensor(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [local_tensor(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
+    device = local_tensor(params[0].grad).device
     squares = torch.zeros(2, device=device, dtype=torch.float32)
     for index, grads in enumerate((sharded, replicated)):
         if grads:
@@ -135,7 +133,7 @@ def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                value = value.to_local() if hasattr(value, "to_local") else value
+                value = local_tensor(value)
                 numel += value.numel()
                 nbytes += value.numel() * value.element_size()
     return numel, nbytes

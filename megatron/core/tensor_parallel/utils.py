@@ -19,6 +19,11 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank holds: a DTensor's local shard (FSDP2), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     """This process's rank *inside* `group` (not its global rank); 0 for `None`."""
     return 0 if group is None else dist.get_rank(group)

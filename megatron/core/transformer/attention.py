@@ -63,8 +63,9 @@ class SelfAttention(MegatronModule):
                 # its own heads: partial gradients.
                 param.allreduce_over_tp = self.tp_size > 1
         self.recompute_core_attention = config.recompute_granularity == "selective"
-        self.rng_tracker = None
-        """Set by GPTModel under tensor parallelism: attention dropout draws a per-tp-rank stream."""
+        self.rng_tracker = getattr(pg, "rng_tracker", None)
+        """With tensor parallelism (a ParallelContext from GPTModel): each rank holds other heads, so
+        attention dropout draws the tracker's per-tp-rank stream."""
 
     def _build_projections(self, config: TransformerConfig) -> None:
         groups, per_group, dim, hidden = self.num_groups, self.heads_per_group, self.head_dim, config.hidden_size

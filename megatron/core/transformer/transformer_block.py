@@ -37,8 +37,9 @@ class TransformerBlock(MegatronModule):
         self.layers = nn.ModuleDict({str(number): build(number) for number in range(start, end)})
         self.final_layernorm = build_norm(config, config.hidden_size) if post_layer_norm else None
         self.input_tensor: Optional[torch.Tensor] = None
-        self.rng_tracker = None
-        """Set by GPTModel under tensor parallelism so full recompute replays tp dropout streams."""
+        self.rng_tracker = getattr(pg, "rng_tracker", None)
+        """With tensor parallelism (a ParallelContext from GPTModel): full recompute replays the
+        tracker's dropout streams too."""
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = input_tensor

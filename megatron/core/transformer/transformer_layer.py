@@ -32,9 +32,9 @@ class TransformerLayer(MegatronModule):
         self.self_attention = self_attention if self_attention is not None else SelfAttention(config, layer_number, pg)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.mlp = mlp if mlp is not None else MLP(config, layer_number, pg)
-
-    rng_tracker = None
-    """Set by GPTModel under sequence parallelism: each tp rank drops out its own tokens."""
+        self.rng_tracker = getattr(pg, "rng_tracker", None) if getattr(pg, "sequence_parallel", False) else None
+        """Under sequence parallelism each tp rank holds other tokens: hidden dropout draws the
+        tracker's per-tp-rank stream (without SP the activations are replicated: the default one)."""
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.config.hidden_dropout == 0:

@@ -31,11 +31,9 @@ from megatron.core.models.difflm.batch import POSITION_FIX, VOCAB_FIX, check_id_
 from megatron.core.models.difflm.output_layer import OutputLayer
 from megatron.core.transformer.attention_mask import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.parallel_state import ProcessGroups
+from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, group_rank, group_size,
                                            model_parallel_rng_tracker)
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -75,14 +73,13 @@ class GPTModel(MegatronModule):
         config.validate()
         self.dlm_config.validate(config.vocab_size, sliding_window=config.sliding_window)
         self.pre_process, self.post_process = pre_process, post_process
-        self.tp_group = pg.tp if pg is not None else None
-        self.sequence_parallel = config.sequence_parallel and group_size(self.tp_group) > 1
+        pg = self.parallel_context(config, pg)
+        self.tp_group, self.sequence_parallel, self.rng_tracker = pg.tp, pg.sequence_parallel, pg.rng_tracker
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.tp_group)
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
                                               pg=pg)
-        self._install_rng_tracker()
         self.tied_output = config.share_embeddings_and_output_weights and pre_process
         if post_process and not self.tied_output:
             self.output_layer = ColumnParallelLinear(
@@ -103,16 +100,19 @@ class GPTModel(MegatronModule):
                 sharded[name].padded_rows = True
         return sharded
 
-    def _install_rng_tracker(self) -> None:
-        """Dropout inside tensor-parallel regions (and on sequence-parallel slices) must differ
-        across tp ranks; everything else draws the default stream, identical on every rank."""
-        if group_size(self.tp_group) == 1:
-            return
-        self.rng_tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(self.tp_group))
-        self.decoder.rng_tracker = self.rng_tracker
-        for module in self.decoder.modules():
-            if isinstance(module, SelfAttention) or (self.sequence_parallel and isinstance(module, TransformerLayer)):
-                module.rng_tracker = self.rng_tracker
+    @staticmethod
+    def parallel_context(config: TransformerConfig, pg: Optional[ProcessGroups]) -> ParallelContext:
+        """What the layers are built with: the groups, sequence parallelism (on only with tp > 1),
+        and, with tp > 1, the tracker whose tp-rank stream drops out what ranks hold differently
+        (attention heads; the sequence slices under SP). Everything else draws the default stream,
+        identical on every rank."""
+        if isinstance(pg, ParallelContext):
+            return pg
+        tp_group = pg.tp if pg is not None else None
+        if group_size(tp_group) == 1:
+            return ParallelContext.extend(pg)
+        tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(tp_group))
+        return ParallelContext.extend(pg, sequence_parallel=config.sequence_parallel, rng_tracker=tracker)
 
     @property
     def running_mode(self) -> str:
