@@ -10,8 +10,6 @@ the architecture flags are taken from the checkpoint, so a user need not retype 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Callable, Dict, Tuple
 
 from megatron.core.errors import InputError
@@ -109,7 +107,7 @@ def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> No
 def apply_checkpoint_args(args) -> None:
     """--use-checkpoint-args: the architecture flags (and --seq-length when not given) from the
     latest checkpoint under --load, before the flags are validated."""
-    from megatron.training.checkpointing import iteration_dir, latest_iteration
+    from megatron.training.checkpointing import iteration_dir, latest_iteration, read_checkpoint_metadata
 
     if not args.load:
         raise InputError("--use-checkpoint-args needs --load DIR")
@@ -117,12 +115,7 @@ def apply_checkpoint_args(args) -> None:
     if iteration is None:
         raise InputError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint yet (no tracker file); "
                          "give the architecture flags")
-    path = os.path.join(iteration_dir(args.load, iteration), "metadata.json")
-    try:
-        with open(path) as handle:
-            metadata = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise InputError(f"--use-checkpoint-args: {path} is not readable ({error}); load another checkpoint")
+    metadata = read_checkpoint_metadata(iteration_dir(args.load, iteration))
     saved = metadata.get("transformer_config", {})
     for field, (_, dest, to_flag) in {**ARCHITECTURE_FIELDS, **FUNCTION_FIELDS}.items():
         if dest is not None and field in saved:

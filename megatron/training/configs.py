@@ -18,10 +18,6 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 class _FromArgs:
     @classmethod
     def from_args(cls, args: argparse.Namespace):
@@ -74,13 +70,10 @@ class TrainingConfig(_FromArgs):
     """Pipeline stages: chooses the micro-batch schedule (--pipeline-model-parallel-size)."""
 
     def validate(self) -> None:
-        for name in ("micro_batch_size", "global_batch_size", "num_microbatches", "train_iters", "seq_length",
-                     "eval_interval", "max_consecutive_nan_iterations"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)} must be >= 1")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
-                             f"{self.micro_batch_size}; adjust one of them")
+        # The sizes and the batch split are checked by flag before they are derived
+        # (arguments._validate_ranges, _validate_batch_and_schedule); what is left is this.
+        if self.eval_interval < 1:
+            raise ValueError(f"--eval-interval {self.eval_interval} must be >= 1")
 
 
 @dataclass
@@ -112,8 +105,6 @@ class CheckpointConfig(_FromArgs):
             raise ValueError("--save-interval needs --save DIR and a positive interval")
         if self.async_save and not self.save:
             raise ValueError("--async-save needs --save DIR")
-        if self.keep_last_checkpoints is not None and self.keep_last_checkpoints < 1:
-            raise ValueError(f"--keep-last-checkpoints {self.keep_last_checkpoints} must be >= 1")
 
 
 @dataclass
