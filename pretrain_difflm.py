@@ -34,11 +34,14 @@ from megatron.training.training import StepContext
 
 
 def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
-                   pg: Optional[ProcessGroups] = None) -> GPTModel:
+                   pg: Optional[ProcessGroups] = None, layer_range: Optional[Tuple[int, int]] = None) -> GPTModel:
+    """The model, or the pipeline stage holding layers [start, end) of `layer_range` (pre_process:
+    it holds the embedding; post_process: the output layer)."""
     # get_batch checks every batch's ids on the host before the copy, so the model need not read
     # them back from the device (a host sync per micro-batch); it keeps a device-side assert.
     config = args.transformer_config.replace(check_token_ids=False)
-    return GPTModel(config, args.dlm_config, pre_process=pre_process, post_process=post_process, pg=pg)
+    return GPTModel(config, args.dlm_config, pre_process=pre_process, post_process=post_process,
+                    layer_range=layer_range, pg=pg)
 
 
 def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
@@ -95,6 +98,9 @@ def loss_func(normalizer: torch.Tensor, loss_sum: torch.Tensor) -> Tuple[torch.T
 
 
 def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, args: argparse.Namespace):
+    """One micro-batch: its loss sum on the last pipeline stage (or without pipelining), the
+    hidden states for the next stage elsewhere. Every stage reads the batch and derives the
+    same corruption; a stage after the first takes its input from the previous one."""
     device = next(model.parameters()).device
     batch = get_batch(data_iterator, args, ctx, device)
     dlm = args.dlm_config
@@ -109,9 +115,10 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
         batch["inputs"], dlm, key, batch["loss_mask"], batch["document_ids"], clamp_normalizer=False)
     # A normalizer of 1 makes the model return the weighted sum itself: its gradient then flows
     # through the model's loss, which the masked-only output layer prepares in its forward.
-    _, loss_sum = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
-                        loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"])
-    return loss_sum, partial(loss_func, normalizer)
+    output = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
+                   loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"])
+    # The last stage returns (per-token losses, loss sum); the others their hidden states.
+    return (output[1] if isinstance(output, tuple) else output), partial(loss_func, normalizer)
 
 
 def main(argv: Optional[List[str]] = None):

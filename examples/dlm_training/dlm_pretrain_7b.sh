@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # 7B masked diffusion LM (Qwen2.5-7B / Dream shape): 28 layers, hidden 3584, 28 heads / 4 kv
 # heads, SwiGLU 18944, QKV bias, RMSNorm 1e-6, RoPE base 1e6, untied embeddings, seq 4096.
-# Needs data-parallel sharding of the optimizer (arrives with the parallelism release) beyond one GPU's memory.
+# Layout for one node of 8 x 80 GB: TP=2 (+SP) x PP=2 x DP=2 with ZeRO-1 (TP, PP: environment).
+# Estimated per GPU (7.6B / (TP x PP) = 1.9B parameters): fp32 weights and gradients 15.2 GB, AdamW
+# state 15.2 GB / DP = 7.6 GB, activations with selective recompute about 34*s*h/TP bytes a layer
+# (0.25 GB) x 14 layers x at most 2 micro-batches in flight on stage 0 = 7 GB: about 30 GB plus
+# buffers and the output layer's chunks. (An estimate; measured runs go to docs/performance.md.)
+# The compiled loss (--difflm-compile-loss) is TP=1 only: with TP=1 add it through EXTRA_ARGS.
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+TP=${TP:-2}
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "${PP:-2}" --use-distributed-optimizer)
+if (( TP > 1 )); then PARALLEL_ARGS+=(--sequence-parallel); fi
 
-run_pretrain \
+run_pretrain "${PARALLEL_ARGS[@]}" \
     --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28 \
     --group-query-attention --num-query-groups 4 --kv-channels 128 \
     --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 \
@@ -21,6 +29,6 @@ run_pretrain \
     --recompute-granularity selective \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --difflm-eps 1e-3 --difflm-t-sampling antithetic --difflm-loss-weight inverse_p \
-    --difflm-loss-normalizer tokens --difflm-masked-only-loss --difflm-compile-loss --torch-compile \
+    --difflm-loss-normalizer tokens --difflm-masked-only-loss --torch-compile \
     --difflm-varilen-prob 0.01 \
     --eval-interval 2000 --eval-iters 10

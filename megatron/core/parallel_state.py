@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 
@@ -69,6 +70,23 @@ class ParallelContext(ProcessGroups):
         groups = groups if groups is not None else ProcessGroups()
         return cls(**{name: getattr(groups, name) for name in ProcessGroups.__dataclass_fields__}, **facts)
 
+    @classmethod
+    def build(cls, groups: Optional[ProcessGroups], sequence_parallel: bool) -> "ParallelContext":
+        """What a model is built with: the groups, sequence parallelism (on only with tp > 1),
+        and, with tp > 1, the tracker whose tp-rank stream drops out what ranks hold differently
+        (attention heads; the sequence slices under SP). Everything else draws the default
+        stream, identical on every rank. Build it once per rank: the model chunks of an
+        interleaved pipeline share it, so their dropout streams do not repeat each other."""
+        if isinstance(groups, ParallelContext):
+            return groups
+        from megatron.core.tensor_parallel import group_rank, group_size, model_parallel_rng_tracker
+
+        tp_group = groups.tp if groups is not None else None
+        if group_size(tp_group) == 1:
+            return cls.extend(groups)
+        tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(tp_group))
+        return cls.extend(groups, sequence_parallel=sequence_parallel, rng_tracker=tracker)
+
 
 class ParallelState:
     """Sizes, this rank's coordinates and the process groups of one layout."""
@@ -90,6 +108,23 @@ class ParallelState:
             dp=self._group("dp", self.grid, ["dp"]), dp_cp=self._group("dp_cp", self.grid, ["cp", "dp"]),
             pp=self._group("pp", self.grid, ["pp"]), ep=self._group("ep", self.expert_grid, ["ep"]),
             expert_dp=self._group("expert_dp", self.expert_grid, ["edp"]), embedding=self._embedding_group())
+        self.pipeline_p2p_groups = self._pipeline_p2p_groups()
+
+    def _pipeline_p2p_groups(self) -> Dict[str, Optional[dist.ProcessGroup]]:
+        """One group per kind of stage-to-stage traffic (p2p_communication.py says why)."""
+        from megatron.core.pipeline_parallel.p2p_communication import LINKS
+
+        if self.pp == 1:
+            return {}
+        return {link: self._new_group(f"pp_{link}", rank_groups(self.grid, ["pp"])) for link in LINKS}
+
+    def pipeline_links(self, device, variable_shapes: bool = False):
+        """This rank's `PipelineLinks` to its neighbouring stages (None without pipelining)."""
+        from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
+
+        if self.pp == 1:
+            return None
+        return PipelineLinks(self.ranks["pp"], self.rank, self.pipeline_p2p_groups, device, variable_shapes)
 
     def _new_group(self, name: str, all_groups: List[List[int]]):
         """Every rank creates every group in the same order (required by the backends)."""

@@ -32,7 +32,9 @@ POSITIVE_INT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_l
                       "global_batch_size", "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
                       "max_position_embeddings", "train_samples", "exit_interval", "keep_last_checkpoints",
                       "max_consecutive_nan_iterations", "distributed_timeout_minutes", "difflm_block_size",
-                      "difflm_loss_chunk_size")
+                      "difflm_loss_chunk_size", "num_layers_per_virtual_pipeline_stage",
+                      "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+                      "decoder_last_pipeline_num_layers")
 NON_NEGATIVE_INT_FLAGS = ("eval_iters", "num_workers", "lr_warmup_iters")
 _INF = float("inf")
 # Float flags of the optimizer and the loop: (the allowed range as text, its test). Every test is
@@ -71,6 +73,10 @@ FLAG_NEEDS = (
     ("data_cache_path", "--data-path or --train-data-path (--mock-data has no index files)",
      lambda a: not a.mock_data),
     ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
+    ("account_for_embedding_in_pipeline_split", "--pipeline-model-parallel-size > 1",
+     lambda a: a.pipeline_model_parallel_size > 1),
+    ("account_for_loss_in_pipeline_split", "--pipeline-model-parallel-size > 1",
+     lambda a: a.pipeline_model_parallel_size > 1),
 )
 # What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
@@ -221,6 +227,14 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, help="Layers per interleaved model chunk.")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, help="Interleaved model chunks per rank.")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, help="Layers of the first pipeline rank.")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, help="Layers of the last pipeline rank.")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer of the first pipeline stage.")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the loss as one layer of the last pipeline stage.")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -402,10 +416,10 @@ def _validate_parallel(args: argparse.Namespace) -> None:
     args.data_parallel_size = args.world_size // model_parallel
     if args.use_distributed_optimizer:
         args.data_parallel_sharding_strategy = "optim"
-    for flag in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+    for flag in ("context_parallel_size", "expert_model_parallel_size"):
         if getattr(args, flag) != 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported by this release "
-                             "yet; use 1 (tensor and data parallelism are)")
+                             "yet; use 1 (tensor, pipeline and data parallelism are)")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel")
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
@@ -456,6 +470,7 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; "
                          "adjust one of them")
     args.num_microbatches = args.global_batch_size // per_step
+    _validate_pipeline(args)
     if (args.train_iters is None) == (args.train_samples is None):
         raise ValueError("give exactly one of --train-iters and --train-samples")
     if args.train_iters is None:
@@ -473,6 +488,29 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     args.training_config = TrainingConfig.from_args(args)
     args.checkpoint_config = CheckpointConfig.from_args(args)
     args.logging_config = LoggingConfig.from_args(args)
+
+
+def _validate_pipeline(args: argparse.Namespace) -> None:
+    """The layer split over pipeline ranks and virtual stages (layer_split.py), and what interleaving needs."""
+    from megatron.core.pipeline_parallel.layer_split import stage_layer_counts, virtual_size_from_flags
+
+    pp = args.pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if args.num_layers_per_virtual_pipeline_stage is not None and (first is not None or last is not None):
+        raise ValueError("--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-"
+                         "pipeline-num-layers; give --num-virtual-stages-per-pipeline-rank instead")
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    args.virtual_pipeline_model_parallel_size = virtual_size_from_flags(
+        args.num_layers + embedding + loss, pp, args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank)
+    args.pipeline_layer_counts = stage_layer_counts(args.num_layers, pp, args.virtual_pipeline_model_parallel_size,
+                                                    first, last, embedding, loss)
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} micro-batches "
+                         f"per replica, which the interleaved schedule needs divisible by "
+                         f"--pipeline-model-parallel-size {pp}; use a multiple of "
+                         f"{args.micro_batch_size * args.data_parallel_size * pp} (micro-batch x data-parallel x "
+                         "pipeline sizes)")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

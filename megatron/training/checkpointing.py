@@ -153,7 +153,9 @@ def _metadata(record: RunRecord, trainer, iteration: int) -> dict:
             "dlm_config": dataclasses.asdict(record.dlm_config),
             "layout": {"world_size": record.world_size,
                        "tensor_model_parallel_size": record.tensor_model_parallel_size,
-                       "data_parallel_size": record.data_parallel_size},
+                       "data_parallel_size": record.data_parallel_size,
+                       "pipeline_model_parallel_size": record.pipeline_model_parallel_size,
+                       "virtual_pipeline_model_parallel_size": record.virtual_pipeline_model_parallel_size},
             "tokenizer": record.tokenizer, "seq_length": record.seq_length,
             # fp16's dynamic loss scale: a resumed run continues with the scale it had reached.
             "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None}

@@ -68,6 +68,12 @@ class TrainingConfig(_FromArgs):
     """DataLoader worker processes per rank (--num-workers)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages: chooses the micro-batch schedule (--pipeline-model-parallel-size)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for the interleaved schedule; None without interleaving (>= 2 otherwise;
+    from --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)."""
+    pipeline_layer_counts: Optional[list] = None
+    """Transformer layers of every virtual stage s = chunk x pipeline size + rank, laid out contiguously in
+    that order (pipeline_parallel/layer_split.py); [num_layers] with one stage."""
 
     def validate(self) -> None:
         # The sizes and the batch split are checked by flag before they are derived
@@ -139,6 +145,8 @@ class RunRecord:
     world_size: int = 1
     tensor_model_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
     data_parallel_sharding_strategy: str = "no_shard"
     sequence_parallel: bool = False
 
@@ -148,5 +156,7 @@ class RunRecord:
                    seq_length=args.seq_length, tokenizer=getattr(args.tokenizer, "identity", None),
                    world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
                    data_parallel_size=args.data_parallel_size,
+                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                   virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                    data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
                    sequence_parallel=args.sequence_parallel)

@@ -22,10 +22,13 @@ from torch import nn
 
 from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded,
                                                      optimizer_sharding_group, wrap_data_parallel)
+from megatron.core.pipeline_parallel.chunks import ModelChunks
+from megatron.core.pipeline_parallel.layer_split import stage_layer_range
+from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
 from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
-from megatron.core.parallel_state import ParallelState, ProcessGroups, initialize_model_parallel
+from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
@@ -106,7 +109,7 @@ class Trainer:
                  scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
                  train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
                  runtime: Runtime, logger: Optional[TrainingLogger] = None,
-                 groups: Optional[ProcessGroups] = None) -> None:
+                 groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
         self.forward_step = forward_step
@@ -118,7 +121,8 @@ class Trainer:
         self.signal_handler: Optional[ExitSignalHandler] = None
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.initial_loss_scale,
                                                 enabled=config.fp16)
-        self.schedule = get_forward_backward_func(config.pipeline_model_parallel_size)
+        self.schedule = get_forward_backward_func(config.pipeline_model_parallel_size,
+                                                  config.virtual_pipeline_model_parallel_size, links)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
@@ -131,8 +135,9 @@ class Trainer:
         loss = self.schedule(forward_step, data_iterator, self.model, self.config.num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
                              scale_loss=self.grad_scaler.scale)
-        # Tensor-parallel peers hold the same values: sum over the data-parallel replicas only.
-        return loss.reduce(self.groups.dp)
+        # Tensor-parallel peers hold the same values: sum over the data-parallel replicas, then
+        # hand the last pipeline stage's values to every stage.
+        return loss.reduce(self.groups.dp, pipeline_group=self.groups.pp)
 
     def train_step(self, data_iterator: Iterator) -> StepResult:
         state = self.state
@@ -140,12 +145,12 @@ class Trainer:
         batch_loss = self._forward_backward(data_iterator, True, state.iteration, state.consumed_train_samples,
                                             stream=0)
         self.grad_scaler.unscale_(self.optimizer)
-        gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp)
+        gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp, self.groups.embedding)
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
                                    self.groups.dp if is_fully_sharded(self.model) else None, scale=gradient_scale,
-                                   optimizer=None if self.config.fp16 else self.optimizer)
+                                   optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp)
         loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -279,32 +284,56 @@ def dataset_sizes(config: TrainingConfig) -> List[int]:
     return [config.train_iters * config.global_batch_size, eval_samples, eval_samples if evaluations else 0]
 
 
+def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelState,
+                model_provider: Callable) -> Tuple[nn.Module, int]:
+    """This rank's model, initialised on the device: its pipeline stage, or under interleaving its
+    chunks (ModelChunks), built with one shared ParallelContext; and how many linear layers
+    train in fp8."""
+    pg = ParallelContext.build(layout.groups, args.sequence_parallel)
+    virtual = args.virtual_pipeline_model_parallel_size or 1
+    chunks, fp8_layers = [], 0
+    for vp_stage in range(virtual):
+        kwargs = {}
+        if layout.pp > 1:
+            kwargs["layer_range"] = stage_layer_range(args.pipeline_layer_counts, layout.pp, layout.pp_rank, vp_stage)
+        first = layout.pp_rank == 0 and vp_stage == 0
+        last = layout.pp_rank == layout.pp - 1 and vp_stage == virtual - 1
+        with torch.device(runtime.device):  # no host-side init of billions of weights
+            chunk = model_provider(args, pre_process=first, post_process=last, pg=pg, **kwargs)
+        chunk = chunk.to(runtime.device)
+        # Module swaps first, then the compiler sees (and fuses) the fp8 casts.
+        if args.fp8_format:
+            fp8_layers += enable_fp8_training(chunk, args.fp8_format, args.fp8_recipe)
+        if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
+            compile_transformer_layers(chunk)
+        chunks.append(chunk)
+    return (chunks[0] if virtual == 1 else ModelChunks(chunks)), fp8_layers
+
+
 def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_datasets_provider: Callable,
                   model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
-    """Model (initialised on the device), data-parallel wrapper, optimizer, schedule and data."""
+    """Model, data-parallel wrapper, optimizer, schedule and data."""
     set_random_seeds(args.seed)
     layout = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                       args.context_parallel_size, args.expert_model_parallel_size)
-    with torch.device(runtime.device):  # no host-side init of billions of weights
-        model = model_provider(args, pre_process=True, post_process=True, pg=layout.groups)
-    model = model.to(runtime.device)
-    # Module swaps first, then the compiler sees (and fuses) the fp8 casts.
-    fp8_layers = enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8_format else 0
-    if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
-        compile_transformer_layers(model)
+                                       args.context_parallel_size, args.expert_model_parallel_size,
+                                       args.virtual_pipeline_model_parallel_size)
+    model, fp8_layers = build_model(args, runtime, layout, model_provider)
     training = args.training_config
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
     logger.log_start(model, layout)
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
-    model = wrap_data_parallel(model, runtime.device, layout.groups.dp, args.data_parallel_sharding_strategy)
+    model = wrap_data_parallel(model, runtime.device, layout.groups.dp, args.data_parallel_sharding_strategy,
+                               pipeline=layout.pp > 1)
     optimizer, scheduler = build_optimizer_and_scheduler(args, model, layout.groups.dp)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
+    # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
+    links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)
     return Trainer(
         training, model, optimizer, scheduler, partial(forward_step_func, args=args),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
-        runtime=runtime, logger=logger, groups=layout.groups)
+        runtime=runtime, logger=logger, groups=layout.groups, links=links)
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,

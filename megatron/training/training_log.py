@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from datetime import datetime
-from typing import Dict
+from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.training import flops
 from megatron.training.configs import LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.initialize import Runtime
@@ -61,11 +64,11 @@ class TrainingLogger:
             print(message, flush=True)
 
     def log_start(self, model: nn.Module, state=None) -> None:
+        """The run's headline, the parallel layout and, with pipelining, the stage table
+        (a collective over the pipeline group: every rank calls it)."""
         training, record = self.training, self.record
-        tp = state.tp if state is not None else 1
-        # Tensor-parallel weights hold 1/tp of the model on this rank.
-        params = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                     for p in model.parameters())
+        stages = pipeline_stages(model, state)
+        params = sum(stage["params"] for stage in stages)
         self.print(f"> MegaDLMs: {record.dlm_config.model_running_mode} "
                    f"(attention {record.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
                    f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
@@ -74,6 +77,8 @@ class TrainingLogger:
                    f"{record.data_parallel_sharding_strategy}, micro-batch {training.micro_batch_size} x "
                    f"{training.num_microbatches} accumulation x {record.data_parallel_size} replicas = global batch "
                    f"{training.global_batch_size}")
+        if len(stages) > 1:
+            self.print(stage_table(stages))
 
     def _scalars(self, values: Dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -139,3 +144,32 @@ class TrainingLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def pipeline_stages(model: nn.Module, state=None) -> List[dict]:
+    """Per pipeline stage: its chunks' global layer ranges, its parameters (whole-model
+    equivalents: tp-sharded weights count tp times; a tied embedding's copy on the last stage
+    not at all), and whether it holds the embedding and the output layer. Gathered over the
+    pipeline group (one entry without pipelining)."""
+    tp = state.tp if state is not None else 1
+    chunks = [unwrap(chunk) for chunk in model_chunks(model)]
+    mine = {"layers": [getattr(getattr(c, "decoder", None), "layer_range", None) for c in chunks],
+            "params": sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                          for p in model.parameters() if not getattr(p, "tied_embedding_copy", False)),
+            "embedding": any(getattr(c, "pre_process", False) for c in chunks),
+            "output": any(getattr(c, "post_process", False) for c in chunks)}
+    if state is None or state.pp == 1:
+        return [mine]
+    stages = [None] * state.pp
+    dist.all_gather_object(stages, mine, group=state.groups.pp)
+    return stages
+
+
+def stage_table(stages: List[dict]) -> str:
+    rows = ["> pipeline stages (layers are global indices [start, end), one range per virtual stage)",
+            f"  {'stage':>5}  {'layers':<28} {'parameters':>12}  embedding  output"]
+    for index, stage in enumerate(stages):
+        ranges = " ".join(f"[{r[0]},{r[1]})" for r in stage["layers"] if r)
+        rows.append(f"  {index:>5}  {ranges:<28} {stage['params'] / 1e6:>11.2f}M  "
+                    f"{'yes' if stage['embedding'] else 'no':<9}  {'yes' if stage['output'] else 'no'}")
+    return "\n".join(rows)

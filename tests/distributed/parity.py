@@ -97,7 +97,9 @@ def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
     results = []
     for index in range(len(argvs)):
         ranks = [runs[index] for runs in per_rank]
-        results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "named": ranks[0]["named"],
+        # By name: each rank's gradients gathered over its replicas; pipeline stages hold different names.
+        named = {name: grad for rank in ranks for name, grad in rank["named"].items()}
+        results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "named": named,
                         "microbatches": ranks[0]["microbatches"],
                         "grads": _assemble({"shards": {f"{r}/{k}": v for r, rank in enumerate(ranks)
                                                        for k, v in rank["shards"].items()}}),

@@ -445,3 +445,72 @@ def test_registered_backend_is_used(monkeypatch):
     assert out.dtype == torch.bfloat16  # cast back to q's dtype by the interface
     with pytest.raises(ValueError, match="reserved"):
         register_attention_backend("auto", recording_backend)
+
+
+# ---------------------------------------------------------------------------- query / key positions
+def load_balanced_positions(seq_len: int, ranks: int, rank: int) -> torch.Tensor:
+    """Chunks rank and 2C-1-rank of 2C: what causal context parallelism gives a rank."""
+    chunk = seq_len // (2 * ranks)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk)])
+
+
+@pytest.mark.parametrize("with_documents", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
+def test_mask_at_positions_is_the_full_mask_at_those_rows_and_columns(case, with_documents):
+    """A rank holding some queries (and keys) sees exactly the full mask's rows and columns at
+    their global positions: every rule and the documents are read at the true positions."""
+    documents = make_documents(24) if with_documents else None
+    full = make_mask(case, documents).dense(24)
+    queries = load_balanced_positions(24, 3, 1)
+    keys = torch.tensor([0, 3, 4, 9, 12, 17, 20, 23])
+    mask_type, block_size, window = case
+    mask = AttentionMask(mask_type, block_size=block_size, window=window, document_ids=documents,
+                         query_positions=queries, key_positions=keys)
+    assert not mask.is_causal
+    expected = full[:, :, queries][:, :, :, keys]
+    assert torch.equal(mask.dense(len(queries), key_len=len(keys)).expand_as(expected), expected)
+    if mask_type != "no_mask" or with_documents:
+        block_mask = flex_block_mask(mask, len(queries), "cpu", len(keys))
+        b_idx, i_idx, j_idx = torch.arange(2)[:, None, None], torch.arange(8)[None, :, None], torch.arange(8)
+        allowed = block_mask.mask_mod(b_idx, 0, i_idx, j_idx[None, None, :]).expand(2, 8, 8)
+        assert torch.equal(allowed, expected.expand(2, 1, 8, 8)[:, 0])
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
+def test_attention_of_query_chunks_against_all_keys_equals_the_full_rows(backend, case):
+    """Context parallelism's contract: each rank's load-balanced query chunks against every key,
+    with positions, give exactly those rows of the one-rank attention, forward and backward."""
+    q, k, v = make_qkv(2, 4, 2, 24, 8)
+    documents = make_documents(24)
+    grad_out = torch.randn(2, 4, 24, 8, generator=torch.Generator().manual_seed(3))
+    full_out, (full_dq, full_dk, full_dv) = attention_and_grads("math", q, k, v, make_mask(case, documents), grad_out)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    mask_type, block_size, window = case
+    for rank in range(2):
+        rows = load_balanced_positions(24, 2, rank)
+        mask = AttentionMask(mask_type, block_size=block_size, window=window, document_ids=documents,
+                             query_positions=rows)
+        out, (dq, dk_part, dv_part) = attention_and_grads(backend, q[:, :, rows], k, v, mask,
+                                                          grad_out[:, :, rows])
+        torch.testing.assert_close(out, full_out[:, :, rows])
+        torch.testing.assert_close(dq, full_dq[:, :, rows])
+        dk, dv = dk + dk_part, dv + dv_part  # the reduce-scatter of dK/dV, summed here
+    torch.testing.assert_close(dk, full_dk)
+    torch.testing.assert_close(dv, full_dv)
+
+
+def test_positions_are_checked():
+    with pytest.raises(ValueError, match=r"query_positions must be a \[4\] integer tensor"):
+        AttentionMask("causal", query_positions=torch.arange(3)).validate(4)
+    with pytest.raises(ValueError, match="need an explicit mask"):
+        AttentionMask("causal").validate(4, key_len=8)
+    with pytest.raises(ValueError, match=r"document_ids has shape \(1, 4\), expected \[b, >= 8\]"):
+        AttentionMask("no_mask", document_ids=torch.zeros(1, 4, dtype=torch.long),
+                      query_positions=torch.arange(4)).validate(4, key_len=8)
+    with pytest.raises(ValueError, match="takes no document_ids or positions"):
+        AttentionMask("explicit", allowed=torch.ones(1, 2, 2, dtype=torch.bool), query_positions=torch.arange(2))
+    with_positions = AttentionMask("causal", query_positions=torch.arange(4))
+    assert with_positions != AttentionMask("causal") and with_positions == AttentionMask(
+        "causal", query_positions=torch.arange(4))

@@ -45,5 +45,5 @@ def test_forward_only_leaves_no_gradients_and_the_scale_needs_a_reduced_loss():
 
 def test_pipeline_schedules_are_chosen_by_the_layout():
     assert get_forward_backward_func(1) is forward_backward_no_pipelining
-    with pytest.raises(ValueError, match="pipeline-model-parallel-size 2"):
+    with pytest.raises(ValueError, match="a pipeline of 2 stages needs this rank's PipelineLinks"):
         get_forward_backward_func(2)

@@ -225,7 +225,8 @@ def test_packing_flags_give_documents_positions_and_eod_masking(mode):
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads 4 is not divisible"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31"], "--seq-length 31"),
-    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+     "--num-layers 2 is not divisible by --pipeline-model-parallel-size 4"),
 ])
 def test_parallel_layout_problems_exit_2_before_any_model(argv, message, capsys):
     world = 1

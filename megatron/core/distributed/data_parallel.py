@@ -9,6 +9,15 @@
 Every strategy skips gradient synchronisation on non-final micro-batches. Tensor-parallel
 layers are plain local tensors, so FSDP2 shards each tp rank's slice over the dp group.
 
+Under pipeline parallelism a stage's last backward comes after forwards of later
+micro-batches, which DDP's per-forward bookkeeping cannot follow: there, no_shard and optim
+keep the bare model and `finalize_gradients` sums the gradients over the replicas in
+flattened buckets after the schedule; FSDP2 wraps each model chunk and reduce-scatters on
+its last micro-batch (schedules.py). `optim_grads_params` keeps its meaning under PP: the
+weights are re-gathered for every micro-batch's forward and backward (ZeRO-3 memory, more
+all-gathers); `optim_grads` keeps them gathered between them, the cheaper choice when the
+gathered weights of a stage fit.
+
 Micro-batches backpropagate the *sum* of their weighted token losses; after the last one the
 gradients are taken as divided by the normalizer of the whole global batch (all micro-batches,
 all data-parallel ranks: loss_normalization.py). Gradient accumulation and data parallelism
@@ -25,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.tensor_parallel.utils import group_size, local_tensor
 
 if TYPE_CHECKING:
@@ -33,14 +43,26 @@ if TYPE_CHECKING:
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Attributes the tensor-parallel code reads from parameters; FSDP2 replaces the Parameter
 # objects, so they are carried over by name.
-_PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp")
+_PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp", "tied_across_stages",
+               "tied_embedding_copy")
+_BUCKET_ELEMENTS = 1 << 25  # gradients summed per all-reduce under pipeline parallelism
 
 
-def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strategy: str = "no_shard") -> nn.Module:
-    """The model wrapped for `strategy` over `group`; the bare model with one replica."""
+def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strategy: str = "no_shard",
+                       pipeline: bool = False) -> nn.Module:
+    """The model wrapped for `strategy` over `group`; the bare model with one replica. With
+    `pipeline` (a stage of a pipeline), every chunk of a ModelChunks is wrapped by itself."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(STRATEGIES)}")
     if group_size(group) == 1:
+        return model
+    if isinstance(model, ModelChunks):
+        model.chunks = nn.ModuleList([wrap_data_parallel(chunk, device, group, strategy, pipeline)
+                                      for chunk in model.chunks])
+        model.data_parallel_group, model.sums_gradients = group, pipeline and strategy in ("no_shard", "optim")
+        return model
+    if pipeline and strategy in ("no_shard", "optim"):
+        model.data_parallel_group, model.sums_gradients = group, True
         return model
     if strategy in ("no_shard", "optim"):
         device_ids = [device] if device.type == "cuda" else None
@@ -73,7 +95,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    return hasattr(model, "set_requires_gradient_sync")
+    return all(hasattr(chunk, "set_requires_gradient_sync") for chunk in model_chunks(model))
 
 
 def no_sync(model: nn.Module, last_microbatch: bool) -> ContextManager:
@@ -106,6 +128,45 @@ def data_parallel_size(model: nn.Module) -> int:
     return group_size(data_parallel_group(model))
 
 
+def averaging_replicas(model: nn.Module) -> int:
+    """How many replicas' gradients the synchronisation averaged (DDP, FSDP2); 1 where it summed them."""
+    return 1 if getattr(model, "sums_gradients", False) else data_parallel_size(model)
+
+
+def _allreduce_flat(grads: List[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` in place, in flattened buckets of one dtype."""
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        bucket, size = [], 0
+        for grad in same + [None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel()
+            if bucket and (grad is None or size >= _BUCKET_ELEMENTS):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=group)
+                for target, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    target.copy_(chunk.view_as(target))
+                bucket, size = [], 0
+
+
+def allreduce_pipeline_stage_grads(model: nn.Module, embedding_group=None) -> None:
+    """After a pipeline schedule: the replicas' gradients summed (where no wrapper synchronised
+    them), and the tied word-embedding copies of the first and last stage summed over
+    `embedding_group`, so both copies take the same step."""
+    if getattr(model, "sums_gradients", False):
+        _allreduce_flat([local_tensor(p.grad) for p in model.parameters() if p.grad is not None],
+                        model.data_parallel_group)
+    tied = [p for p in model.parameters() if getattr(p, "tied_across_stages", False)]
+    if tied and group_size(embedding_group) > 1:
+        for param in tied:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        _allreduce_flat([local_tensor(p.grad) for p in tied], embedding_group)
+
+
 def local_gradients(model: nn.Module) -> List[torch.Tensor]:
     """This rank's gradient tensors (the local shards under FSDP2)."""
     grads = []
@@ -128,24 +189,25 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
         if param.grad is not None and getattr(param, "allreduce_over_tp", False):
             grads.append(local_tensor(param.grad))
     if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp_group)
-        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(chunk.view_as(grad))
+        _allreduce_flat(grads, tp_group)
 
 
-def finalize_gradients(model: nn.Module, loss: "GlobalBatchLoss", tp_group=None) -> torch.Tensor:
-    """Complete the tensor-parallel partial gradients; returns the factor that turns the
-    (replica-averaged) summed gradients into gradients of the reduced batch `loss`, for
-    `clip_grad_norm(scale=...)` to apply together with the clipping."""
+def finalize_gradients(model: nn.Module, loss: "GlobalBatchLoss", tp_group=None,
+                       embedding_group=None) -> torch.Tensor:
+    """Complete the gradients (pipeline stages' replica sums and tied embeddings, then the
+    tensor-parallel partial ones); returns the factor that turns the summed gradients into
+    gradients of the reduced batch `loss`, for `clip_grad_norm(scale=...)` to apply together
+    with the clipping."""
+    allreduce_pipeline_stage_grads(model, embedding_group)
     allreduce_tensor_parallel_partial_grads(model, tp_group)
-    return loss.gradient_scale(data_parallel_size(model))
+    return loss.gradient_scale(averaging_replicas(model))
 
 
 def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every gradient gathered over the data-parallel shards (for tests and debugging)."""
     result = {}
-    for name, param in unwrap(model).named_parameters():
+    named = [item for chunk in model_chunks(model) for item in unwrap(chunk).named_parameters()]
+    for name, param in named:
         if param.grad is not None:
             grad = param.grad
             result[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()

@@ -9,9 +9,11 @@ is the batch's *normalizer*: valid tokens (LLaDA's B*L), masked tokens, or seque
 `GlobalBatchLoss` owns the rest of the story:
 1. `add(loss_sum, normalizer)` once per micro-batch (the schedule does it);
 2. `reduce()` once per step: the sums and the normalizers over the data-parallel replicas
-   (tensor-parallel peers hold the same values). Context parallelism will sum loss sums over
-   dp x cp but normalizers over dp only; the last pipeline stage will broadcast its values:
-   the groups are arguments, so those layouts change a call, not this class;
+   (tensor-parallel peers hold the same values), then over the pipeline stages, of which only
+   the last added anything (the others hold zeros), so every stage gets the same values for
+   the scale, the skip decision and the log. Context parallelism will sum loss sums over
+   dp x cp but normalizers over dp only: the groups are arguments, so layouts change a call,
+   not this class;
 3. `loss` for the log, and `gradient_scale(replicas)` for the gradients. DDP and FSDP2 average
    gradients over the replicas, so the summed gradients are multiplied by
    replicas / normalizer. That factor is never applied to the gradients here: it goes to
@@ -43,8 +45,10 @@ class GlobalBatchLoss:
         self.totals += torch.stack([loss_sum.detach().double(), normalizer.detach().double()])
 
     def reduce(self, loss_group: Optional[dist.ProcessGroup] = None,
-               normalizer_group: Optional[dist.ProcessGroup] = None) -> "GlobalBatchLoss":
-        """Sum over the replicas that saw other samples (one all-reduce when the groups agree)."""
+               normalizer_group: Optional[dist.ProcessGroup] = None,
+               pipeline_group: Optional[dist.ProcessGroup] = None) -> "GlobalBatchLoss":
+        """Sum over the replicas that saw other samples (one all-reduce when the groups agree),
+        then over `pipeline_group` (the last stage's values to every stage)."""
         normalizer_group = loss_group if normalizer_group is None else normalizer_group
         if normalizer_group is loss_group:
             if group_size(loss_group) > 1:
@@ -53,6 +57,8 @@ class GlobalBatchLoss:
             for index, group in ((0, loss_group), (1, normalizer_group)):
                 if group_size(group) > 1:
                     dist.all_reduce(self.totals[index:index + 1], group=group)
+        if group_size(pipeline_group) > 1:
+            dist.all_reduce(self.totals, group=pipeline_group)
         self.reduced = True
         return self
 

@@ -57,7 +57,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
                    dp_shard_group=None, scale: Optional[torch.Tensor] = None,
-                   optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
+                   optimizer: Optional[torch.optim.Optimizer] = None, pp_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
 
     `scale` (a 0-d tensor, e.g. 1 / loss tokens): the gradients are taken as multiplied by it
@@ -67,27 +67,26 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
 
     Tensor-parallel shards (param.tensor_model_parallel) are summed over tp; replicated
     weights hold the same gradient on every tp rank and count once. Gradients sharded over
-    the data-parallel ranks (FSDP2) are summed over `dp_shard_group`. A non-finite norm may
-    leave NaN gradients behind: the caller skips that step and zeroes them.
+    the data-parallel ranks (FSDP2) are summed over `dp_shard_group`, and the stages of a
+    pipeline over `pp_group` (the last stage's copy of a tied embedding counts once). A
+    non-finite norm may leave NaN gradients behind: the caller skips that step and zeroes them.
     """
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.zeros(())
-    sharded = [local_tensor(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
-    replicated = [local_tensor(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
     device = local_tensor(params[0].grad).device
-    squares = torch.zeros(2, device=device, dtype=torch.float32)
-    for index, grads in enumerate((sharded, replicated)):
-        if grads:
-            # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
-            squares[index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    squares = _norm_squares(params, device)
     if dp_shard_group is not None and dist.get_world_size(dp_shard_group) > 1:
         dist.all_reduce(squares, group=dp_shard_group)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         tp_part = squares[:1].clone()
         dist.all_reduce(tp_part, group=tp_group)
         squares = torch.cat([tp_part, squares[1:]])
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squares, group=pp_group)
     norm = squares.sum().sqrt()
+    sharded = [local_tensor(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
+    replicated = [local_tensor(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
     multiplier = None
     if scale is not None:
         scale = scale.to(device=device, dtype=torch.float32)
@@ -98,6 +97,18 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     if multiplier is not None:
         scale_gradients(sharded + replicated, multiplier, optimizer)
     return norm
+
+
+def _norm_squares(params: List[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """[sum of squares of the tp-sharded gradients, of the replicated ones] on this rank."""
+    counted = [p for p in params if not getattr(p, "tied_embedding_copy", False)]
+    squares = torch.zeros(2, device=device, dtype=torch.float32)
+    for index, sharded in enumerate((True, False)):
+        grads = [local_tensor(p.grad) for p in counted if bool(getattr(p, "tensor_model_parallel", False)) == sharded]
+        if grads:
+            # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
+            squares[index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    return squares
 
 
 def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:

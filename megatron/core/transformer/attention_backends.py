@@ -96,11 +96,12 @@ def _validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     b, hq, s, d = q.shape
-    # Only an explicit mask may pair s queries with a different number of keys (KV cache).
-    if k.shape[0] != b or k.shape[3] != d or (k.shape[2] != s and not mask.is_explicit):
+    # Only an explicit mask (KV cache) or one with positions (a rank's queries against more
+    # keys) may pair s queries with a different number of keys.
+    if k.shape[0] != b or k.shape[3] != d or (k.shape[2] != s and not (mask.is_explicit or mask.has_positions)):
         raise ValueError(
             f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on batch, sequence and"
-            " head dim (self-attention; only an explicit mask allows other key lengths)"
+            " head dim (self-attention; only an explicit mask or positions allow other key lengths)"
         )
     if hq % k.shape[1] != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
@@ -139,7 +140,7 @@ def math_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p
         kf = kf.repeat_interleave(groups, dim=1)
         vf = vf.repeat_interleave(groups, dim=1)
     scores = torch.matmul(qf, kf.transpose(-2, -1)) * softmax_scale
-    allowed = mask.dense(q.shape[2], device=q.device)
+    allowed = mask.dense(q.shape[2], device=q.device, key_len=k.shape[2])
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
@@ -186,7 +187,7 @@ def sdpa_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p
     if mask.is_causal:
         kwargs["is_causal"] = True
     elif not mask.is_full:
-        kwargs["attn_mask"] = mask.dense(q.shape[2], device=q.device)
+        kwargs["attn_mask"] = mask.dense(q.shape[2], device=q.device, key_len=k.shape[2])
     with _sdpa_kernel_context(q.device):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -231,10 +232,19 @@ def _flex_functions(device_type: str):
     return _compiled_flex_functions()
 
 
-def _build_block_mask(mask_mod, batch: Optional[int], seq_len: int, device: torch.device):
+def _build_block_mask(mask_mod, batch: Optional[int], seq_len: int, device: torch.device,
+                      key_len: Optional[int] = None):
     _, build = _flex_functions(device.type)
     # H=None: the pattern is the same for every head, so one mask serves all of them.
-    return build(mask_mod, batch, None, seq_len, seq_len, device=device)
+    return build(mask_mod, batch, None, seq_len, key_len or seq_len, device=device)
+
+
+def _at_positions(mask_mod, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """`mask_mod` (a rule on global positions) read at the rank's query / key indices."""
+    def at_positions(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, query_positions[q_idx], key_positions[kv_idx])
+
+    return at_positions
 
 
 @functools.lru_cache(maxsize=64)
@@ -246,26 +256,37 @@ def _cached_structure_block_mask(mask: AttentionMask, seq_len: int, device: torc
 
 
 @torch.compiler.disable
-def _document_block_mask(mask: AttentionMask, seq_len: int, device: torch.device):
+def _document_block_mask(mask: AttentionMask, seq_len: int, device: torch.device, key_len: Optional[int] = None):
     # Built outside any enclosing torch.compile graph (a graph break there) on purpose:
     # with torch 2.11 on H200, create_block_mask with a batch dimension traced into the
     # same graph as flex_attention gave wrong outputs for batch rows > 0 at s=128 and an
     # illegal memory access at s=256; built by its own compiled function it is correct.
-    document_ids = mask.document_ids.to(device)
-    mask_mod = _document_mask_mod(document_ids)
-    structure = _structure_mask_mod(mask)
-    if structure is not None:
-        mask_mod = and_masks(mask_mod, structure)
-    return _build_block_mask(mask_mod, document_ids.shape[0], seq_len, device)
+    # Masks with positions are built here too: they change with every batch of positions.
+    mask_mod = _structure_mask_mod(mask)
+    batch = None
+    if mask.has_documents:
+        document_ids = mask.document_ids.to(device)
+        batch = document_ids.shape[0]
+        documents = _document_mask_mod(document_ids)
+        mask_mod = documents if mask_mod is None else and_masks(documents, mask_mod)
+    if mask_mod is None:  # no_mask at positions: every key
+        mask_mod = _every_key
+    if mask.has_positions:
+        mask_mod = _at_positions(mask_mod, *mask.positions(seq_len, key_len, device))
+    return _build_block_mask(mask_mod, batch, seq_len, device, key_len)
 
 
-def flex_block_mask(mask: AttentionMask, seq_len: int, device: torch.device):
+def _every_key(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+def flex_block_mask(mask: AttentionMask, seq_len: int, device: torch.device, key_len: Optional[int] = None):
     """The FlexAttention BlockMask for ``mask`` (None for a full mask)."""
     device = torch.device(device)
     if mask.is_full:
         return None
-    if mask.has_documents:
-        return _document_block_mask(mask, seq_len, device)
+    if mask.has_documents or mask.has_positions:
+        return _document_block_mask(mask, seq_len, device, key_len)
     if torch.compiler.is_compiling():
         # Dynamo ignores lru_cache anyway; inside a compiled graph the mask is part of it.
         return _build_block_mask(_structure_mask_mod(mask), None, seq_len, device)
@@ -291,7 +312,7 @@ def flex_attention_backend(q, k, v, mask: AttentionMask, softmax_scale: float, d
             " ('auto' does), or run under torch.no_grad()"
         )
     attend, _ = _flex_functions(q.device.type)
-    block_mask = flex_block_mask(mask, q.shape[2], q.device)
+    block_mask = flex_block_mask(mask, q.shape[2], q.device, k.shape[2])
     enable_gqa = q.shape[1] != k.shape[1]
     return attend(
         q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=enable_gqa

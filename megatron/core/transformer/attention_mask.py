@@ -5,8 +5,11 @@ A mask is described, not materialised: backends that have a fast path for a patt
 ``AttentionMask.dense`` is the one reference materialisation that everything else is
 tested against.
 
-The structured types are self-attention patterns (query length == key length), so
-"causal" is the same whether it is read top-left or bottom-right aligned. The ``explicit``
+The structured types are self-attention patterns over one sequence: a rule on the
+(query position, key position) pair. By default a rank holds every query and every key
+(positions 0..s-1); with ``query_positions`` / ``key_positions`` it holds some of them, at the
+global positions given (context parallelism: a rank's query chunks against the gathered keys),
+and every rule, documents included, is evaluated at those true positions. The ``explicit``
 type carries a ready-made boolean ``[b, q, k]`` tensor instead: generation builds it from
 absolute positions (left padding, KV-cache slots) with q != k, and every backend reads it
 as is.
@@ -51,6 +54,13 @@ class AttentionMask:
     """``[b, q, k]`` bool, True where query i may attend key j; only for ``explicit``. The
     caller guarantees every row has a True entry (an empty softmax row would be NaN)."""
 
+    query_positions: Optional[torch.Tensor] = None
+    """``[q]`` integer global positions of the queries held (None: 0..q-1). ``document_ids``
+    then describe the whole sequence, ``[b, S]``, and are read at these positions."""
+
+    key_positions: Optional[torch.Tensor] = None
+    """``[k]`` integer global positions of the keys held (None: 0..k-1)."""
+
     def __post_init__(self) -> None:
         # Checks that need no sequence length run at construction so a bad config
         # fails where it is built, not at the first forward.
@@ -66,8 +76,9 @@ class AttentionMask:
                 )
         if (self.mask_type == "explicit") != (self.allowed is not None):
             raise ValueError("AttentionMask.allowed must be given exactly when mask_type='explicit'")
-        if self.mask_type == "explicit" and self.document_ids is not None:
-            raise ValueError("AttentionMask(mask_type='explicit') takes no document_ids; fold them into allowed")
+        if self.mask_type == "explicit" and (self.document_ids is not None or self.has_positions):
+            raise ValueError("AttentionMask(mask_type='explicit') takes no document_ids or positions; fold them "
+                             "into allowed")
         if self.mask_type == "sliding_window":
             if self.window is None or self.window < 1:
                 raise ValueError(
@@ -81,13 +92,18 @@ class AttentionMask:
         return self.document_ids is not None
 
     @property
+    def has_positions(self) -> bool:
+        """True when the queries or keys held are not simply 0..s-1 (see ``query_positions``)."""
+        return self.query_positions is not None or self.key_positions is not None
+
+    @property
     def is_explicit(self) -> bool:
         return self.mask_type == "explicit"
 
     @property
     def is_causal(self) -> bool:
         """True when the whole mask is plain causal, i.e. SDPA's ``is_causal=True`` is exact."""
-        return self.mask_type == "causal" and not self.has_documents
+        return self.mask_type == "causal" and not self.has_documents and not self.has_positions
 
     @property
     def is_full(self) -> bool:
@@ -115,26 +131,37 @@ class AttentionMask:
     # ------------------------------------------------------------------ validation
     def validate(self, seq_len: int, batch_size: Optional[int] = None, key_len: Optional[int] = None) -> None:
         """Raise ValueError naming the offending field if the mask cannot apply to
-        sequences of ``seq_len`` queries (and, when given, batches of ``batch_size`` and
-        ``key_len`` keys; only an explicit mask allows ``key_len != seq_len``)."""
+        ``seq_len`` queries (and, when given, batches of ``batch_size`` and ``key_len`` keys;
+        ``key_len != seq_len`` needs an explicit mask or positions)."""
         if self.is_explicit:
             self._validate_explicit(seq_len, batch_size, key_len)
             return
-        if key_len is not None and key_len != seq_len:
-            raise ValueError(f"{key_len} keys for {seq_len} queries need an explicit mask "
-                             "(AttentionMask('explicit', allowed=...)); the structured types are self-attention")
-        if self.mask_type == "block_causal" and seq_len % self.block_size != 0:
+        keys = seq_len if key_len is None else key_len
+        if keys != seq_len and not self.has_positions:
+            raise ValueError(f"{keys} keys for {seq_len} queries need an explicit mask "
+                             "(AttentionMask('explicit', allowed=...)) or query/key positions")
+        for name, positions, count in (("query_positions", self.query_positions, seq_len),
+                                       ("key_positions", self.key_positions, keys)):
+            if positions is not None and (positions.dim() != 1 or positions.numel() != count
+                                          or positions.dtype.is_floating_point or positions.dtype == torch.bool):
+                raise ValueError(f"AttentionMask.{name} must be a [{count}] integer tensor, got "
+                                 f"{positions.dtype} of shape {tuple(positions.shape)}")
+        if self.mask_type == "block_causal" and not self.has_positions and seq_len % self.block_size != 0:
             raise ValueError(
                 f"AttentionMask.block_size={self.block_size} does not divide the sequence"
                 f" length {seq_len}; pad sequences to a multiple of the block size"
             )
-        if self.document_ids is None:
-            return
+        if self.document_ids is not None:
+            self._validate_documents(seq_len, batch_size, keys)
+
+    def _validate_documents(self, seq_len: int, batch_size: Optional[int], keys: int) -> None:
         ids = self.document_ids
-        if ids.dim() != 2 or ids.shape[1] != seq_len or (
-            batch_size is not None and ids.shape[0] != batch_size
-        ):
+        # With positions the ids describe the whole sequence (at least every key held).
+        length_ok = ids.dim() == 2 and (ids.shape[1] >= keys if self.has_positions else ids.shape[1] == seq_len)
+        if not length_ok or (batch_size is not None and ids.shape[0] != batch_size):
             expected = f"[{batch_size if batch_size is not None else 'b'}, {seq_len}]"
+            if self.has_positions:
+                expected = f"[{batch_size if batch_size is not None else 'b'}, >= {keys}] (the whole sequence)"
             raise ValueError(
                 f"AttentionMask.document_ids has shape {tuple(ids.shape)}, expected {expected}"
             )
@@ -153,20 +180,20 @@ class AttentionMask:
             raise ValueError(f"AttentionMask.allowed must be a bool tensor, got {allowed.dtype}")
 
     # ------------------------------------------------------------------ materialisation
-    def dense(self, seq_len: int, device=None) -> torch.Tensor:
-        """Bool ``[b or 1, 1, s, s]``, True where query (dim -2) may attend key (dim -1).
+    def dense(self, seq_len: int, device=None, key_len: Optional[int] = None) -> torch.Tensor:
+        """Bool ``[b or 1, 1, q, k]``, True where query (dim -2) may attend key (dim -1).
 
         This is the reference definition: the math backend and SDPA's general path use
         it, and FlexAttention's mask_mods are tested against it. An explicit mask is
         returned as given, ``[b, 1, q, k]``.
         """
-        self.validate(seq_len)
+        self.validate(seq_len, key_len=key_len)
         if self.is_explicit:
             return self.allowed.to(device)[:, None]
-        q_pos = torch.arange(seq_len, device=device)[:, None]
-        k_pos = torch.arange(seq_len, device=device)[None, :]
+        q_pos, k_pos = self.positions(seq_len, key_len, device)
+        q_pos, k_pos = q_pos[:, None], k_pos[None, :]
         if self.mask_type == "no_mask":
-            allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+            allowed = torch.ones(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=device)
         elif self.mask_type == "causal":
             allowed = k_pos <= q_pos
         elif self.mask_type == "block_causal":
@@ -177,9 +204,17 @@ class AttentionMask:
         allowed = allowed[None, None]
         if self.document_ids is not None:
             ids = self.document_ids.to(device)
-            same_document = ids[:, None, :, None] == ids[:, None, None, :]
-            allowed = allowed & same_document
+            query_ids, key_ids = ids[:, q_pos[:, 0]], ids[:, k_pos[0]]
+            allowed = allowed & (query_ids[:, None, :, None] == key_ids[:, None, None, :])
         return allowed
+
+    def positions(self, seq_len: int, key_len: Optional[int] = None, device=None):
+        """(query positions [q], key positions [k]) on `device`: the given ones or 0..n-1."""
+        keys = seq_len if key_len is None else key_len
+        q_pos = (self.query_positions.to(device) if self.query_positions is not None
+                 else torch.arange(seq_len, device=device))
+        k_pos = self.key_positions.to(device) if self.key_positions is not None else torch.arange(keys, device=device)
+        return q_pos, k_pos
 
     # ------------------------------------------------------------------ value semantics
     def __eq__(self, other) -> bool:
@@ -187,26 +222,29 @@ class AttentionMask:
             return NotImplemented
         if self.structure_key != other.structure_key:
             return False
-        if self.is_explicit:
-            return self.allowed.shape == other.allowed.shape and bool(
-                torch.equal(self.allowed.cpu(), other.allowed.cpu()))
-        if self.document_ids is None or other.document_ids is None:
-            return self.document_ids is None and other.document_ids is None
-        return self.document_ids.shape == other.document_ids.shape and bool(
-            torch.equal(self.document_ids.cpu(), other.document_ids.cpu())
-        )
+        return all(_same_tensor(getattr(self, name), getattr(other, name))
+                   for name in ("allowed", "document_ids", "query_positions", "key_positions"))
 
     def __hash__(self) -> int:
-        # Consistent with __eq__: equal masks share structure and document presence.
-        return hash((self.structure_key, self.document_ids is not None))
+        # Consistent with __eq__: equal masks share structure and which tensors they carry.
+        return hash((self.structure_key, self.document_ids is not None, self.query_positions is not None,
+                     self.key_positions is not None))
+
+
+def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
 
 
 def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
                          document_ids: Optional[torch.Tensor] = None,
-                         mask_type: Optional[str] = None) -> AttentionMask:
-    """The mask of a running mode: the DLM mask type, or causal for the vanilla (AR) mode."""
+                         mask_type: Optional[str] = None, query_positions: Optional[torch.Tensor] = None,
+                         key_positions: Optional[torch.Tensor] = None) -> AttentionMask:
+    """The mask of a running mode: the DLM mask type, or causal for the vanilla (AR) mode; with
+    positions, for the queries and keys a rank holds of the sequence (context parallelism)."""
     mask_type = mask_type or dlm_config.effective_mask_type
     return AttentionMask(mask_type=mask_type,
                          block_size=dlm_config.block_size if mask_type == "block_causal" else None,
                          window=config.sliding_window if mask_type == "sliding_window" else None,
-                         document_ids=document_ids)
+                         document_ids=document_ids, query_positions=query_positions, key_positions=key_positions)

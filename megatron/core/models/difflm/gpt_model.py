@@ -32,8 +32,7 @@ from megatron.core.models.difflm.output_layer import OutputLayer
 from megatron.core.transformer.attention_mask import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
-from megatron.core.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, group_rank, group_size,
-                                           model_parallel_rng_tracker)
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -75,12 +74,13 @@ class GPTModel(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         pg = self.parallel_context(config, pg)
         self.tp_group, self.sequence_parallel, self.rng_tracker = pg.tp, pg.sequence_parallel, pg.rng_tracker
-        if pre_process:
+        self.tied_output = config.share_embeddings_and_output_weights
+        if pre_process or (post_process and self.tied_output):
             self.embedding = LanguageModelEmbedding(config, self.tp_group)
+            self._tag_tied_embedding()
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
                                               pg=pg)
-        self.tied_output = config.share_embeddings_and_output_weights and pre_process
         if post_process and not self.tied_output:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
@@ -92,6 +92,18 @@ class GPTModel(MegatronModule):
         self._graph_runner: Optional[CUDAGraphRunner] = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
 
+    def _tag_tied_embedding(self) -> None:
+        """Tied embeddings split over pipeline stages: the last stage holds a copy of the word
+        embedding as its output weight, initialised from the same seed and saved under the same
+        checkpoint key (the copies are replicas of one tensor). Both copies are tagged
+        `tied_across_stages`, so their gradients are summed over the embedding group and stay
+        equal; the last stage's is also `tied_embedding_copy`, so the gradient norm counts it once."""
+        if not self.tied_output or (self.pre_process and self.post_process):
+            return
+        weight = self.embedding.word_embeddings.weight
+        weight.tied_across_stages = True
+        weight.tied_embedding_copy = not self.pre_process
+
     def sharded_state_dict(self, prefix: str = ""):
         """As every module's; the vocabulary tensors are marked as padded (the padding depends on tp)."""
         sharded = super().sharded_state_dict(prefix)
@@ -102,17 +114,8 @@ class GPTModel(MegatronModule):
 
     @staticmethod
     def parallel_context(config: TransformerConfig, pg: Optional[ProcessGroups]) -> ParallelContext:
-        """What the layers are built with: the groups, sequence parallelism (on only with tp > 1),
-        and, with tp > 1, the tracker whose tp-rank stream drops out what ranks hold differently
-        (attention heads; the sequence slices under SP). Everything else draws the default stream,
-        identical on every rank."""
-        if isinstance(pg, ParallelContext):
-            return pg
-        tp_group = pg.tp if pg is not None else None
-        if group_size(tp_group) == 1:
-            return ParallelContext.extend(pg)
-        tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(tp_group))
-        return ParallelContext.extend(pg, sequence_parallel=config.sequence_parallel, rng_tracker=tracker)
+        """The ParallelContext the layers are built with (ParallelContext.build)."""
+        return ParallelContext.build(pg, config.sequence_parallel)
 
     @property
     def running_mode(self) -> str:
@@ -185,7 +188,9 @@ class GPTModel(MegatronModule):
             hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if hidden is None:
                 raise ValueError("a pipeline stage without the embedding needs decoder_input [s, b, h]")
-            seq, batch, device = hidden.shape[0], hidden.shape[1], hidden.device
+            # The global length: under sequence parallelism the stage receives its s / tp slice.
+            seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+            batch, device = hidden.shape[1], hidden.device
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; raise --max-position-embeddings")

@@ -1,0 +1,128 @@
+"""Pipeline parallelism equals one process: 1F1B, interleaved 1F1B, and PP composed with TP+SP,
+ZeRO-1 and FSDP2, in DLM and AR modes, with Megatron's default configuration (biases,
+LayerNorm, GeLU, tied embeddings split over the first and last stage) and the Llama style.
+
+Every loss and every step-1 gradient must match the single-process run to 1e-5 (gloo, fp32),
+over at least four micro-batches per step; packed documents (per-document attention and
+positions) are on everywhere, variable-length DLM batches in their own case.
+"""
+
+import os
+import weakref
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import pretrain_difflm
+from custom_args.difflm import add_difflm_args
+from megatron.training.arguments import parse_args
+from megatron.training.initialize import initialize_distributed
+from megatron.training.training import build_trainer
+from tests.distributed.parity import assert_same_training, free_port, run_many
+from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE
+
+pytestmark = pytest.mark.distributed
+
+FOUR_LAYERS = [flag if flag != "2" or SHAPE[i - 1] != "--num-layers" else "4" for i, flag in enumerate(SHAPE)]
+BATCH = ["--micro-batch-size", "1", "--global-batch-size", "8"]
+VARILEN = ("--difflm-varilen-prob", "0.5")
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
+         ("megatron", "dlm", VARILEN), ("llama", "dlm", VARILEN)]
+# layout: (world size, parallel flags, the cases it trains, gradients compared by name)
+LAYOUTS = {
+    "pp2": (2, PP2, CASES, False),
+    "pp4": (4, PP4, [CASES[0], CASES[3]], False),
+    "pp2_interleaved": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", "2"],
+                        [CASES[0], CASES[3], CASES[5]], False),
+    "pp2_uneven": (2, PP2 + ["--decoder-first-pipeline-num-layers", "1"], [CASES[1], CASES[2]], False),
+    "pp2_tp2_sp": (4, PP2 + TP2_SP, [CASES[0], CASES[1], CASES[2], CASES[4]], False),
+    "pp2_dp2_zero1": (4, PP2 + ["--use-distributed-optimizer"], [CASES[0], CASES[3]], False),
+    "pp2_dp2_fsdp2": (4, PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
+                      [CASES[1], CASES[4]], True),
+    "pp2_dp2_zero2_recompute": (4, PP2 + ["--data-parallel-sharding-strategy", "optim_grads",
+                                          "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                          "--recompute-num-layers", "1"], [CASES[2], CASES[3]], True),
+    "pp2_compile": (2, PP2 + ["--torch-compile"], [CASES[0], CASES[5]], False),
+}
+NEEDED = sorted({case for _, _, cases, _ in LAYOUTS.values() for case in cases}, key=CASES.index)
+
+
+def argv_of(config: str, mode: str, extra: list) -> list:
+    return FOUR_LAYERS + BATCH + CONFIGS[config] + MODES[mode] + list(extra)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    results = run_many(1, [argv_of(*case) for case in NEEDED], tmp_path_factory.mktemp("reference"), "reference")
+    return dict(zip(NEEDED, results))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_layout_matches_one_process(layout, references, tmp_path):
+    world_size, flags, cases, by_name = LAYOUTS[layout]
+    results = run_many(world_size, [argv_of(*case) + flags for case in cases], tmp_path, layout)
+    for case, result in zip(cases, results):
+        assert result["microbatches"] >= 4
+        try:
+            assert_same_training(references[case], result, by_name=by_name)
+        except AssertionError as error:
+            raise AssertionError(f"{layout} {case[:2]} {case[2]}: {error}") from None
+
+
+class _LiveActivations:
+    """Saved tensors of the autograd graph, by the micro-batch whose forward saved them, while alive."""
+
+    def __init__(self):
+        self.live, self.microbatch, self.peak = {}, None, 0
+
+    def pack(self, tensor):
+        holder = _Holder(tensor)
+        mb = self.microbatch
+        self.live[mb] = self.live.get(mb, 0) + 1
+        weakref.finalize(holder, self._release, mb)
+        self.note()
+        return holder
+
+    def _release(self, mb):
+        self.live[mb] -= 1
+
+    def note(self):
+        self.peak = max(self.peak, sum(1 for count in self.live.values() if count > 0))
+
+
+class _Holder:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _memory_worker(rank, world_size, port, argv, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    trainer = build_trainer(parse_args(argv, add_difflm_args), initialize_distributed("gloo"),
+                            pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                            pretrain_difflm.forward_step)
+    tracker, forward_step = _LiveActivations(), trainer.forward_step
+
+    def counting_forward_step(iterator, model, ctx):
+        tracker.microbatch = ctx.microbatch
+        return forward_step(iterator, model, ctx)
+
+    trainer.forward_step = counting_forward_step
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda holder: holder.tensor):
+        trainer.train_step(trainer.train_loader(0))
+    torch.save(tracker.peak, f"{out}.{rank}")
+
+
+def test_one_f_one_b_stage_holds_at_most_p_micro_batches_of_activations(tmp_path):
+    """PP=4 with 8 micro-batches: counted on the live saved tensors of the autograd graph, stage s
+    holds the activations of at most 4 - s micro-batches at once (GPipe would hold all 8)."""
+    argv = argv_of("megatron", "dlm", ()) + PP4 + ["--train-iters", "1"]
+    out = str(tmp_path / "peak")
+    mp.start_processes(_memory_worker, args=(4, free_port(), argv, out), nprocs=4, join=True, start_method="spawn")
+    peaks = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    assert peaks == [4, 3, 2, 1], peaks
