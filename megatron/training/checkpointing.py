@@ -386,7 +386,11 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer) -> Opt
     trainer.state = type(trainer.state)(**metadata["train_state"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_path = os.path.join(source, "rng", f"rank_{rank}.pt")
-    same_layout = metadata["layout"]["world_size"] == record.world_size
+    # A rank's RNG streams belong to its place in the layout: restored only where that place is the
+    # same (older checkpoints record no pipeline size: one stage).
+    layout = metadata["layout"]
+    same_layout = all(layout.get(name, 1) == getattr(record, name) for name in (
+        "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
     if not config.no_load_rng and same_layout and os.path.exists(rng_path):
         _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
     return iteration

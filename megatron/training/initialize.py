@@ -40,8 +40,9 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     if created:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ:
+            # A bound device makes new_group split NCCL communicators eagerly, which gloo cannot.
             dist.init_process_group(backend, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
+                                    device_id=device if device.type == "cuda" and "nccl" in backend else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_process_group=created)

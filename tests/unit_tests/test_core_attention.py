@@ -477,19 +477,21 @@ def test_mask_at_positions_is_the_full_mask_at_those_rows_and_columns(case, with
         assert torch.equal(allowed, expected.expand(2, 1, 8, 8)[:, 0])
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa"])
+@pytest.mark.parametrize("backend", ["math", "sdpa", pytest.param("flex", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="flex has no backward on CPU; runs on the GPU machine"))])
 @pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
 def test_attention_of_query_chunks_against_all_keys_equals_the_full_rows(backend, case):
     """Context parallelism's contract: each rank's load-balanced query chunks against every key,
     with positions, give exactly those rows of the one-rank attention, forward and backward."""
-    q, k, v = make_qkv(2, 4, 2, 24, 8)
-    documents = make_documents(24)
-    grad_out = torch.randn(2, 4, 24, 8, generator=torch.Generator().manual_seed(3))
+    device = "cuda" if backend == "flex" else "cpu"
+    q, k, v = (t.to(device) for t in make_qkv(2, 4, 2, 24, 16))  # flex's kernel needs head dim >= 16
+    documents = make_documents(24).to(device)
+    grad_out = torch.randn(2, 4, 24, 16, generator=torch.Generator().manual_seed(3)).to(device)
     full_out, (full_dq, full_dk, full_dv) = attention_and_grads("math", q, k, v, make_mask(case, documents), grad_out)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     mask_type, block_size, window = case
     for rank in range(2):
-        rows = load_balanced_positions(24, 2, rank)
+        rows = load_balanced_positions(24, 2, rank).to(device)
         mask = AttentionMask(mask_type, block_size=block_size, window=window, document_ids=documents,
                              query_positions=rows)
         out, (dq, dk_part, dv_part) = attention_and_grads(backend, q[:, :, rows], k, v, mask,

@@ -46,6 +46,9 @@ class PipelineLinks:
         """Per (direction, link), the (shape, dtype) a header announced, when shapes are fixed
         (a middle stage receives and sends on links of the same name)."""
         self._pending: List[Tuple[dist.Work, torch.Tensor]] = []
+        some_group = next(iter(groups.values()), None)
+        self._through_host = device.type != "cpu" and dist.get_backend(some_group) == "gloo"
+        """gloo sends host tensors only: device tensors travel through a host copy."""
 
     @property
     def is_first(self) -> bool:
@@ -105,12 +108,18 @@ class PipelineLinks:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _send(self, tensor: torch.Tensor, peer: int, link: str) -> None:
+        if self._through_host:
+            tensor = tensor.cpu()
         work = dist.isend(tensor, dst=peer, group=self.groups[link])
         self._pending.append((work, tensor))  # the tensor must live until the send completes
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def _receive(self, buffer: torch.Tensor, link: str) -> torch.Tensor:
         peer = self._previous() if link.startswith("forward") else self._next()
+        if self._through_host:
+            host = torch.empty(buffer.shape, dtype=buffer.dtype)
+            dist.irecv(host, src=peer, group=self.groups[link]).wait()
+            return buffer.copy_(host)
         dist.irecv(buffer, src=peer, group=self.groups[link]).wait()
         return buffer
 
