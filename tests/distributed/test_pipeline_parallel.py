@@ -1,5 +1,5 @@
 """Pipeline parallelism equals one process: 1F1B, interleaved 1F1B, and PP composed with TP+SP,
-ZeRO-1 and FSDP2, in DLM and AR modes, with Megatron's default configuration (biases,
+DDP-style replicas, ZeRO-1 and FSDP2, in DLM (noshift and shift) and AR modes, with Megatron's default configuration (biases,
 LayerNorm, GeLU, tied embeddings split over the first and last stage) and the Llama style.
 
 Every loss and every step-1 gradient must match the single-process run to 1e-5 (gloo, fp32),
@@ -30,8 +30,9 @@ VARILEN = ("--difflm-varilen-prob", "0.5")
 PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
+SHIFT = ("--model-running-mode", "difflm-shift")  # replaces the dlm mode's noshift (the later flag wins)
 CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
-         ("megatron", "dlm", VARILEN), ("llama", "dlm", VARILEN)]
+         ("megatron", "dlm", VARILEN), ("llama", "dlm", VARILEN), ("megatron", "dlm", SHIFT)]
 # layout: (world size, parallel flags, the cases it trains, gradients compared by name)
 LAYOUTS = {
     "pp2": (2, PP2, CASES[:5], False),
@@ -41,6 +42,7 @@ LAYOUTS = {
     "pp2_uneven": (2, PP2 + ["--decoder-first-pipeline-num-layers", "1"], [CASES[1], CASES[2]], False),
     "pp2_tp2_sp": (4, PP2 + TP2_SP, [CASES[0], CASES[1], CASES[2], CASES[4]], False),
     "pp2_dp2_zero1": (4, PP2 + ["--use-distributed-optimizer"], [CASES[0], CASES[3]], False),
+    "pp2_dp2": (4, PP2, [CASES[6], CASES[1]], False),
     "pp2_dp2_fsdp2": (4, PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
                       [CASES[1], CASES[4]], True),
     "pp2_dp2_zero2_recompute": (4, PP2 + ["--data-parallel-sharding-strategy", "optim_grads",
