@@ -1,6 +1,7 @@
 """Pipeline parallelism equals one process: 1F1B, interleaved 1F1B, and PP composed with TP+SP,
-DDP-style replicas, ZeRO-1 and FSDP2, in DLM (noshift and shift) and AR modes, with Megatron's default configuration (biases,
-LayerNorm, GeLU, tied embeddings split over the first and last stage) and the Llama style.
+DDP-style replicas, ZeRO-1 and FSDP2, in DLM (noshift and shift) and AR modes, with Megatron's
+default configuration (biases, LayerNorm, GeLU, tied embeddings split over the first and last
+stage) and the Llama style.
 
 Every loss and every step-1 gradient must match the single-process run to 1e-5 (gloo, fp32),
 over at least four micro-batches per step; packed documents (per-document attention and
