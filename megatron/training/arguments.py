@@ -8,7 +8,6 @@ includes a flag that would change nothing (only the DLM flags in vanilla mode me
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -19,13 +18,13 @@ import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.parallel_args import validate_parallel, validate_parallel_shapes, validate_pipeline
 from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.tokenizer import add_tokenizer_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 # Parallel layouts the current release trains; the flags exist so launch scripts stay stable.
-SUPPORTED_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 # Sizes and counts that must be >= 1 when given (None means "not given": derived later).
 POSITIVE_INT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -236,6 +235,8 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="Count the loss as one layer of the last pipeline stage.")
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", default="all_gather", choices=("all_gather", "p2p", "a2a", "a2a+p2p"),
+                   help="How context parallelism exchanges keys and values (all_gather in this release).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -376,7 +377,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _validate_ranges(args)
     _validate_flag_dependencies(args, given)
-    _validate_parallel(args)
+    validate_parallel(args)
     _validate_batch_and_schedule(args)
     # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
     for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
@@ -400,65 +401,11 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
         args.dlm_config.validate(args.padded_vocab_size, args.seq_length, args.sliding_window)
     except ValueError as error:
         raise ValueError(f"{error} ({_config_error_hint(error)})") from None
-    _validate_tensor_parallel_shapes(args)
+    validate_parallel_shapes(args)
     if args.seq_length > args.max_position_embeddings:
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
     args.run_record = RunRecord.from_args(args)
-
-
-def _validate_parallel(args: argparse.Namespace) -> None:
-    from megatron.core.parallel_state import check_layout
-
-    check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                 args.context_parallel_size, args.expert_model_parallel_size)
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    args.data_parallel_size = args.world_size // model_parallel
-    if args.use_distributed_optimizer:
-        args.data_parallel_sharding_strategy = "optim"
-    for flag in ("context_parallel_size", "expert_model_parallel_size"):
-        if getattr(args, flag) != 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not supported by this release "
-                             "yet; use 1 (tensor, pipeline and data parallelism are)")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel")
-    if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
-        raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
-                         "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
-    if getattr(args, "difflm_compile_loss", False) and args.tensor_model_parallel_size != 1:
-        raise ValueError("--difflm-compile-loss supports --tensor-model-parallel-size 1; drop one of them")
-    if args.fp8_format:
-        from megatron.core.transformer.fp8 import float8_config
-
-        if args.tensor_model_parallel_size != 1:
-            raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
-        float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
-
-
-def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:
-    """Divisibility the tensor-parallel split needs, checked before any model is built."""
-    tp = args.tensor_model_parallel_size
-    config = args.transformer_config
-    if tp == 1:
-        return
-    if config.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    groups = config.num_query_groups
-    if groups % tp and (tp % groups or (tp // groups) % 2):
-        raise ValueError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: the kv heads must "
-                         "divide evenly over the ranks, or the ranks over the kv heads an even number of times")
-    if config.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size {config.ffn_hidden_size} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    varilen = getattr(args, "difflm_varilen_prob", 0.0) > 0
-    if varilen and args.sequence_parallel and args.difflm_varilen_multiple % tp:
-        raise ValueError(f"--difflm-varilen-multiple {args.difflm_varilen_multiple} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs to split a cut "
-                         f"sequence; pass --difflm-varilen-multiple {math.lcm(args.difflm_varilen_multiple, tp)}")
-    if args.sequence_parallel and args.seq_length % tp:
-        raise ValueError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
-                         "which --sequence-parallel needs")
 
 
 def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
@@ -470,7 +417,7 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
                          f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; "
                          "adjust one of them")
     args.num_microbatches = args.global_batch_size // per_step
-    _validate_pipeline(args)
+    validate_pipeline(args)
     if (args.train_iters is None) == (args.train_samples is None):
         raise ValueError("give exactly one of --train-iters and --train-samples")
     if args.train_iters is None:
@@ -488,29 +435,6 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     args.training_config = TrainingConfig.from_args(args)
     args.checkpoint_config = CheckpointConfig.from_args(args)
     args.logging_config = LoggingConfig.from_args(args)
-
-
-def _validate_pipeline(args: argparse.Namespace) -> None:
-    """The layer split over pipeline ranks and virtual stages (layer_split.py), and what interleaving needs."""
-    from megatron.core.pipeline_parallel.layer_split import stage_layer_counts, virtual_size_from_flags
-
-    pp = args.pipeline_model_parallel_size
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if args.num_layers_per_virtual_pipeline_stage is not None and (first is not None or last is not None):
-        raise ValueError("--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-"
-                         "pipeline-num-layers; give --num-virtual-stages-per-pipeline-rank instead")
-    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
-    args.virtual_pipeline_model_parallel_size = virtual_size_from_flags(
-        args.num_layers + embedding + loss, pp, args.num_layers_per_virtual_pipeline_stage,
-        args.num_virtual_stages_per_pipeline_rank)
-    args.pipeline_layer_counts = stage_layer_counts(args.num_layers, pp, args.virtual_pipeline_model_parallel_size,
-                                                    first, last, embedding, loss)
-    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} micro-batches "
-                         f"per replica, which the interleaved schedule needs divisible by "
-                         f"--pipeline-model-parallel-size {pp}; use a multiple of "
-                         f"{args.micro_batch_size * args.data_parallel_size * pp} (micro-batch x data-parallel x "
-                         "pipeline sizes)")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
@@ -112,6 +113,7 @@ class Trainer:
                  groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
+        self.replica_group = replica_group(self.groups)
         self.forward_step = forward_step
         self.train_loader, self.valid_loader = train_loader, valid_loader
         self.runtime, self.logger = runtime, logger
@@ -135,9 +137,11 @@ class Trainer:
         loss = self.schedule(forward_step, data_iterator, self.model, self.config.num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
                              scale_loss=self.grad_scaler.scale)
-        # Tensor-parallel peers hold the same values: sum over the data-parallel replicas, then
-        # hand the last pipeline stage's values to every stage.
-        return loss.reduce(self.groups.dp, pipeline_group=self.groups.pp)
+        # Tensor-parallel peers hold the same values: sum over the data-parallel replicas (the loss
+        # sums also over the context-parallel ranks, which hold parts of the same sequences; the
+        # normalizers, computed on whole sequences, are the same there), then hand the last
+        # pipeline stage's values to every stage.
+        return loss.reduce(self.replica_group, self.groups.dp, pipeline_group=self.groups.pp)
 
     def train_step(self, data_iterator: Iterator) -> StepResult:
         state = self.state
@@ -149,7 +153,7 @@ class Trainer:
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
-                                   self.groups.dp if is_fully_sharded(self.model) else None, scale=gradient_scale,
+                                   self.replica_group if is_fully_sharded(self.model) else None, scale=gradient_scale,
                                    optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp)
         loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
@@ -253,6 +257,12 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- building blocks
+def replica_group(groups: ProcessGroups):
+    """The ranks that hold the same weights and see other tokens: the data-parallel replicas, and
+    with context parallelism their cp ranks too (gradients, ZeRO and FSDP2 shard over these)."""
+    return groups.dp_cp if group_size(groups.cp) > 1 else groups.dp
+
+
 def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, runtime: Runtime,
                       layout: ParallelState) -> Iterator:
     """An iterator of this replica's micro-batches (tensor-parallel peers read the same ones),
@@ -323,9 +333,10 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     logger.log_start(model, layout)
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
-    model = wrap_data_parallel(model, runtime.device, layout.groups.dp, args.data_parallel_sharding_strategy,
+    replicas = replica_group(layout.groups)
+    model = wrap_data_parallel(model, runtime.device, replicas, args.data_parallel_sharding_strategy,
                                pipeline=layout.pp > 1)
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model, layout.groups.dp)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model, replicas)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)

@@ -44,6 +44,7 @@ RESUME_CASES = {  # name: (processes, flags)
     # One layer per stage, 2 micro-batches per step; evaluation runs the forward-only schedule.
     "pp2_tp2_sp_dlm": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel"]),
+    "cp2_dlm": (2, ["--context-parallel-size", "2"]),
 }
 
 

@@ -228,3 +228,9 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) ->
     """Leave a TP region into a sequence-parallel one: sum partial outputs, keep this rank's
     sequence slice (all-gather in backward). Same traffic as the all-reduce it replaces."""
     return _ReduceScatterForwardGatherBackward.apply(x, group, 0) if is_parallel(group) else x
+
+
+def all_gather_reduce_scatter_grad(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """All-gather along `dim` (in rank order); the backward reduce-scatters the gradient, which
+    every rank computed a partial sum of (context parallelism's keys and values)."""
+    return _GatherForwardReduceScatterBackward.apply(x, group, dim) if is_parallel(group) else x

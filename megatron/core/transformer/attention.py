@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            divide,
                                            gather_from_sequence_parallel_region, group_rank, group_size)
 from megatron.core.transformer.attention_backends import core_attention
+from megatron.core.transformer.context_parallel import gather_keys_and_values
 from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
 from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
@@ -63,6 +64,8 @@ class SelfAttention(MegatronModule):
                 # its own heads: partial gradients.
                 param.allreduce_over_tp = self.tp_size > 1
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.cp_group = getattr(pg, "cp", None)
+        """Context parallelism: the queries are this rank's, the keys and values are gathered."""
         self.rng_tracker = getattr(pg, "rng_tracker", None)
         """With tensor parallelism (a ParallelContext from GPTModel): each rank holds other heads, so
         attention dropout draws the tracker's per-tp-rank stream."""
@@ -142,6 +145,8 @@ class SelfAttention(MegatronModule):
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
         if kv_cache is not None:
             key, value = kv_cache.update(cache_start, key, value)
+        else:
+            key, value = gather_keys_and_values(key, value, self.cp_group)
         if self.recompute_core_attention and torch.is_grad_enabled():
             # Selective recompute: the attention internals are cheap to redo and large to keep.
             context = checkpoint_with_tracker(partial(self._core_attention, attention_mask=attention_mask),

@@ -68,3 +68,30 @@ def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     start_of_document = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - start_of_document
+
+
+def context_parallel_inputs(shard, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                            labels: Optional[torch.Tensor], loss_weights: Optional[torch.Tensor],
+                            document_ids: Optional[torch.Tensor], shift: bool):
+    """This context-parallel rank's share of whole-sequence inputs (transformer/context_parallel.py):
+    (input_ids, position_ids, labels, loss_weights, query_positions, key_positions).
+
+    Positions default to the whole sequence's (per document when `document_ids` are given)
+    before slicing. `shift` (difflm-shift: target j predicted at j - 1) is folded into the labels
+    here, on whole rows, so no rank needs its neighbour's hidden state: position i then carries
+    the label and weight of i + 1, and the last position none. `document_ids` stay whole: the
+    attention mask reads them at the true positions."""
+    reference = next(t for t in (input_ids, labels, document_ids, position_ids) if t is not None)
+    batch, length = reference.shape[0], reference.shape[1]
+    device = reference.device
+    if position_ids is None:
+        position_ids = (positions_from_documents(document_ids) if document_ids is not None
+                        else torch.arange(length, device=device).expand(batch, length))
+    if shift and labels is not None:
+        weights = (torch.ones(labels.shape, dtype=torch.float32, device=device) if loss_weights is None
+                   else loss_weights)
+        labels = torch.cat([labels[:, 1:], labels[:, :1]], dim=1)
+        loss_weights = torch.cat([weights[:, 1:], torch.zeros_like(weights[:, :1])], dim=1)
+    query_positions, key_positions = shard.positions(length, device)
+    return (shard.slice(input_ids), shard.slice(position_ids), shard.slice(labels), shard.slice(loss_weights),
+            query_positions, key_positions)

@@ -27,10 +27,12 @@ from torch import nn
 from megatron.core.inference import generation, likelihood
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
 from megatron.core.models.difflm import objective
-from megatron.core.models.difflm.batch import POSITION_FIX, VOCAB_FIX, check_id_ranges, positions_from_documents
+from megatron.core.models.difflm.batch import (POSITION_FIX, VOCAB_FIX, check_id_ranges, context_parallel_inputs,
+                                               positions_from_documents)
 from megatron.core.models.difflm.output_layer import OutputLayer
 from megatron.core.transformer.attention_mask import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
 from megatron.core.transformer.init import parameter_seed
@@ -74,6 +76,9 @@ class GPTModel(MegatronModule):
         self.pre_process, self.post_process = pre_process, post_process
         pg = self.parallel_context(config, pg)
         self.tp_group, self.sequence_parallel, self.rng_tracker = pg.tp, pg.sequence_parallel, pg.rng_tracker
+        # Context parallelism: this rank's share of every sequence (whole inputs are sliced here).
+        self.context = ContextShard(pg.cp, "causal" if self.running_mode == "vanilla"
+                                    else self.dlm_config.effective_mask_type)
         self.tied_output = config.share_embeddings_and_output_weights
         if pre_process or (post_process and self.tied_output):
             self.embedding = LanguageModelEmbedding(config, self.tp_group)
@@ -152,14 +157,19 @@ class GPTModel(MegatronModule):
         """`checked`: the caller already ran `check_inputs` on these ids."""
         if not checked:
             self.check_inputs(input_ids, position_ids, labels)
+        shift = not causal and self.running_mode == "difflm-shift"
+        positions = {}
+        if self.context.active:  # whole sequences in, this rank's positions out (shift folded into labels)
+            input_ids, position_ids, labels, loss_weights, *held = context_parallel_inputs(
+                self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
+            positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
         mask = build_attention_mask(self.config, self.dlm_config, document_ids,
-                                    mask_type="causal" if causal else None)
+                                    mask_type="causal" if causal else None, **positions)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
-        shift = not causal and self.running_mode == "difflm-shift"
         return self.head.loss(hidden, self._output_weight(), labels, loss_weights, loss_normalizer, shift=shift)
 
     def _output_weight(self) -> torch.Tensor:
@@ -191,10 +201,10 @@ class GPTModel(MegatronModule):
             # The global length: under sequence parallelism the stage receives its s / tp slice.
             seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
             batch, device = hidden.shape[1], hidden.device
-        if seq > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {seq} exceeds max_position_embeddings="
+        if seq * self.context.size > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq * self.context.size} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; raise --max-position-embeddings")
-        mask.validate(seq, batch)
+        mask.validate(seq, batch, key_len=seq * self.context.size)
         if position_ids is None:
             position_ids = (positions_from_documents(document_ids) if document_ids is not None
                             else torch.arange(seq, device=device).expand(batch, seq))
@@ -216,9 +226,9 @@ class GPTModel(MegatronModule):
         [cache_start, cache_start + q) and attends the whole buffer (k == its max_length);
         without, k == q. Dropout is assumed off (call `.eval()`).
         """
-        if not (self.pre_process and self.post_process):
-            raise ValueError("inference_forward needs the whole model on one stage (pre_process and post_process); "
-                             "build the model for generation with pipeline_model_parallel_size=1")
+        if not (self.pre_process and self.post_process) or self.context.active:
+            raise ValueError("inference_forward needs the whole model and sequence on one rank; build the model "
+                             "for generation with pipeline_model_parallel_size=1 and context_parallel_size=1")
         if self.sequence_parallel:
             raise ValueError("inference_forward does not support sequence parallelism; build the model for "
                              "generation with sequence_parallel=False (the weights are the same)")

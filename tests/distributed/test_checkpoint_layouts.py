@@ -1,5 +1,6 @@
-"""Pipeline-parallel checkpoints: a checkpoint saved under one pipeline layout continues under another,
-and exports to Hugging Face as a one-process checkpoint of the same weights does.
+"""Checkpoints across pipeline and context-parallel layouts: a checkpoint saved under one layout
+continues under another, and a pipeline checkpoint exports to Hugging Face as a one-process
+checkpoint of the same weights does.
 
 Layers are keyed by global index and the last stage's copy of a tied word embedding is saved under
 the embedding's own key, so a checkpoint does not depend on the layout that wrote it. Each writer
@@ -30,15 +31,20 @@ PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-
 INTERLEAVED = [*PP2, "--num-virtual-stages-per-pipeline-rank", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 UNTIED = ["--untie-embeddings-and-output-weights"]  # the quickstart ties them (no flag)
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+PIPELINE_WRITERS = ["pp2_interleaved_tied", "tp2_sp_pp2_untied"]
 WRITERS = {  # name: (processes, flags)
     "pp2_interleaved_tied": (2, INTERLEAVED),
     "tp2_sp_pp2_untied": (4, TP2_SP + PP2 + UNTIED),
+    "cp2_tied": (2, CP2),
 }
 LAYOUT_CHANGES = {  # name: (writer, processes, flags of the continuation)
     "pp2_interleaved_to_pp1": ("pp2_interleaved_tied", 1, []),
     "pp2_interleaved_to_pp2": ("pp2_interleaved_tied", 2, PP2),
     "pp2_interleaved_to_pp4": ("pp2_interleaved_tied", 4, PP4),
     "tp2_sp_pp2_to_tp1_pp4": ("tp2_sp_pp2_untied", 4, PP4 + UNTIED),
+    "cp2_to_cp1": ("cp2_tied", 1, []),
+    "cp2_to_cp4": ("cp2_tied", 4, CP4),
 }
 
 
@@ -89,7 +95,7 @@ def saved_state(ckpt: Path) -> dict:
 
 
 @pytest.mark.parametrize("case", list(LAYOUT_CHANGES))
-def test_pipeline_checkpoint_continues_under_another_layout(case, writers, tmp_path):
+def test_checkpoint_continues_under_another_layout(case, writers, tmp_path):
     """Iterations 7 and 8 after loading iteration 6 under another layout: the losses within 1e-5 of
     the uninterrupted run (iteration 8's needs the loaded AdamW moments and schedule, not only the
     weights), and the final weights and moments those of the uninterrupted run."""
@@ -150,7 +156,7 @@ def export(ckpt: Path, hf_dir: Path) -> tuple:
     return config, tensors
 
 
-@pytest.mark.parametrize("writer", list(WRITERS))
+@pytest.mark.parametrize("writer", PIPELINE_WRITERS)
 def test_export_of_a_pipeline_checkpoint_equals_the_one_process_export(writer, writers, tmp_path):
     """megatron_to_hf of a PP=2 checkpoint (interleaved with the tied embedding saved by the first and
     last stage; or TP=2 x PP=2 with the output layer on the last stage only): bit for bit the export

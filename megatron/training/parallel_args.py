@@ -1,0 +1,118 @@
+"""Validation of the parallel layout flags (tensor, sequence, context, pipeline, data parallel),
+before anything is built: every problem is one ValueError naming the flag and the fix, which
+`parse_args` prints as one line with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+SUPPORTED_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def validate_parallel(args: argparse.Namespace) -> None:
+    from megatron.core.parallel_state import check_layout
+
+    check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                 args.context_parallel_size, args.expert_model_parallel_size)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.use_distributed_optimizer:
+        args.data_parallel_sharding_strategy = "optim"
+    if args.expert_model_parallel_size != 1:
+        raise ValueError(f"--expert-model-parallel-size {args.expert_model_parallel_size} is not supported by this "
+                         "release yet; use 1 (tensor, context, pipeline and data parallelism are)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel")
+    if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
+        raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
+                         "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+    if getattr(args, "difflm_compile_loss", False) and args.tensor_model_parallel_size != 1:
+        raise ValueError("--difflm-compile-loss supports --tensor-model-parallel-size 1; drop one of them")
+    if args.fp8_format:
+        from megatron.core.transformer.fp8 import float8_config
+
+        if args.tensor_model_parallel_size != 1:
+            raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
+        float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
+
+
+
+def validate_parallel_shapes(args: argparse.Namespace) -> None:
+    """What the model's shapes must divide by under this layout (after the model configs exist)."""
+    _validate_tensor_parallel_shapes(args)
+    _validate_context_parallel_shapes(args)
+
+
+def _validate_context_parallel_shapes(args: argparse.Namespace) -> None:
+    from megatron.core.transformer.context_parallel import load_balanced, shard_divisor
+
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    if args.cp_comm_type != "all_gather":
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type} is not in this release; use --cp-comm-type all_gather")
+    dlm = args.dlm_config
+    mask_type = "causal" if dlm.model_running_mode == "vanilla" else dlm.effective_mask_type
+    need, why = shard_divisor(cp, mask_type), ("2 x " if load_balanced(mask_type) else "") + "--context-parallel-size"
+    if args.sequence_parallel:
+        need, why = math.lcm(need, cp * tp), why + " and --context-parallel-size x --tensor-model-parallel-size"
+    if args.seq_length % need:
+        raise ValueError(f"--seq-length {args.seq_length} is not divisible by {need} ({why}, which context "
+                         f"parallelism with {mask_type} attention needs)")
+    if dlm.is_diffusion and dlm.varilen_prob > 0 and dlm.varilen_multiple % need:
+        raise ValueError(f"--difflm-varilen-multiple {dlm.varilen_multiple} is not divisible by {need} ({why}), "
+                         f"which context parallelism needs to split a cut sequence; pass --difflm-varilen-multiple "
+                         f"{math.lcm(dlm.varilen_multiple, need)}")
+
+
+def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:
+    """Divisibility the tensor-parallel split needs, checked before any model is built."""
+    tp = args.tensor_model_parallel_size
+    config = args.transformer_config
+    if tp == 1:
+        return
+    if config.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {config.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    groups = config.num_query_groups
+    if groups % tp and (tp % groups or (tp // groups) % 2):
+        raise ValueError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp}: the kv heads must "
+                         "divide evenly over the ranks, or the ranks over the kv heads an even number of times")
+    if config.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {config.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    varilen = getattr(args, "difflm_varilen_prob", 0.0) > 0
+    if varilen and args.sequence_parallel and args.difflm_varilen_multiple % tp:
+        raise ValueError(f"--difflm-varilen-multiple {args.difflm_varilen_multiple} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs to split a cut "
+                         f"sequence; pass --difflm-varilen-multiple {math.lcm(args.difflm_varilen_multiple, tp)}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ValueError(f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
+                         "which --sequence-parallel needs")
+
+
+
+def validate_pipeline(args: argparse.Namespace) -> None:
+    """The layer split over pipeline ranks and virtual stages (layer_split.py), and what interleaving needs."""
+    from megatron.core.pipeline_parallel.layer_split import stage_layer_counts, virtual_size_from_flags
+
+    pp = args.pipeline_model_parallel_size
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if args.num_layers_per_virtual_pipeline_stage is not None and (first is not None or last is not None):
+        raise ValueError("--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first/last-"
+                         "pipeline-num-layers; give --num-virtual-stages-per-pipeline-rank instead")
+    embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
+    args.virtual_pipeline_model_parallel_size = virtual_size_from_flags(
+        args.num_layers + embedding + loss, pp, args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank)
+    args.pipeline_layer_counts = stage_layer_counts(args.num_layers, pp, args.virtual_pipeline_model_parallel_size,
+                                                    first, last, embedding, loss)
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} micro-batches "
+                         f"per replica, which the interleaved schedule needs divisible by "
+                         f"--pipeline-model-parallel-size {pp}; use a multiple of "
+                         f"{args.micro_batch_size * args.data_parallel_size * pp} (micro-batch x data-parallel x "
+                         "pipeline sizes)")
+
+
