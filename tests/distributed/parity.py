@@ -127,3 +127,27 @@ def assert_same_training(reference: dict, parallel: dict, by_name: bool = False)
         assert not assembled.isnan().any(), f"{key}: some part of the tensor was not covered by any rank"
         scale = grad.abs().max().item()
         torch.testing.assert_close(assembled, grad, rtol=1e-5, atol=1e-6 * scale, msg=key)
+
+
+class LayoutCases:
+    """A parity suite: `layouts` {name: (world size, parallel flags, cases, compare gradients by name)},
+    each case a (config, mode, extra flags) tuple that `argv_of` turns into a command line. The
+    single-process references are trained once for every case any layout uses."""
+
+    def __init__(self, layouts: dict, argv_of):
+        self.layouts, self.argv_of = layouts, argv_of
+        self.cases = list(dict.fromkeys(case for _, _, cases, _ in layouts.values() for case in cases))
+
+    def references(self, tmp_path) -> dict:
+        return dict(zip(self.cases, run_many(1, [self.argv_of(*case) for case in self.cases], tmp_path, "reference")))
+
+    def check(self, layout: str, references: dict, tmp_path) -> list:
+        """Train every case of `layout` in its processes; each must match its reference. Returns the results."""
+        world_size, flags, cases, by_name = self.layouts[layout]
+        results = run_many(world_size, [self.argv_of(*case) + flags for case in cases], tmp_path, layout)
+        for case, result in zip(cases, results):
+            try:
+                assert_same_training(references[case], result, by_name=by_name)
+            except AssertionError as error:
+                raise AssertionError(f"{layout} {case[:2]} {case[2]}: {error}") from None
+        return results

@@ -18,7 +18,7 @@ from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.context_parallel import (gather_keys_and_values, gathered_positions, load_balanced,
                                                         shard_positions)
-from tests.distributed.parity import assert_same_training, free_port, run_many
+from tests.distributed.parity import LayoutCases, free_port
 from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
@@ -44,28 +44,23 @@ LAYOUTS = {
     "cp2_dp2_fsdp2": (4, CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
                       [CASES[7], CASES[3]], True),
 }
-NEEDED = sorted({case for _, _, cases, _ in LAYOUTS.values() for case in cases}, key=CASES.index)
 
 
 def argv_of(config: str, mode: str, extra: tuple) -> list:
     return FOUR_LAYERS + BATCH + CONFIGS[config] + MODES[mode] + list(extra)
 
 
+SUITE = LayoutCases(LAYOUTS, argv_of)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    results = run_many(1, [argv_of(*case) for case in NEEDED], tmp_path_factory.mktemp("reference"), "reference")
-    return dict(zip(NEEDED, results))
+    return SUITE.references(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_layout_matches_one_process(layout, references, tmp_path):
-    world_size, flags, cases, by_name = LAYOUTS[layout]
-    results = run_many(world_size, [argv_of(*case) + flags for case in cases], tmp_path, layout)
-    for case, result in zip(cases, results):
-        try:
-            assert_same_training(references[case], result, by_name=by_name)
-        except AssertionError as error:
-            raise AssertionError(f"{layout} {case[:2]} {case[2]}: {error}") from None
+    SUITE.check(layout, references, tmp_path)
 
 
 def _attention_worker(rank, world_size, port, out):

@@ -20,7 +20,7 @@ from custom_args.difflm import add_difflm_args
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import build_trainer
-from tests.distributed.parity import assert_same_training, free_port, run_many
+from tests.distributed.parity import LayoutCases, free_port
 from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
@@ -51,29 +51,24 @@ LAYOUTS = {
                                           "--recompute-num-layers", "1"], [CASES[2], CASES[3]], True),
     "pp2_compile": (2, PP2 + ["--torch-compile"], [CASES[5]], False),
 }
-NEEDED = sorted({case for _, _, cases, _ in LAYOUTS.values() for case in cases}, key=CASES.index)
 
 
 def argv_of(config: str, mode: str, extra: list) -> list:
     return FOUR_LAYERS + BATCH + CONFIGS[config] + MODES[mode] + list(extra)
 
 
+SUITE = LayoutCases(LAYOUTS, argv_of)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    results = run_many(1, [argv_of(*case) for case in NEEDED], tmp_path_factory.mktemp("reference"), "reference")
-    return dict(zip(NEEDED, results))
+    return SUITE.references(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_layout_matches_one_process(layout, references, tmp_path):
-    world_size, flags, cases, by_name = LAYOUTS[layout]
-    results = run_many(world_size, [argv_of(*case) + flags for case in cases], tmp_path, layout)
-    for case, result in zip(cases, results):
+    for result in SUITE.check(layout, references, tmp_path):
         assert result["microbatches"] >= 4
-        try:
-            assert_same_training(references[case], result, by_name=by_name)
-        except AssertionError as error:
-            raise AssertionError(f"{layout} {case[:2]} {case[2]}: {error}") from None
 
 
 class _LiveActivations:
