@@ -72,6 +72,7 @@ FLAG_NEEDS = (
     ("data_cache_path", "--data-path or --train-data-path (--mock-data has no index files)",
      lambda a: not a.mock_data),
     ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
+    ("cp_comm_type", "--context-parallel-size > 1", lambda a: a.context_parallel_size > 1),
     ("account_for_embedding_in_pipeline_split", "--pipeline-model-parallel-size > 1",
      lambda a: a.pipeline_model_parallel_size > 1),
     ("account_for_loss_in_pipeline_split", "--pipeline-model-parallel-size > 1",
@@ -236,7 +237,7 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Count the loss as one layer of the last pipeline stage.")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", default="all_gather", choices=("all_gather", "p2p", "a2a", "a2a+p2p"),
-                   help="How context parallelism exchanges keys and values (all_gather in this release).")
+                   help="Context parallelism's attention: all_gather (K/V to every rank) or a2a (Ulysses).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -496,7 +497,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         sliding_window=args.sliding_window,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
+        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
         expert_model_parallel_size=args.expert_model_parallel_size, sequence_parallel=args.sequence_parallel)
 
 

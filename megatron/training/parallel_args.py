@@ -50,8 +50,8 @@ def _validate_context_parallel_shapes(args: argparse.Namespace) -> None:
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     if cp == 1:
         return
-    if args.cp_comm_type != "all_gather":
-        raise ValueError(f"--cp-comm-type {args.cp_comm_type} is not in this release; use --cp-comm-type all_gather")
+    if args.cp_comm_type == "a2a":  # (p2p and a2a+p2p are refused by TransformerConfig.validate)
+        _validate_ulysses_heads(args)
     dlm = args.dlm_config
     mask_type = "causal" if dlm.model_running_mode == "vanilla" else dlm.effective_mask_type
     need, why = shard_divisor(cp, mask_type), ("2 x " if load_balanced(mask_type) else "") + "--context-parallel-size"
@@ -64,6 +64,16 @@ def _validate_context_parallel_shapes(args: argparse.Namespace) -> None:
         raise ValueError(f"--difflm-varilen-multiple {dlm.varilen_multiple} is not divisible by {need} ({why}), "
                          f"which context parallelism needs to split a cut sequence; pass --difflm-varilen-multiple "
                          f"{math.lcm(dlm.varilen_multiple, need)}")
+
+
+def _validate_ulysses_heads(args: argparse.Namespace) -> None:
+    """--cp-comm-type a2a splits each tensor-parallel rank's heads over the cp ranks."""
+    cp, tp, config = args.context_parallel_size, args.tensor_model_parallel_size, args.transformer_config
+    heads, kv_heads = config.num_attention_heads // tp, max(config.num_query_groups // tp, 1)
+    if heads % cp or (kv_heads % cp and cp % kv_heads):
+        raise ValueError(f"--cp-comm-type a2a needs the {heads} attention heads per tensor-parallel rank divisible "
+                         f"by --context-parallel-size {cp} (and the {kv_heads} kv heads divisible by it or "
+                         "dividing it); use --cp-comm-type all_gather")
 
 
 def _validate_tensor_parallel_shapes(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ Every loss and every step-1 gradient must match the single-process run to 1e-5 (
 in Megatron's default configuration (biases, LayerNorm, GeLU, tied) and the Llama style.
 """
 
+import itertools
 import os
 
 import pytest
@@ -16,10 +17,11 @@ import torch.multiprocessing as mp
 
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.transformer.context_parallel import (gather_keys_and_values, gathered_positions, load_balanced,
-                                                        shard_positions)
+from megatron.core.transformer.context_parallel import (COMM_TYPES, gather_keys_and_values, gathered_positions,
+                                                        heads_to_sequence, load_balanced, sequence_to_heads,
+                                                        shard_positions, whole_sequence_mask)
 from tests.distributed.parity import LayoutCases, free_port
-from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE
+from tests.distributed.test_layout_matrix import CONFIGS, GQA, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
 
@@ -29,6 +31,7 @@ VARILEN = ("--difflm-varilen-prob", "0.5")
 BLOCK = ("--attention-mask-type", "block_causal", "--difflm-block-size", "8")
 WINDOW = ("--attention-mask-type", "sliding_window", "--sliding-window", "6")
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+A2A = ["--cp-comm-type", "a2a"]
 
 SHIFT = ("--model-running-mode", "difflm-shift")
 CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
@@ -43,11 +46,17 @@ LAYOUTS = {
     "cp2_pp2": (4, CP2 + ["--pipeline-model-parallel-size", "2"], [CASES[0], CASES[3]], False),
     "cp2_dp2_fsdp2": (4, CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
                       [CASES[7], CASES[3]], True),
+    "cp2_a2a": (2, CP2 + A2A, [CASES[0], CASES[3], CASES[5], CASES[4]], False),
+    "cp4_a2a": (4, CP4 + A2A, [CASES[1], CASES[6]], False),  # 1 query head per rank, the 2 kv heads replicated
+    "cp2_a2a_tp2_sp": (4, CP2 + A2A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                       [CASES[2], CASES[1]], False),
 }
 
 
 def argv_of(config: str, mode: str, extra: tuple) -> list:
-    return FOUR_LAYERS + BATCH + CONFIGS[config] + MODES[mode] + list(extra)
+    """The case's command line; "megatron" here is Megatron's default configuration (biases, LayerNorm,
+    GeLU, tied embeddings) with grouped-query attention (2 kv heads for 4 query heads)."""
+    return FOUR_LAYERS + BATCH + (GQA if config == "megatron" else CONFIGS[config]) + MODES[mode] + list(extra)
 
 
 SUITE = LayoutCases(LAYOUTS, argv_of)
@@ -69,17 +78,20 @@ def _attention_worker(rank, world_size, port, out):
     dist.init_process_group("gloo")
     group, results = dist.new_group(list(range(world_size))), {}
     q, k, v, grad_out, documents = _attention_inputs()
-    for name, (mask_type, block, window, packed) in ATTENTION_CASES.items():
+    for (name, (mask_type, block, window, packed)), comm in itertools.product(ATTENTION_CASES.items(), COMM_TYPES):
         balanced = load_balanced(mask_type)
         mine = shard_positions(SEQ, world_size, rank, balanced)
         keys = gathered_positions(SEQ, world_size, balanced)
         q_local, k_local, v_local = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
-        k_all, v_all = gather_keys_and_values(k_local, v_local, group)
         mask = AttentionMask(mask_type, block_size=block, window=window, document_ids=documents if packed else None,
                              query_positions=mine, key_positions=keys)
-        output = core_attention(q_local, k_all, v_all, mask, backend="sdpa")
+        if comm == "all_gather":
+            output = core_attention(q_local, *gather_keys_and_values(k_local, v_local, group), mask, backend="sdpa")
+        else:
+            heads = sequence_to_heads(q_local, k_local, v_local, group)
+            output = heads_to_sequence(core_attention(*heads, whole_sequence_mask(mask), backend="sdpa"), group)
         output.backward(grad_out[:, :, mine])
-        results[name] = (mine, output.detach(), q_local.grad, k_local.grad, v_local.grad)
+        results[name, comm] = (mine, output.detach(), q_local.grad, k_local.grad, v_local.grad)
     torch.save(results, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -103,9 +115,10 @@ def _attention_inputs():
 
 
 def test_context_parallel_attention_over_four_ranks_equals_full_attention(tmp_path):
-    """Random q/k/v at seq 256 over 4 gloo ranks (all-gathered K/V, queries at their positions)
-    give the full attention's outputs and dq, and each rank's dk/dv (reduce-scattered) equal the
-    full gradients of its keys, for every mask type with and without packed documents."""
+    """Random q/k/v at seq 256 over 4 gloo ranks give the full attention's outputs and dq, and each
+    rank's dk/dv equal the full gradients of its keys, for every mask type with and without packed
+    documents, both ways: all-gathered K/V (reduce-scattered grads) and Ulysses all-to-all (4 query
+    heads, 1 per rank; 2 kv heads, replicated to 4)."""
     out = str(tmp_path / "attention")
     mp.start_processes(_attention_worker, args=(4, free_port(), out), nprocs=4, join=True, start_method="spawn")
     q, k, v, grad_out, documents = _attention_inputs()
@@ -115,7 +128,7 @@ def test_context_parallel_attention_over_four_ranks_equals_full_attention(tmp_pa
         mask = AttentionMask(mask_type, block_size=block, window=window, document_ids=documents if packed else None)
         expected = core_attention(*full, mask, backend="math")
         expected.backward(grad_out)
-        for mine, output, dq, dk, dv in (ranks[name] for ranks in per_rank):
+        for mine, output, dq, dk, dv in (ranks[name, comm] for ranks in per_rank for comm in COMM_TYPES):
             torch.testing.assert_close(output, expected.detach()[:, :, mine], msg=name)
             for got, want in ((dq, full[0].grad), (dk, full[1].grad), (dv, full[2].grad)):
                 torch.testing.assert_close(got, want[:, :, mine], msg=name)

@@ -21,7 +21,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import build_trainer
 from tests.distributed.parity import LayoutCases, free_port
-from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE
+from tests.distributed.test_layout_matrix import CONFIGS, GQA, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +54,9 @@ LAYOUTS = {
 
 
 def argv_of(config: str, mode: str, extra: list) -> list:
-    return FOUR_LAYERS + BATCH + CONFIGS[config] + MODES[mode] + list(extra)
+    """The case's command line; "megatron" here is Megatron's default configuration (biases, LayerNorm,
+    GeLU, tied embeddings) with grouped-query attention (2 kv heads for 4 query heads)."""
+    return FOUR_LAYERS + BATCH + (GQA if config == "megatron" else CONFIGS[config]) + MODES[mode] + list(extra)
 
 
 SUITE = LayoutCases(LAYOUTS, argv_of)

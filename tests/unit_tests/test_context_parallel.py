@@ -76,7 +76,11 @@ def _parse_error(argv, world_size, capsys):
      "--context-parallel-size x --tensor-model-parallel-size"),
     (["--context-parallel-size", "2", "--difflm-varilen-prob", "0.5", "--difflm-varilen-multiple", "3",
       "--seq-length", "18"], 2, "--difflm-varilen-multiple 3 is not divisible by 2"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2, "--cp-comm-type p2p is not in this release"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], 2,
+     "cp_comm_type='p2p' is not one of ['all_gather', 'a2a']; pick one of them (flag --cp-comm-type)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], 4,
+     "--cp-comm-type a2a needs the 2 attention heads per tensor-parallel rank divisible by --context-parallel-size 4"),
+    (["--cp-comm-type", "a2a"], 1, "--cp-comm-type has no effect without --context-parallel-size > 1"),
     (["--context-parallel-size", "3"], 2, "not divisible"),
 ])
 def test_bad_context_parallel_flags_exit_2_with_one_line(extra, world_size, message, capsys):

@@ -19,7 +19,8 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            divide,
                                            gather_from_sequence_parallel_region, group_rank, group_size)
 from megatron.core.transformer.attention_backends import core_attention
-from megatron.core.transformer.context_parallel import gather_keys_and_values
+from megatron.core.transformer.context_parallel import (gather_keys_and_values, heads_to_sequence,
+                                                        sequence_to_heads, whole_sequence_mask)
 from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
 from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
@@ -143,9 +144,13 @@ class SelfAttention(MegatronModule):
         if rotary_pos_emb is not None:
             cos, sin = rotary_pos_emb
             query, key = apply_rotary_pos_emb(query, cos, sin), apply_rotary_pos_emb(key, cos, sin)
+        ulysses = kv_cache is None and group_size(self.cp_group) > 1 and self.config.cp_comm_type == "a2a"
         if kv_cache is not None:
             key, value = kv_cache.update(cache_start, key, value)
-        else:
+        elif ulysses:  # context parallelism: 1/C of the heads over the whole sequence
+            query, key, value = sequence_to_heads(query, key, value, self.cp_group)
+            attention_mask = whole_sequence_mask(attention_mask)
+        else:  # context parallelism: this rank's queries against every key
             key, value = gather_keys_and_values(key, value, self.cp_group)
         if self.recompute_core_attention and torch.is_grad_enabled():
             # Selective recompute: the attention internals are cheap to redo and large to keep.
@@ -153,6 +158,8 @@ class SelfAttention(MegatronModule):
                                               self.rng_tracker, query, key, value)
         else:
             context = self._core_attention(query, key, value, attention_mask)
+        if ulysses:
+            context = heads_to_sequence(context, self.cp_group)
         batch, heads, seq, dim = context.shape
         context = context.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
         return self.linear_proj(context)

@@ -9,15 +9,24 @@ Which positions a rank holds (`shard_positions`):
 The batch is sliced after the corruption (objective.py), so per-row quantities (weights, the
 normalizer) are computed on whole rows and are the same on every cp rank.
 
-Attention (`all_gather`, Megatron's `--cp-comm-type all_gather`): each rank keeps its queries
-and all-gathers the keys and values of the cp group, in rank order (`gathered_positions`
-says which global position each gathered key has); the backward reduce-scatters dK / dV.
-The local kernel then runs once over the whole K / V (cuDNN SDPA for the full bidirectional
-mask), with the mask evaluated at the true query and key positions (AttentionMask positions).
+Attention, two ways (Megatron's `--cp-comm-type`):
+- `all_gather`: each rank keeps its queries and all-gathers the keys and values of the cp
+  group, in rank order (`gathered_positions` says which global position each gathered key
+  has); the backward reduce-scatters dK / dV. The local kernel runs once over the whole K / V
+  (cuDNN SDPA for the full bidirectional mask), with the mask evaluated at the true query and
+  key positions (AttentionMask positions). Traffic per layer: 2 x S x kv heads x d.
+- `a2a` (Ulysses): an all-to-all turns sequence shards of every head into whole sequences of
+  1/C of the heads (`sequence_to_heads`), the kernel attends over the whole sequence, and a
+  second all-to-all turns the output back (`heads_to_sequence`); each all-to-all's backward is
+  the other. Traffic per layer: (2 q-sized + 2 kv-sized) x S / C; no whole K / V is kept per
+  rank. It pays where all-gathering K / V does not: many kv heads (MHA models such as LLaDA-8B's
+  32) and long sequences; it needs the heads per tensor-parallel rank divisible by C (kv heads
+  too, or C divisible by them: they are then replicated).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -26,7 +35,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import all_gather_reduce_scatter_grad
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 
-COMM_TYPES = ("all_gather",)
+COMM_TYPES = ("all_gather", "a2a")
 
 
 def load_balanced(mask_type: str) -> bool:
@@ -91,3 +100,78 @@ def gather_keys_and_values(key: torch.Tensor, value: torch.Tensor,
     if group_size(group) == 1:
         return key, value
     return all_gather_reduce_scatter_grad(key, group, 2), all_gather_reduce_scatter_grad(value, group, 2)
+
+
+def _all_to_all(blocks: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """[C, ...] contiguous: block j goes to rank j; returns [C, ...] whose block j came from rank j."""
+    received = torch.empty_like(blocks)
+    dist.all_to_all_single(received, blocks, group=group)
+    return received
+
+
+def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    batch, heads, seq, dim = x.shape
+    blocks = x.reshape(batch, size, heads // size, seq, dim).permute(1, 0, 2, 3, 4).contiguous()
+    received = _all_to_all(blocks, group)  # [C (rank: sequence part), b, heads / C, s / C, d]
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * seq, dim)
+
+
+def _to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    batch, heads, seq, dim = x.shape
+    blocks = x.reshape(batch, heads, size, seq // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = _all_to_all(blocks, group)  # [C (rank: head group), b, heads, s / C, d]
+    return received.permute(1, 0, 2, 3, 4).reshape(batch, size * heads, seq // size, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """[b, h, s/C, d] -> [b, h/C, s, d] (sequence in rank order); the backward is the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """[b, h/C, s, d] -> [b, h, s/C, d]; the backward is the inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, ctx.group), None
+
+
+def sequence_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses' first all-to-all: this rank's 1/C of the heads over the whole sequence. kv heads
+    fewer than C are replicated first, so each rank gets the kv head its query heads use."""
+    size = group_size(group)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(f"--cp-comm-type a2a needs the {heads} query heads per tensor-parallel rank divisible by "
+                         f"--context-parallel-size {size}, and the {kv_heads} kv heads divisible by it or dividing it")
+    if kv_heads % size:
+        key = key.repeat_interleave(size // kv_heads, dim=1)
+        value = value.repeat_interleave(size // kv_heads, dim=1)
+    return tuple(_SequenceToHeads.apply(t, group) for t in (query, key, value))
+
+
+def heads_to_sequence(context: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Ulysses' second all-to-all: the attention output back to this rank's sequence shard, all heads."""
+    return _HeadsToSequence.apply(context, group)
+
+
+def whole_sequence_mask(mask):
+    """The mask of a rank's queries against the gathered keys, for queries over the whole sequence
+    in the same (gathered) order, as Ulysses attends."""
+    return dataclasses.replace(mask, query_positions=mask.key_positions)

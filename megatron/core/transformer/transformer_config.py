@@ -122,6 +122,9 @@ class TransformerConfig:
     """Pipeline-parallel degree."""
     context_parallel_size: int = 1
     """Context-parallel degree."""
+    cp_comm_type: str = "all_gather"
+    """How context parallelism attends over the whole sequence: 'all_gather' (keys and values
+    gathered to every rank) or 'a2a' (Ulysses: all-to-all from sequence to head shards and back)."""
     expert_model_parallel_size: int = 1
     """Expert-parallel degree."""
     sequence_parallel: bool = False
@@ -180,6 +183,7 @@ class TransformerConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size"):
             _check_positive(owner, name, getattr(self, name))
+        _check_choice(owner, "cp_comm_type", self.cp_comm_type, ("all_gather", "a2a"))
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(f"{owner}.sequence_parallel needs tensor_model_parallel_size > 1; "
                              "drop --sequence-parallel or raise the tensor-parallel size")
