@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 import megatron
-from megatron.core.dist_checkpointing import serialization
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
 from megatron.training.configs import CheckpointConfig, RunRecord
@@ -91,6 +90,14 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(descriptor)
+
+
+def _serialization():
+    """The DCP reader/writer, imported when a checkpoint is first written or read: importing
+    torch.distributed.checkpoint costs about 1.3 s of every process's start-up otherwise."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return serialization
 
 
 def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
@@ -181,9 +188,9 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     if not config.no_save_optim:
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
     if config.async_save:
-        future = serialization.save_async(sharded, target, process_group)
+        future = _serialization().save_async(sharded, target, process_group)
     else:
-        serialization.save(sharded, target)
+        _serialization().save(sharded, target)
         future = None
     os.makedirs(os.path.join(target, "rng"), exist_ok=True)
     torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
@@ -348,7 +355,7 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
         model = GPTModel(TransformerConfig(**{**saved, **single}), DLMConfig(**metadata["dlm_config"]))
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
         warnings.simplefilter("ignore")
-        serialization.load(model.sharded_state_dict(prefix="model."), source)
+        _serialization().load(model.sharded_state_dict(prefix="model."), source)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
     metadata["source"] = source
@@ -376,7 +383,7 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer) -> Opt
     if load_optim:
         _initialise_adam_state(getattr(trainer.optimizer, "optim", trainer.optimizer), metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
-    serialization.load(sharded, source)
+    _serialization().load(sharded, source)
     if config.finetune:
         return 0
     if load_optim:

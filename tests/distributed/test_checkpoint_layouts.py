@@ -40,7 +40,6 @@ WRITERS = {  # name: (processes, flags)
 }
 LAYOUT_CHANGES = {  # name: (writer, processes, flags of the continuation)
     "pp2_interleaved_to_pp1": ("pp2_interleaved_tied", 1, []),
-    "pp2_interleaved_to_pp2": ("pp2_interleaved_tied", 2, PP2),
     "pp2_interleaved_to_pp4": ("pp2_interleaved_tied", 4, PP4),
     "tp2_sp_pp2_to_tp1_pp4": ("tp2_sp_pp2_untied", 4, PP4 + UNTIED),
     "cp2_to_cp1": ("cp2_tied", 1, []),

@@ -40,11 +40,11 @@ RESUME_CASES = {  # name: (processes, flags)
     "one_process_dlm_varilen": (1, ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"]),
     "tp2_sp_dp2_zero1_dlm": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--use-distributed-optimizer", "--micro-batch-size", "2"]),
-    "one_process_ar": (1, ["--model-running-mode", "vanilla"]),
     # One layer per stage, 2 micro-batches per step; evaluation runs the forward-only schedule.
     "pp2_tp2_sp_dlm": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel"]),
-    "cp2_dlm": (2, ["--context-parallel-size", "2"]),
+    # AR (causal, load-balanced chunks) under context parallelism.
+    "cp2_ar": (2, ["--context-parallel-size", "2", "--model-running-mode", "vanilla"]),
 }
 
 

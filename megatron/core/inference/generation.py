@@ -54,6 +54,7 @@ finished when it emits EOS. The result always has the full shape
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -62,6 +63,23 @@ import torch
 __all__ = ["KVCache", "GenerationOptions", "generate", "resolve_options", "RUNNING_MODES"]
 
 ModelFn = Callable[..., torch.Tensor]
+
+
+def compiler_disabled(fn: Callable) -> Callable:
+    """`torch.compiler.disable(fn)`, made at the first call: the decorator imports torch._dynamo,
+    1.5 s of every process's start-up that a run without torch.compile never needs. A first call
+    from inside a compiled region graph-breaks on the wrapping, then runs `fn` eagerly as the
+    decorator would."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call
+
 # Copies of transformer_config.py's lists: this file ships inside Hugging Face exports and imports
 # torch only (tests/unit_tests/test_copies_agree.py keeps the copies equal).
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
@@ -150,7 +168,7 @@ class LayerCache:
     def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
-    @torch.compiler.disable
+    @compiler_disabled
     def update(self, start, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.cache.update(self.layer, start, key, value)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
+from megatron.core.inference.generation import compiler_disabled
 from megatron.core.transformer.attention_mask import AttentionMask
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -255,7 +256,7 @@ def _cached_structure_block_mask(mask: AttentionMask, seq_len: int, device: torc
     return _build_block_mask(_structure_mask_mod(mask), None, seq_len, device)
 
 
-@torch.compiler.disable
+@compiler_disabled
 def _document_block_mask(mask: AttentionMask, seq_len: int, device: torch.device, key_len: Optional[int] = None):
     # Built outside any enclosing torch.compile graph (a graph break there) on purpose:
     # with torch 2.11 on H200, create_block_mask with a batch dimension traced into the
