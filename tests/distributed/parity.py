@@ -132,22 +132,31 @@ def assert_same_training(reference: dict, parallel: dict, by_name: bool = False)
 class LayoutCases:
     """A parity suite: `layouts` {name: (world size, parallel flags, cases, compare gradients by name)},
     each case a (config, mode, extra flags) tuple that `argv_of` turns into a command line. The
-    single-process references are trained once for every case any layout uses."""
+    single-process references are trained once for every case any layout uses; every layout of a
+    world size trains in one set of processes (each configuration builds its own groups), since
+    spawning costs more than a tiny training."""
 
     def __init__(self, layouts: dict, argv_of):
         self.layouts, self.argv_of = layouts, argv_of
         self.cases = list(dict.fromkeys(case for _, _, cases, _ in layouts.values() for case in cases))
 
+    def world_sizes(self) -> list:
+        return sorted({spec[0] for spec in self.layouts.values()})
+
     def references(self, tmp_path) -> dict:
         return dict(zip(self.cases, run_many(1, [self.argv_of(*case) for case in self.cases], tmp_path, "reference")))
 
-    def check(self, layout: str, references: dict, tmp_path) -> list:
-        """Train every case of `layout` in its processes; each must match its reference. Returns the results."""
-        world_size, flags, cases, by_name = self.layouts[layout]
-        results = run_many(world_size, [self.argv_of(*case) + flags for case in cases], tmp_path, layout)
-        for case, result in zip(cases, results):
+    def check(self, world_size: int, references: dict, tmp_path) -> dict:
+        """Train every case of every layout of `world_size` processes; each must match its reference.
+        Returns {layout: [result per case]}."""
+        runs = [(name, case) for name, (size, _, cases, _) in self.layouts.items() if size == world_size
+                for case in cases]
+        argvs = [self.argv_of(*case) + self.layouts[name][1] for name, case in runs]
+        results, by_layout = run_many(world_size, argvs, tmp_path, f"world{world_size}"), {}
+        for (name, case), result in zip(runs, results):
+            by_layout.setdefault(name, []).append(result)
             try:
-                assert_same_training(references[case], result, by_name=by_name)
+                assert_same_training(references[case], result, by_name=self.layouts[name][3])
             except AssertionError as error:
-                raise AssertionError(f"{layout} {case[:2]} {case[2]}: {error}") from None
-        return results
+                raise AssertionError(f"{name} {case[:2]} {case[2]}: {error}") from None
+        return by_layout

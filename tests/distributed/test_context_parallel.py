@@ -32,6 +32,7 @@ BLOCK = ("--attention-mask-type", "block_causal", "--difflm-block-size", "8")
 WINDOW = ("--attention-mask-type", "sliding_window", "--sliding-window", "6")
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 A2A = ["--cp-comm-type", "a2a"]
+ZERO2, FSDP2 = (["--data-parallel-sharding-strategy", strategy] for strategy in ("optim_grads", "optim_grads_params"))
 
 SHIFT = ("--model-running-mode", "difflm-shift")
 CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
@@ -44,12 +45,17 @@ LAYOUTS = {
                    [CASES[0], CASES[1], CASES[4]], False),
     "cp2_dp2_zero1": (4, CP2 + ["--use-distributed-optimizer"], [CASES[2], CASES[1]], False),
     "cp2_pp2": (4, CP2 + ["--pipeline-model-parallel-size", "2"], [CASES[0], CASES[3]], False),
-    "cp2_dp2_fsdp2": (4, CP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
-                      [CASES[7], CASES[3]], True),
+    "cp2_dp2_fsdp2": (4, CP2 + FSDP2, [CASES[7], CASES[3]], True),
     "cp2_a2a": (2, CP2 + A2A, [CASES[0], CASES[3], CASES[5]], False),
     "cp4_a2a": (4, CP4 + A2A, [CASES[1], CASES[6]], False),  # 1 query head per rank, the 2 kv heads replicated
     "cp2_a2a_tp2_sp": (4, CP2 + A2A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                        [CASES[2], CASES[1]], False),
+    # The other data-parallel strategies, and a2a with each kind of replica and with PP.
+    "cp2_dp2": (4, CP2, [CASES[0]], False),
+    "cp2_dp2_zero2": (4, CP2 + ZERO2, [CASES[1]], True),
+    "cp2_a2a_dp2_zero1": (4, CP2 + A2A + ["--use-distributed-optimizer"], [CASES[3]], False),
+    "cp2_a2a_dp2_fsdp2": (4, CP2 + A2A + FSDP2, [CASES[0]], True),
+    "cp2_a2a_pp2": (4, CP2 + A2A + ["--pipeline-model-parallel-size", "2"], [CASES[1]], False),
 }
 
 
@@ -67,9 +73,10 @@ def references(tmp_path_factory):
     return SUITE.references(tmp_path_factory.mktemp("reference"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_context_parallel_layout_matches_one_process(layout, references, tmp_path):
-    SUITE.check(layout, references, tmp_path)
+@pytest.mark.parametrize("world_size", SUITE.world_sizes())
+def test_context_parallel_layouts_match_one_process(world_size, references, tmp_path):
+    """Every layout of LAYOUTS with `world_size` processes, each case against its single-process run."""
+    assert SUITE.check(world_size, references, tmp_path)
 
 
 def _attention_worker(rank, world_size, port, out):

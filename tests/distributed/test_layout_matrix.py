@@ -11,7 +11,7 @@ step-1 gradient must match the single-process run to 1e-5.
 
 import pytest
 
-from tests.distributed.parity import assert_same_training, run_many
+from tests.distributed.parity import LayoutCases
 
 pytestmark = pytest.mark.distributed
 
@@ -52,11 +52,16 @@ def argv_of(config: str, mode: str) -> list:
     return SHAPE + CONFIGS[config] + MODES[mode]
 
 
+SUITE = LayoutCases({name: (world, flags, [(config, mode, ()) for config, mode in pairs],
+                             world > 1 and "tensor" not in " ".join(flags))
+                      for name, (world, flags, pairs) in LAYOUTS.items()},
+                     lambda config, mode, extra: argv_of(config, mode))
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Every (config, mode) trained once in one process."""
-    results = run_many(1, [argv_of(*pair) for pair in ALL], tmp_path_factory.mktemp("reference"), "reference")
-    return dict(zip(ALL, results))
+    return SUITE.references(tmp_path_factory.mktemp("reference"))
 
 
 def test_every_axis_value_appears_under_tp_sp_and_under_dp():
@@ -75,13 +80,7 @@ def test_every_axis_value_appears_under_tp_sp_and_under_dp():
         assert all(axis == {True, False} for axis in seen.values()), (layout, seen)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(layout, references, tmp_path):
-    world_size, parallel_flags, pairs = LAYOUTS[layout]
-    results = run_many(world_size, [argv_of(*pair) + parallel_flags for pair in pairs], tmp_path, layout)
-    for pair, result in zip(pairs, results):
-        try:
-            assert_same_training(references[pair], result, by_name=world_size > 1 and "tensor" not in
-                                 " ".join(parallel_flags))
-        except AssertionError as error:
-            raise AssertionError(f"{layout} {pair}: {error}") from None
+@pytest.mark.parametrize("world_size", SUITE.world_sizes())
+def test_layouts_match_one_process(world_size, references, tmp_path):
+    """Every layout of LAYOUTS with `world_size` processes, each (config, mode) against one process."""
+    assert SUITE.check(world_size, references, tmp_path)

@@ -67,10 +67,11 @@ def references(tmp_path_factory):
     return SUITE.references(tmp_path_factory.mktemp("reference"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipeline_layout_matches_one_process(layout, references, tmp_path):
-    for result in SUITE.check(layout, references, tmp_path):
-        assert result["microbatches"] >= 4
+@pytest.mark.parametrize("world_size", SUITE.world_sizes())
+def test_pipeline_layouts_match_one_process(world_size, references, tmp_path):
+    """Every layout of LAYOUTS with `world_size` processes, each case against its single-process run."""
+    for layout, results in SUITE.check(world_size, references, tmp_path).items():
+        assert all(result["microbatches"] >= 4 for result in results), layout
 
 
 class _LiveActivations:
