@@ -31,7 +31,7 @@ PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-
 INTERLEAVED = [*PP2, "--num-virtual-stages-per-pipeline-rank", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 UNTIED = ["--untie-embeddings-and-output-weights"]  # the quickstart ties them (no flag)
-CP2 = ["--context-parallel-size", "2"]
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
 PIPELINE_WRITERS = ["pp2_interleaved_tied", "tp2_sp_pp2_untied"]
 WRITERS = {  # name: (processes, flags)
     "pp2_interleaved_tied": (2, INTERLEAVED),
@@ -43,6 +43,7 @@ LAYOUT_CHANGES = {  # name: (writer, processes, flags of the continuation)
     "pp2_interleaved_to_pp4": ("pp2_interleaved_tied", 4, PP4),
     "tp2_sp_pp2_to_tp1_pp4": ("tp2_sp_pp2_untied", 4, PP4 + UNTIED),
     "cp2_to_cp1": ("cp2_tied", 1, []),
+    "cp2_to_cp4": ("cp2_tied", 4, CP4),
 }
 
 
