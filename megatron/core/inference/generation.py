@@ -66,12 +66,10 @@ ModelFn = Callable[..., torch.Tensor]
 
 
 def compiler_disabled(fn: Callable) -> Callable:
-    """`torch.compiler.disable(fn)`, made at the first call: the decorator imports torch._dynamo,
-    1.5 s of every process's start-up that a run without torch.compile never needs. A first call
-    from inside a compiled region graph-breaks on the wrapping, then runs `fn` eagerly as the
-    decorator would."""
+    """`torch.compiler.disable(fn)` made at the first call (the decorator imports torch._dynamo, 1.5 s
+    of start-up a run without torch.compile never needs); a first call inside a compiled region
+    graph-breaks on the wrapping and runs `fn` eagerly, as the decorator would."""
     disabled = []
-
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if not disabled:

@@ -125,30 +125,18 @@ def _to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return received.permute(1, 0, 2, 3, 4).reshape(batch, size * heads, seq // size, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """[b, h, s/C, d] -> [b, h/C, s, d] (sequence in rank order); the backward is the inverse."""
+class _AllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all: [b, h, s/C, d] -> [b, h/C, s, d] (`to_heads`) or back; the backward is the
+    other direction."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_sequence(grad, ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """[b, h/C, s, d] -> [b, h, s/C, d]; the backward is the inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _to_sequence(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_to_heads if to_heads else _to_sequence)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_heads(grad, ctx.group), None
+        return (_to_sequence if ctx.to_heads else _to_heads)(grad, ctx.group), None, None
 
 
 def sequence_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -163,12 +151,12 @@ def sequence_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if kv_heads % size:
         key = key.repeat_interleave(size // kv_heads, dim=1)
         value = value.repeat_interleave(size // kv_heads, dim=1)
-    return tuple(_SequenceToHeads.apply(t, group) for t in (query, key, value))
+    return tuple(_AllToAll.apply(t, group, True) for t in (query, key, value))
 
 
 def heads_to_sequence(context: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Ulysses' second all-to-all: the attention output back to this rank's sequence shard, all heads."""
-    return _HeadsToSequence.apply(context, group)
+    return _AllToAll.apply(context, group, False)
 
 
 def whole_sequence_mask(mask):
