@@ -115,8 +115,12 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, ar
         batch["inputs"], dlm, key, batch["loss_mask"], batch["document_ids"], clamp_normalizer=False)
     # A normalizer of 1 makes the model return the weighted sum itself: its gradient then flows
     # through the model's loss, which the masked-only output layer prepares in its forward.
+    # MoE balancing losses enter the summed loss with the micro-batch's normalizer as weight
+    # (megatron/core/transformer/moe/aux_losses.py), times fp16's loss scale like the loss itself.
+    aux_loss_scale = normalizer if ctx.loss_scale is None else normalizer * ctx.loss_scale
     output = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
-                   loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"])
+                   loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"],
+                   aux_loss_scale=aux_loss_scale)
     # The last stage returns (per-token losses, loss sum); the others their hidden states.
     return (output[1] if isinstance(output, tuple) else output), partial(loss_func, normalizer)
 

@@ -3,7 +3,9 @@
 Rank order follows Megatron-LM, read fastest-varying first: tp, cp, dp, pp, i.e.
     rank = tp_rank + cp_rank * TP + dp_rank * TP * CP + pp_rank * TP * CP * DP,
 so tensor-parallel peers are adjacent ranks (one NVLink island). Experts use their own grid
-over the same ranks, tp-ep-edp-pp (expert tensor parallelism = tp), sharing the pp dimension.
+over the same ranks, etp-ep-edp-pp (Megatron's "parallel folding": expert tensor parallelism,
+expert parallelism, expert data parallelism), sharing the pp dimension:
+world = tp*cp*dp*pp = etp*ep*edp*pp.
 
 Modules take the groups they need explicitly (a `ProcessGroups` value). The Megatron-named
 getters at the bottom are a compatibility shim for code written against Megatron-LM (user
@@ -51,6 +53,12 @@ class ProcessGroups:
     ep: Optional[dist.ProcessGroup] = None
     expert_dp: Optional[dist.ProcessGroup] = None
     embedding: Optional[dist.ProcessGroup] = None
+    tp_cp: Optional[dist.ProcessGroup] = None
+    """tp x cp: the ranks holding parts of the same sequences (under sequence parallelism)."""
+    expert_tp: Optional[dist.ProcessGroup] = None
+    """The ranks splitting each expert's inner dim."""
+    expert_tp_ep: Optional[dist.ProcessGroup] = None
+    """etp x ep: the ranks holding the experts of one layer (the token dispatch group)."""
 
 
 @dataclass
@@ -92,22 +100,25 @@ class ParallelState:
     """Sizes, this rank's coordinates and the process groups of one layout."""
 
     def __init__(self, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 virtual_pp: Optional[int] = None) -> None:
+                 virtual_pp: Optional[int] = None, etp: int = 1) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        check_layout(world, tp, pp, cp, ep)
-        self.world_size, self.tp, self.pp, self.cp, self.ep = world, tp, pp, cp, ep
+        check_layout(world, tp, pp, cp, ep, etp)
+        self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp = world, tp, pp, cp, ep, etp
         self.dp = world // (tp * pp * cp)
-        self.expert_dp = world // (tp * ep * pp)
+        self.expert_dp = world // (etp * ep * pp)
         self.virtual_pp = virtual_pp
         self.grid = {"tp": tp, "cp": cp, "dp": self.dp, "pp": pp}
-        self.expert_grid = {"tp": tp, "ep": ep, "edp": self.expert_dp, "pp": pp}
+        self.expert_grid = {"etp": etp, "ep": ep, "edp": self.expert_dp, "pp": pp}
         self.ranks: Dict[str, List[int]] = {}
+        grid, experts = self.grid, self.expert_grid
         self.groups = ProcessGroups(
-            tp=self._group("tp", self.grid, ["tp"]), cp=self._group("cp", self.grid, ["cp"]),
-            dp=self._group("dp", self.grid, ["dp"]), dp_cp=self._group("dp_cp", self.grid, ["cp", "dp"]),
-            pp=self._group("pp", self.grid, ["pp"]), ep=self._group("ep", self.expert_grid, ["ep"]),
-            expert_dp=self._group("expert_dp", self.expert_grid, ["edp"]), embedding=self._embedding_group())
+            tp=self._group("tp", grid, ["tp"]), cp=self._group("cp", grid, ["cp"]),
+            dp=self._group("dp", grid, ["dp"]), dp_cp=self._group("dp_cp", grid, ["cp", "dp"]),
+            pp=self._group("pp", grid, ["pp"]), ep=self._group("ep", experts, ["ep"]),
+            expert_dp=self._group("expert_dp", experts, ["edp"]), embedding=self._embedding_group(),
+            tp_cp=self._group("tp_cp", grid, ["tp", "cp"]), expert_tp=self._group("expert_tp", experts, ["etp"]),
+            expert_tp_ep=self._group("expert_tp_ep", experts, ["etp", "ep"]))
         self.pipeline_p2p_groups = self._pipeline_p2p_groups()
 
     def _pipeline_p2p_groups(self) -> Dict[str, Optional[dist.ProcessGroup]]:
@@ -164,26 +175,29 @@ class ParallelState:
 
     def layout_table(self) -> str:
         """The resolved layout, printed at start-up."""
-        rows = [f"  {'world':>6} {'tp':>4} {'cp':>4} {'dp':>4} {'pp':>4} {'ep':>4} {'expert-dp':>10}",
+        rows = [f"  {'world':>6} {'tp':>4} {'cp':>4} {'dp':>4} {'pp':>4} {'ep':>4} {'expert-tp':>10} "
+                f"{'expert-dp':>10}",
                 f"  {self.world_size:>6} {self.tp:>4} {self.cp:>4} {self.dp:>4} {self.pp:>4} {self.ep:>4} "
-                f"{self.expert_dp:>10}",
+                f"{self.etp:>10} {self.expert_dp:>10}",
                 "  rank order: tp fastest, then cp, dp, pp (rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP)"]
         return "\n".join(rows)
 
 
-def check_layout(world: int, tp: int, pp: int, cp: int, ep: int) -> None:
+def check_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1) -> None:
     """One clear message for a layout the world size cannot hold."""
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
-                       ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep)):
+                       ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
+                       ("--expert-tensor-parallel-size", etp)):
         if size < 1:
             raise ValueError(f"{name} {size} must be >= 1")
     if world % (tp * pp * cp):
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size x "
                          f"--pipeline-model-parallel-size x --context-parallel-size = {tp * pp * cp}; "
                          "change the parallel sizes or the number of processes")
-    if world % (tp * ep * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor x expert x pipeline parallel sizes = "
-                         f"{tp * ep * pp}; change --expert-model-parallel-size")
+    if world % (etp * ep * pp):
+        raise ValueError(f"world size {world} is not divisible by --expert-tensor-parallel-size x "
+                         f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp * ep * pp}; "
+                         "change the expert parallel sizes")
 
 
 _STATE: Optional[ParallelState] = None
@@ -191,10 +205,12 @@ _STATE: Optional[ParallelState] = None
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> ParallelState:
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              expert_tensor_parallel_size: int = 1) -> ParallelState:
     global _STATE
     _STATE = ParallelState(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
-                           expert_model_parallel_size, virtual_pipeline_model_parallel_size)
+                           expert_model_parallel_size, virtual_pipeline_model_parallel_size,
+                           expert_tensor_parallel_size)
     return _STATE
 
 
@@ -271,6 +287,14 @@ def get_context_parallel_world_size() -> int:
 
 def get_expert_model_parallel_group():
     return get_parallel_state().groups.ep
+
+
+def get_expert_tensor_parallel_group():
+    return get_parallel_state().groups.expert_tp
+
+
+def get_expert_tensor_and_model_parallel_group():
+    return get_parallel_state().groups.expert_tp_ep
 
 
 def get_expert_data_parallel_group():

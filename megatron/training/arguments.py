@@ -18,6 +18,7 @@ import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
 from megatron.training.parallel_args import validate_parallel, validate_parallel_shapes, validate_pipeline
 from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.tokenizer import add_tokenizer_args
@@ -238,7 +239,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--cp-comm-type", default="all_gather", choices=("all_gather", "p2p", "a2a", "a2a+p2p"),
                    help="Context parallelism's attention: all_gather (K/V to every rank) or a2a (Ulysses).")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Ranks the experts of a layer are split over.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1, help="Ranks each expert is split over.")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Same as --data-parallel-sharding-strategy optim.")
@@ -256,6 +259,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     parser = argparse.ArgumentParser(description="MegaDLMs pretraining", allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model_args(parser)
+    add_moe_args(parser)
     _add_training_args(parser)
     _add_data_and_logging_args(parser)
     _add_checkpoint_args(parser)
@@ -361,10 +365,12 @@ def _check_writable_dir(flag: str, path: Optional[str]) -> None:
 
 def _config_error_hint(error: ValueError) -> str:
     """Names the flag behind a config error: config messages start with `Owner.field` (their docstring)."""
-    match = re.match(r"(TransformerConfig|DLMConfig)\.(\w+)", str(error))
+    match = re.match(r"(TransformerConfig|DLMConfig|MoEConfig)\.(\w+)", str(error))
     if match is None:
         return "check the corresponding command-line flag"
     owner, field = match.groups()
+    if owner == "MoEConfig":
+        return "flag --num-experts" if field == "num_experts" else f"flag --moe-{field.replace('_', '-')}"
     default = f"--{'difflm-' if owner == 'DLMConfig' else ''}{field.replace('_', '-')}"
     return f"flag {CONFIG_FIELD_FLAGS.get(field, default)}"
 
@@ -394,12 +400,14 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
         args.max_position_embeddings = args.seq_length
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    args.transformer_config = transformer_config_from_args(args)
-    args.dlm_config = dlm_config_from_args(args)
     # The config classes phrase problems by field; the flags are what the user typed.
     try:
+        args.moe_config = moe_config_from_args(args)
+        args.transformer_config = transformer_config_from_args(args)
+        args.dlm_config = dlm_config_from_args(args)
         args.transformer_config.validate()
         args.dlm_config.validate(args.padded_vocab_size, args.seq_length, args.sliding_window)
+        validate_moe_args(args)
     except ValueError as error:
         raise ValueError(f"{error} ({_config_error_hint(error)})") from None
     validate_parallel_shapes(args)
@@ -498,7 +506,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
-        expert_model_parallel_size=args.expert_model_parallel_size, sequence_parallel=args.sequence_parallel)
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size, moe=args.moe_config,
+        sequence_parallel=args.sequence_parallel)
 
 
 def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:

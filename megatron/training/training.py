@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded,
-                                                     optimizer_sharding_group, wrap_data_parallel)
-from megatron.core.pipeline_parallel.chunks import ModelChunks
+                                                     optimizer_sharding_group, unwrap, wrap_data_parallel)
+from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.pipeline_parallel.layer_split import stage_layer_range
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
 from megatron.core.distributed.loss_normalization import GlobalBatchLoss
@@ -35,6 +35,7 @@ from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.fp8 import enable_fp8_training
+from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.configs import TrainingConfig
@@ -57,6 +58,9 @@ class StepContext:
     training: bool = True
     stream: int = 0
     """0 for training batches, 1 for validation (fixed draws at every evaluation)."""
+    loss_scale: Optional[torch.Tensor] = None
+    """fp16's current loss scale (None otherwise): forward steps multiply the MoE balancing losses'
+    scale by it, as the schedule multiplies the loss (moe/aux_losses.py)."""
 
 
 # forward_step(data_iterator, model, ctx, args) -> (output tensor, loss_func); loss_func(output)
@@ -84,6 +88,8 @@ class StepResult:
     """What the step's loss sum was divided by (tokens, masked tokens or sequences)."""
     skipped: bool
     nan: bool
+    moe: Optional[RouterStepStats] = None
+    """The routers' balancing statistics of the step (MoE models)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -113,6 +119,8 @@ class Trainer:
                  groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
+        self.model_config = getattr(unwrap(model_chunks(model)[0]), "config", None)
+        """The TransformerConfig of the model (MoE statistics need its layer count and experts)."""
         self.replica_group = replica_group(self.groups)
         self.forward_step = forward_step
         self.train_loader, self.valid_loader = train_loader, valid_loader
@@ -130,8 +138,13 @@ class Trainer:
     def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
                           first_sample: int, stream: int) -> GlobalBatchLoss:
         """Run every micro-batch of a global batch through the schedule; returns its reduced loss."""
+        loss_scale = None
+        if self.config.fp16 and training:
+            loss_scale = self.grad_scaler.scale(torch.ones((), device=self.runtime.device))
+
         def forward_step(iterator: Iterator, model: nn.Module, microbatch: int):
-            ctx = StepContext(iteration, first_sample, self.config.global_batch_size, microbatch, training, stream)
+            ctx = StepContext(iteration, first_sample, self.config.global_batch_size, microbatch, training, stream,
+                              loss_scale)
             return self.forward_step(iterator, model, ctx)
 
         loss = self.schedule(forward_step, data_iterator, self.model, self.config.num_microbatches,
@@ -148,13 +161,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         batch_loss = self._forward_backward(data_iterator, True, state.iteration, state.consumed_train_samples,
                                             stream=0)
+        replicas = group_size(self.groups.dp)
+        moe = finish_router_step(self.model, self.model_config, self.config.num_microbatches * replicas)
         self.grad_scaler.unscale_(self.optimizer)
-        gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp, self.groups.embedding)
+        gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp, self.groups.embedding,
+                                            self.groups.expert_dp, self.groups.expert_tp)
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
                                    self.replica_group if is_fully_sharded(self.model) else None, scale=gradient_scale,
-                                   optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp)
+                                   optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp,
+                                   expert_group=self.groups.expert_tp_ep)
         loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -170,7 +187,7 @@ class Trainer:
             self.scheduler.step(1)
         forget_gradient_scale(self.optimizer)
         nan = not finite_loss or (skipped and not self.config.fp16)
-        return StepResult(float(loss), float(grad_norm), float(batch_loss.normalizer), skipped, nan)
+        return StepResult(float(loss), float(grad_norm), float(batch_loss.normalizer), skipped, nan, moe)
 
     def _account(self, result: StepResult) -> None:
         state = self.state
@@ -326,7 +343,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     set_random_seeds(args.seed)
     layout = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                        args.context_parallel_size, args.expert_model_parallel_size,
-                                       args.virtual_pipeline_model_parallel_size)
+                                       args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size)
     model, fp8_layers = build_model(args, runtime, layout, model_provider)
     training = args.training_config
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)

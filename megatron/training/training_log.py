@@ -100,7 +100,9 @@ class TrainingLogger:
         loss = self.window_loss / max(self.window_counted, 1)
         tokens = self.training.global_batch_size * self.training.seq_length
         rates = flops.throughput_metrics(self.flops_per_iteration, tokens, seconds, self.record.world_size, self.peak)
-        self.print(self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates))
+        line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates)
+        moe = getattr(result, "moe", None)
+        self.print(line + (f" {moe.summary()} |" if moe is not None else ""))
         values = {"lm loss": loss, "learning-rate": learning_rate, "grad-norm": result.grad_norm,
                   "loss-scale": loss_scale, "skipped-iterations": state.skipped_iterations,
                   "nan-iterations": state.nan_iterations, "iteration-time": seconds,
@@ -109,6 +111,8 @@ class TrainingLogger:
                   "throughput/tflops-per-gpu": rates["tflops_per_gpu"]}
         if rates["mfu"] is not None:
             values["throughput/mfu"] = rates["mfu"]
+        if moe is not None:  # the last step of the window (Megatron logs MoE losses per step too)
+            values.update(moe.scalars())
         if self.runtime.device.type == "cuda":
             values["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2 ** 30
         self._scalars(values, state.iteration)

@@ -11,6 +11,7 @@ import os
 import socket
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -145,6 +146,15 @@ class LayoutCases:
 
     def references(self, tmp_path) -> dict:
         return dict(zip(self.cases, run_many(1, [self.argv_of(*case) for case in self.cases], tmp_path, "reference")))
+
+    def references_fixture(self):
+        """A module-scoped pytest fixture training every case once in one process: a suite's test
+        module assigns it to `references` and its tests take `references` as an argument."""
+        @pytest.fixture(scope="module")
+        def references(tmp_path_factory):
+            return self.references(tmp_path_factory.mktemp("reference"))
+
+        return references
 
     def check(self, world_size: int, references: dict, tmp_path) -> dict:
         """Train every case of every layout of `world_size` processes; each must match its reference.

@@ -58,10 +58,7 @@ SUITE = LayoutCases({name: (world, flags, [(config, mode, ()) for config, mode i
                      lambda config, mode, extra: argv_of(config, mode))
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """Every (config, mode) trained once in one process."""
-    return SUITE.references(tmp_path_factory.mktemp("reference"))
+references = SUITE.references_fixture()
 
 
 def test_every_axis_value_appears_under_tp_sp_and_under_dp():

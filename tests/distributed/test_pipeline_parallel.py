@@ -62,9 +62,7 @@ def argv_of(config: str, mode: str, extra: list) -> list:
 SUITE = LayoutCases(LAYOUTS, argv_of)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return SUITE.references(tmp_path_factory.mktemp("reference"))
+references = SUITE.references_fixture()
 
 
 @pytest.mark.parametrize("world_size", SUITE.world_sizes())

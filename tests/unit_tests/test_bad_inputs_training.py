@@ -86,6 +86,15 @@ BAD_FLAGS = [
     (["--split", "1,1,1"], "--split has no effect without --data-path"),
     (["--data-cache-path", "/tmp/unused"], "--data-cache-path has no effect without --data-path"),
     (["--tokenizer-model", "spm.model"], "--tokenizer-model is not read by --tokenizer-type NullTokenizer"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "router_topk=5 exceeds num_experts=4 (flag --moe-router-topk)"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"],
+     "needs router_score_function='sigmoid' (--moe-router-score-function sigmoid)"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*3"],
+     "each of the 1 layers (e.g. [0]*1+[1]*27) (flag --moe-layer-freq)"),
+    (["--num-experts", "4", "--moe-router-type", "expert_choice", "--model-running-mode", "vanilla"],
+     "--moe-router-type expert_choice picks tokens over the whole sequence"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "(flag --moe-aux-loss-coeff)"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "(flag --moe-expert-capacity-factor)"),
 ]
 
 

@@ -18,6 +18,11 @@ weights are re-gathered for every micro-batch's forward and backward (ZeRO-3 mem
 all-gathers); `optim_grads` keeps them gathered between them, the cheaper choice when the
 gathered weights of a stage fit.
 
+Expert weights (tagged `expert_parallel`, moe/experts.py) are replicated over the expert-data-
+parallel ranks instead: DDP leaves them alone, and `finalize_gradients` sums them over
+`expert_dp` and divides by the dense replicas' count, so that the one scale applied to every
+gradient (below) turns both kinds into gradients of the same loss.
+
 Micro-batches backpropagate the *sum* of their weighted token losses; after the last one the
 gradients are taken as divided by the normalizer of the whole global batch (all micro-batches,
 all data-parallel ranks: loss_normalization.py). Gradient accumulation and data parallelism
@@ -44,7 +49,7 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Attributes the tensor-parallel code reads from parameters; FSDP2 replaces the Parameter
 # objects, so they are carried over by name.
 _PARAM_TAGS = ("tensor_model_parallel", "partition_dim", "allreduce_over_tp", "tied_across_stages",
-               "tied_embedding_copy")
+               "tied_embedding_copy", "expert_parallel", "allreduce_over_expert_tp", "duplicate_in_norm")
 _BUCKET_ELEMENTS = 1 << 25  # gradients summed per all-reduce under pipeline parallelism
 
 
@@ -66,6 +71,9 @@ def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strat
         return model
     if strategy in ("no_shard", "optim"):
         device_ids = [device] if device.type == "cuda" else None
+        experts = [name for name, param in model.named_parameters() if is_expert(param)]
+        if experts:  # summed over expert-dp in finalize_gradients
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step.
         return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                        broadcast_buffers=False, gradient_as_bucket_view=True)
@@ -152,12 +160,16 @@ def _allreduce_flat(grads: List[torch.Tensor], group) -> None:
                 bucket, size = [], 0
 
 
+def is_expert(param: nn.Parameter) -> bool:
+    return getattr(param, "expert_parallel", False)
+
+
 def allreduce_pipeline_stage_grads(model: nn.Module, embedding_group=None) -> None:
     """After a pipeline schedule: the replicas' gradients summed (where no wrapper synchronised
     them), and the tied word-embedding copies of the first and last stage summed over
     `embedding_group`, so both copies take the same step."""
     if getattr(model, "sums_gradients", False):
-        _allreduce_flat([local_tensor(p.grad) for p in model.parameters() if p.grad is not None],
+        _allreduce_flat([local_tensor(p.grad) for p in model.parameters() if p.grad is not None and not is_expert(p)],
                         model.data_parallel_group)
     tied = [p for p in model.parameters() if getattr(p, "tied_across_stages", False)]
     if tied and group_size(embedding_group) > 1:
@@ -192,13 +204,35 @@ def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
         _allreduce_flat(grads, tp_group)
 
 
+def allreduce_expert_grads(model: nn.Module, expert_dp_group=None, expert_tp_group=None) -> None:
+    """Expert gradients summed over the expert-data-parallel replicas (and the etp-replicated
+    biases over etp), then divided by the number of dense replicas the wrapper averaged over:
+    afterwards they are on the footing of the dense gradients. A rank whose experts got no token
+    still joins the sums (with zeros)."""
+    experts = [p for p in model.parameters() if is_expert(p) and p.requires_grad]
+    if not experts:
+        return
+    for param in experts:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    if group_size(expert_dp_group) > 1:
+        _allreduce_flat([local_tensor(p.grad) for p in experts], expert_dp_group)
+    biases = [local_tensor(p.grad) for p in experts if getattr(p, "allreduce_over_expert_tp", False)]
+    if biases and group_size(expert_tp_group) > 1:
+        _allreduce_flat(biases, expert_tp_group)
+    replicas = averaging_replicas(model)
+    if replicas > 1:
+        torch._foreach_mul_([local_tensor(p.grad) for p in experts], 1.0 / replicas)
+
+
 def finalize_gradients(model: nn.Module, loss: "GlobalBatchLoss", tp_group=None,
-                       embedding_group=None) -> torch.Tensor:
-    """Complete the gradients (pipeline stages' replica sums and tied embeddings, then the
-    tensor-parallel partial ones); returns the factor that turns the summed gradients into
-    gradients of the reduced batch `loss`, for `clip_grad_norm(scale=...)` to apply together
-    with the clipping."""
+                       embedding_group=None, expert_dp_group=None, expert_tp_group=None) -> torch.Tensor:
+    """Complete the gradients (pipeline stages' replica sums and tied embeddings, the experts'
+    over their replicas, then the tensor-parallel partial ones); returns the factor that turns
+    the summed gradients into gradients of the reduced batch `loss`, for
+    `clip_grad_norm(scale=...)` to apply together with the clipping."""
     allreduce_pipeline_stage_grads(model, embedding_group)
+    allreduce_expert_grads(model, expert_dp_group, expert_tp_group)
     allreduce_tensor_parallel_partial_grads(model, tp_group)
     return loss.gradient_scale(averaging_replicas(model))
 

@@ -57,7 +57,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
                    dp_shard_group=None, scale: Optional[torch.Tensor] = None,
-                   optimizer: Optional[torch.optim.Optimizer] = None, pp_group=None) -> torch.Tensor:
+                   optimizer: Optional[torch.optim.Optimizer] = None, pp_group=None,
+                   expert_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
 
     `scale` (a 0-d tensor, e.g. 1 / loss tokens): the gradients are taken as multiplied by it
@@ -68,7 +69,9 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     Tensor-parallel shards (param.tensor_model_parallel) are summed over tp; replicated
     weights hold the same gradient on every tp rank and count once. Gradients sharded over
     the data-parallel ranks (FSDP2) are summed over `dp_shard_group`, and the stages of a
-    pipeline over `pp_group` (the last stage's copy of a tied embedding counts once). A
+    pipeline over `pp_group` (the last stage's copy of a tied embedding counts once). Expert
+    weights (param.expert_parallel) are split over `expert_group` (the etp x ep ranks) and
+    replicated over the expert-data-parallel ones: summed over the former only. A
     non-finite norm may leave NaN gradients behind: the caller skips that step and zeroes them.
     """
     params = [p for p in parameters if p.grad is not None]
@@ -78,10 +81,11 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     squares = _norm_squares(params, device)
     if dp_shard_group is not None and dist.get_world_size(dp_shard_group) > 1:
         dist.all_reduce(squares, group=dp_shard_group)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        tp_part = squares[:1].clone()
-        dist.all_reduce(tp_part, group=tp_group)
-        squares = torch.cat([tp_part, squares[1:]])
+    for index, group in ((0, tp_group), (2, expert_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            part = squares[index:index + 1].clone()
+            dist.all_reduce(part, group=group)
+            squares = torch.cat([squares[:index], part, squares[index + 1:]])
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squares, group=pp_group)
     norm = squares.sum().sqrt()
@@ -99,12 +103,20 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     return norm
 
 
+def _norm_kind(param: nn.Parameter) -> int:
+    """0: split over tp; 1: replicated over tp; 2: an expert weight."""
+    if getattr(param, "expert_parallel", False):
+        return 2
+    return 0 if getattr(param, "tensor_model_parallel", False) else 1
+
+
 def _norm_squares(params: List[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """[sum of squares of the tp-sharded gradients, of the replicated ones] on this rank."""
-    counted = [p for p in params if not getattr(p, "tied_embedding_copy", False)]
-    squares = torch.zeros(2, device=device, dtype=torch.float32)
-    for index, sharded in enumerate((True, False)):
-        grads = [local_tensor(p.grad) for p in counted if bool(getattr(p, "tensor_model_parallel", False)) == sharded]
+    """[sum of squares of the tp-sharded gradients, of the replicated ones, of the experts'] on this rank."""
+    counted = [p for p in params if not (getattr(p, "tied_embedding_copy", False)
+                                         or getattr(p, "duplicate_in_norm", False))]
+    squares = torch.zeros(3, device=device, dtype=torch.float32)
+    for index in range(3):
+        grads = [local_tensor(p.grad) for p in counted if _norm_kind(p) == index]
         if grads:
             # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
             squares[index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.transformer.moe.config import MoEConfig
+
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("silu", "gelu", "relu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -126,7 +128,11 @@ class TransformerConfig:
     """How context parallelism attends over the whole sequence: 'all_gather' (keys and values
     gathered to every rank) or 'a2a' (Ulysses: all-to-all from sequence to head shards and back)."""
     expert_model_parallel_size: int = 1
-    """Expert-parallel degree."""
+    """Expert-parallel degree: the routed experts of a layer are split over this many ranks."""
+    expert_tensor_parallel_size: int = 1
+    """Tensor-parallel degree of each expert (its own grid: etp x ep x expert-dp x pp)."""
+    moe: Optional[MoEConfig] = None
+    """Mixture-of-experts layers in the MLP slot (None: every layer is dense)."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence across tensor-parallel ranks."""
 
@@ -137,6 +143,8 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe is not None:
+            self.moe.resolve(self.num_layers)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -181,13 +189,28 @@ class TransformerConfig:
         if self.sliding_window is not None:
             _check_positive(owner, "sliding_window", self.sliding_window)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size"):
+                     "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
             _check_positive(owner, name, getattr(self, name))
         _check_choice(owner, "cp_comm_type", self.cp_comm_type, ("all_gather", "a2a"))
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(f"{owner}.sequence_parallel needs tensor_model_parallel_size > 1; "
                              "drop --sequence-parallel or raise the tensor-parallel size")
+        if self.moe is not None:
+            self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        owner, moe = "TransformerConfig", self.moe
+        moe.validate(self.ffn_hidden_size)
+        if moe.num_experts % self.expert_model_parallel_size:
+            raise ValueError(f"{owner}.expert_model_parallel_size={self.expert_model_parallel_size} does not divide "
+                             f"the {moe.num_experts} experts; choose a divisor of --num-experts")
+        if moe.expert_ffn_size(self.ffn_hidden_size) % self.expert_tensor_parallel_size:
+            raise ValueError(f"{owner}.expert_tensor_parallel_size={self.expert_tensor_parallel_size} does not "
+                             f"divide the expert ffn size {moe.expert_ffn_size(self.ffn_hidden_size)}")
+        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            raise ValueError(f"{owner}.sequence_parallel is needed with MoE layers and tensor parallelism "
+                             "(each tensor-parallel rank routes its own slice of the tokens); add --sequence-parallel")
 
     def _validate_recompute(self) -> None:
         owner = "TransformerConfig"

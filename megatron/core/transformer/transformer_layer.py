@@ -2,7 +2,7 @@
 
 Both sub-blocks are slots: `self_attention` and `mlp` take any module with the call signature of
 `SelfAttention` / `MLP` (a mixture-of-experts layer goes into `mlp`); left out, the dense ones
-are built from the config.
+are built from the config (the MLP slot holds an MoE layer where `config.moe` says so).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.transformer.attention import DiffLMSelfAttention, RotaryPair, SelfAttention
 from megatron.core.transformer.attention_mask import AttentionMask
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import build_mlp
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
@@ -31,7 +31,7 @@ class TransformerLayer(MegatronModule):
         self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attention = self_attention if self_attention is not None else SelfAttention(config, layer_number, pg)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = mlp if mlp is not None else MLP(config, layer_number, pg)
+        self.mlp = mlp if mlp is not None else build_mlp(config, layer_number, pg)
         self.rng_tracker = getattr(pg, "rng_tracker", None) if getattr(pg, "sequence_parallel", False) else None
         """Under sequence parallelism each tp rank holds other tokens: hidden dropout draws the
         tracker's per-tp-rank stream (without SP the activations are replicated: the default one)."""

@@ -37,6 +37,7 @@ from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import routers, set_aux_loss_scale
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
@@ -73,6 +74,10 @@ class GPTModel(MegatronModule):
         self.dlm_config = dlm_config or DLMConfig(model_running_mode="vanilla")
         config.validate()
         self.dlm_config.validate(config.vocab_size, sliding_window=config.sliding_window)
+        if config.moe is not None and config.moe.router_type == "expert_choice" and not self.dlm_config.is_diffusion:
+            raise ValueError("MoEConfig.router_type='expert_choice' picks tokens over the whole sequence, which in "
+                             "model_running_mode='vanilla' (autoregressive) depends on future tokens; use "
+                             "token_choice routing or a diffusion mode")
         self.pre_process, self.post_process = pre_process, post_process
         pg = self.parallel_context(config, pg)
         self.tp_group, self.sequence_parallel, self.rng_tracker = pg.tp, pg.sequence_parallel, pg.rng_tracker
@@ -94,6 +99,8 @@ class GPTModel(MegatronModule):
         if post_process:
             # Parameter-free: the weight stays above (or in the embedding), so checkpoint keys are Megatron's.
             self.head = OutputLayer(config, self.dlm_config, self.tp_group)
+        self.routers = routers(self.decoder)
+        """The MoE layers' routers (none for a dense model): each forward sets their loss scale."""
         self._graph_runner: Optional[CUDAGraphRunner] = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
 
@@ -133,10 +140,13 @@ class GPTModel(MegatronModule):
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_weights: Optional[torch.Tensor] = None,
                 loss_normalizer: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                decoder_input: Optional[torch.Tensor] = None) -> ForwardResult:
+                decoder_input: Optional[torch.Tensor] = None, aux_loss_scale=None) -> ForwardResult:
         """Without labels: logits [b, s, V] (hidden states [s, b, h] on non-final stages).
         With labels: (per_token_loss [b, s], loss), the loss being
-        sum(per_token_loss * loss_weights) / loss_normalizer (default: number of nonzero weights)."""
+        sum(per_token_loss * loss_weights) / loss_normalizer (default: number of nonzero weights).
+        `aux_loss_scale`: the weight of the MoE balancing losses' gradients (moe/aux_losses.py; the
+        training loop passes the micro-batch's normalizer; None: 1)."""
+        set_aux_loss_scale(self.routers, aux_loss_scale)
         path = self.vanilla_forward if self.running_mode == "vanilla" else self.difflm_forward
         return path(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids, decoder_input)
 
