@@ -40,6 +40,7 @@ from megatron.training.checkpoint_args import check_compatible
 from megatron.training.configs import CheckpointConfig, RunRecord
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
+from megatron.core.optimizer.optimizer import local_optimizers
 from megatron.core.distributed.data_parallel import unwrap
 
 FORMAT_VERSION = 1
@@ -102,12 +103,15 @@ def _serialization():
 
 def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
     """AdamW's per-parameter state described with the parameter's own boxes. Under ZeRO-1 a
-    rank holds (and so writes and reads) the state of the weights it owns only."""
-    optimizer = getattr(optimizer, "optim", optimizer)
-    if not isinstance(optimizer, torch.optim.AdamW):
-        raise ValueError(f"checkpointing the optimizer state supports AdamW, not {type(optimizer).__name__}; "
-                         "pass --no-save-optim to save the weights only")
-    return optimizer_sharded_state_dict(unwrap(model), optimizer)
+    rank holds (and so writes and reads) the state of the weights it owns only (with MoE, of the
+    dense weights and of the experts, each optimizer sharded over its own replicas)."""
+    sharded = {}
+    for part in local_optimizers(optimizer):
+        if not isinstance(part, torch.optim.AdamW):
+            raise ValueError(f"checkpointing the optimizer state supports AdamW, not {type(part).__name__}; "
+                             "pass --no-save-optim to save the weights only")
+        sharded.update(optimizer_sharded_state_dict(unwrap(model), part))
+    return sharded
 
 
 def _rng_state(model) -> Dict[str, torch.Tensor]:
@@ -381,7 +385,8 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer) -> Opt
     load_optim = not (config.no_load_optim or config.finetune)
     sharded = model_sharded_state_dict(unwrap(trainer.model))
     if load_optim:
-        _initialise_adam_state(getattr(trainer.optimizer, "optim", trainer.optimizer), metadata["adam_step"])
+        for part in local_optimizers(trainer.optimizer):
+            _initialise_adam_state(part, metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
     _serialization().load(sharded, source)
     if config.finetune:

@@ -14,6 +14,10 @@ differently (reference/frameworks.md section 4.2), so the convention is fixed he
     - output projection     2 * a * d * h
     - MLP                   2 * h * f * (2 if gated else 1)  +  2 * f * h
   plus the output layer 2 * h * V once per token (tied or not, it is a matmul).
+* MoE layers count their *active* parameters: the router 2 * h * E, the experts a token goes
+  through, k x the MLP formula with the expert ffn size (k = topk; under expert choice the
+  average k x capacity factor), and the shared expert's MLP. Dropped tokens (a capacity factor
+  under token choice) are still counted: the nominal work, as Megatron counts it.
 * Attention counts the keys the mask lets through: bidirectional (``no_mask``) counts the
   full s keys, causal counts s/2 (Megatron's convention), block_causal and sliding_window
   count their exact mean. This is why a DLM step reports more FLOPs than an AR step.
@@ -92,15 +96,30 @@ def forward_flops_breakdown(config: TransformerConfig, seq_length: int, mask_typ
     query_width = config.num_attention_heads * config.kv_channels
     kv_width = config.num_query_groups * config.kv_channels
     keys = attention_keys_per_query(mask_type, seq_length, block_size, window)
-    fc1_width = config.ffn_hidden_size * (2 if config.gated_linear_unit else 1)
-    layers = config.num_layers
-    return {
+    layers, moe = config.num_layers, config.moe
+    moe_layers = sum(moe.layer_flags) if moe is not None else 0
+    terms = {
         "qkv": layers * 2.0 * hidden * (query_width + 2 * kv_width),
         "core_attention": layers * 2.0 * 2.0 * query_width * keys,
         "attention_output": layers * 2.0 * query_width * hidden,
-        "mlp": layers * (2.0 * hidden * fc1_width + 2.0 * config.ffn_hidden_size * hidden),
+        "mlp": (layers - moe_layers) * _mlp_flops(config, config.ffn_hidden_size),
         "output_layer": 2.0 * hidden * config.vocab_size,
     }
+    if moe_layers:
+        experts_per_token = moe.router_topk
+        if moe.router_type == "expert_choice" and moe.expert_capacity_factor is not None:
+            experts_per_token *= moe.expert_capacity_factor
+        shared = moe.shared_expert_intermediate_size
+        terms["moe_router"] = moe_layers * 2.0 * hidden * moe.num_experts
+        terms["moe_experts"] = moe_layers * experts_per_token * _mlp_flops(config, moe.expert_ffn_size(
+            config.ffn_hidden_size))
+        terms["moe_shared_expert"] = moe_layers * (_mlp_flops(config, shared) if shared else 0.0)
+    return terms
+
+
+def _mlp_flops(config: TransformerConfig, ffn: int) -> float:
+    """One token through an MLP of inner width `ffn`: fc1 (gate and up when gated) and fc2."""
+    return 2.0 * config.hidden_size * ffn * (2 if config.gated_linear_unit else 1) + 2.0 * ffn * config.hidden_size
 
 
 def forward_flops_per_token(config: TransformerConfig, seq_length: int, mask_type: str = "no_mask",

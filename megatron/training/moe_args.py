@@ -66,7 +66,3 @@ def validate_moe_args(args: argparse.Namespace) -> None:
     if moe.router_type == "expert_choice" and not args.dlm_config.is_diffusion:
         raise ValueError("--moe-router-type expert_choice picks tokens over the whole sequence, which under "
                          "--model-running-mode vanilla depends on future tokens; use token_choice or a diffusion mode")
-    if args.expert_model_parallel_size * args.expert_tensor_parallel_size > 1 and \
-            args.data_parallel_sharding_strategy != "no_shard":
-        raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} with expert "
-                         "parallelism is not supported yet; use no_shard")

@@ -168,10 +168,12 @@ class Trainer:
                                             self.groups.expert_dp, self.groups.expert_tp)
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
+        sharded = is_fully_sharded(self.model)
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
-                                   self.replica_group if is_fully_sharded(self.model) else None, scale=gradient_scale,
+                                   self.replica_group if sharded else None, scale=gradient_scale,
                                    optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp,
-                                   expert_group=self.groups.expert_tp_ep)
+                                   expert_group=self.groups.expert_tp_ep,
+                                   expert_shard_group=self.groups.expert_dp if sharded else None)
         loss = batch_loss.loss
         # One host sync per step: the skip decision must be the same on every rank, and it is,
         # because the loss is all-reduced and the gradients are synchronised before the norm.
@@ -295,11 +297,12 @@ def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, ru
     return iter(loader)
 
 
-def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None):
+def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None, expert_dp_group=None):
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
-    optimizer = build_optimizer(model, config, optimizer_sharding_group(args.data_parallel_sharding_strategy,
-                                                                        dp_group))
+    strategy = args.data_parallel_sharding_strategy
+    optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
+                                optimizer_sharding_group(strategy, expert_dp_group))
     scheduler = OptimizerParamScheduler(optimizer, **schedule_kwargs(args))
     return optimizer, scheduler
 
@@ -352,8 +355,8 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
     replicas = replica_group(layout.groups)
     model = wrap_data_parallel(model, runtime.device, replicas, args.data_parallel_sharding_strategy,
-                               pipeline=layout.pp > 1)
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model, replicas)
+                               pipeline=layout.pp > 1, expert_group=layout.groups.expert_dp)
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model, replicas, layout.groups.expert_dp)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)

@@ -9,7 +9,6 @@ same `sharded_state_dict` checkpoints use).
 
 import os
 import socket
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ import torch.multiprocessing as mp
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
-from megatron.core.distributed.data_parallel import full_gradients, is_fully_sharded, unwrap
+from megatron.core.dist_checkpointing.model_state import bind, parameter_pieces
+from megatron.core.distributed.data_parallel import full_gradients, unwrap
 from megatron.core.optimizer.optimizer import optimizer_state_numel
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
@@ -36,20 +36,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextmanager
-def gradients_as_data(model):
-    """Let sharded_state_dict describe the gradients: they have the parameters' layout."""
-    saved = {}
-    for param in model.parameters():
-        saved[param] = param.data
-        param.data = param.grad.detach().clone()
-    try:
-        yield
-    finally:
-        for param, data in saved.items():
-            param.data = data
-
-
 def _train_and_capture(argv: list, runtime) -> dict:
     args = parse_args(argv, add_difflm_args)
     trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
@@ -59,10 +45,11 @@ def _train_and_capture(argv: list, runtime) -> dict:
     def capturing_step(*a, **k):
         if not named:
             named.update(full_gradients(trainer.model))  # a collective under FSDP2: every rank calls it
-            if not is_fully_sharded(trainer.model):
-                with gradients_as_data(model):
-                    for name, shard in model.sharded_state_dict().items():
-                        shards[name] = (shard.key, shard.data.clone(), shard.global_shape, shard.global_offset)
+            pairs, _ = parameter_pieces(model, prefix="")  # the checkpoint's description of each weight
+            for param, piece in pairs:  # bound to its gradient: this rank's boxes, FSDP2 shards included
+                for shard in bind(piece, param.grad):
+                    shards[f"{shard.key}@{shard.global_offset}"] = (shard.key, shard.data.clone(), shard.global_shape,
+                                                                    shard.global_offset)
         return step(*a, **k)
 
     trainer.optimizer.step = capturing_step

@@ -1,9 +1,10 @@
-"""Checkpoints across pipeline and context-parallel layouts: a checkpoint saved under one layout
-continues under another, and a pipeline checkpoint exports to Hugging Face as a one-process
+"""Checkpoints across pipeline, context- and expert-parallel layouts: a checkpoint saved under one
+layout continues under another, and a pipeline checkpoint exports to Hugging Face as a one-process
 checkpoint of the same weights does.
 
 Layers are keyed by global index and the last stage's copy of a tied word embedding is saved under
-the embedding's own key, so a checkpoint does not depend on the layout that wrote it. Each writer
+the embedding's own key, and experts as global `[E, ...]` tensors, so a checkpoint does not depend
+on the layout that wrote it. Each writer
 below is one real `examples/quickstart.sh` run of ITERS iterations that also saves at iteration 6:
 its losses are the uninterrupted run, its iteration-8 checkpoint the state a continuation must
 reach (weights and AdamW moments), its iteration-6 checkpoint what the continuations load. No
@@ -32,11 +33,15 @@ INTERLEAVED = [*PP2, "--num-virtual-stages-per-pipeline-rank", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 UNTIED = ["--untie-embeddings-and-output-weights"]  # the quickstart ties them (no flag)
 CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+# 4 experts of ffn 64, top-2, in every layer, with the load-balancing loss.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.01",
+       "--moe-token-dispatcher-type", "alltoall"]
 PIPELINE_WRITERS = ["pp2_interleaved_tied", "tp2_sp_pp2_untied"]
 WRITERS = {  # name: (processes, flags)
     "pp2_interleaved_tied": (2, INTERLEAVED),
     "tp2_sp_pp2_untied": (4, TP2_SP + PP2 + UNTIED),
     "cp2_tied": (2, CP2),
+    "ep2_moe": (2, MOE + ["--expert-model-parallel-size", "2"]),
 }
 LAYOUT_CHANGES = {  # name: (writer, processes, flags of the continuation)
     "pp2_interleaved_to_pp1": ("pp2_interleaved_tied", 1, []),
@@ -44,6 +49,9 @@ LAYOUT_CHANGES = {  # name: (writer, processes, flags of the continuation)
     "tp2_sp_pp2_to_tp1_pp4": ("tp2_sp_pp2_untied", 4, PP4 + UNTIED),
     "cp2_to_cp1": ("cp2_tied", 1, []),
     "cp2_to_cp4": ("cp2_tied", 4, CP4),
+    "ep2_to_ep1": ("ep2_moe", 1, MOE),
+    # EP=4 carved out of TP=2 x DP=2: each rank holds one expert; the dense weights split over tp.
+    "ep2_to_ep4_tp2_sp": ("ep2_moe", 4, MOE + ["--expert-model-parallel-size", "4"] + TP2_SP),
 }
 
 

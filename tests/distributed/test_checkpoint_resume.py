@@ -45,6 +45,11 @@ RESUME_CASES = {  # name: (processes, flags)
                            "--sequence-parallel"]),
     # AR (causal, load-balanced chunks) under context parallelism.
     "cp2_ar": (2, ["--context-parallel-size", "2", "--model-running-mode", "vanilla"]),
+    # MoE under EP=2 with aux-loss-free balancing: the expert biases are state the checkpoint carries.
+    "ep2_moe_expert_bias_dlm": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                                    "--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",
+                                    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+                                    "--moe-z-loss-coeff", "0.001"]),
 }
 
 

@@ -4,7 +4,8 @@ A tiny MoE (8 experts, top-2, dropless, load-balancing and z-loss on) in Megatro
 configuration (biases, LayerNorm, GeLU experts) and the Llama style (SwiGLU experts, shared
 expert), DLM and AR, expert-choice routing and aux-loss-free expert bias: EP=2 and EP=4 over the
 data-parallel ranks, EP=2 x TP=2 with sequence parallelism, EP=2 x DP=2 (expert-dp replicas),
-expert TP=2 (alone and with EP=2 x TP=2), and with PP=2 and CP=2; both token dispatchers. Every
+expert TP=2 (alone and with EP=2 x TP=2), with PP=2 and CP=2, under ZeRO-1 and FSDP2 (experts
+sharded over their own replicas); both token dispatchers. Every
 loss and every step-1 gradient (the balancing losses' included: they shape the router's and every
 earlier layer's gradients) must match the single-process run to 1e-5 (gloo, fp32).
 """
@@ -29,6 +30,8 @@ EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size
 ETP2 = ["--expert-tensor-parallel-size", "2"]
 A2A = ["--moe-token-dispatcher-type", "alltoall"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ZERO1 = ["--use-distributed-optimizer"]
+ZERO2, FSDP2 = (["--data-parallel-sharding-strategy", strategy] for strategy in ("optim_grads", "optim_grads_params"))
 # layout: (world size, parallel flags, the cases it trains, gradients compared by name)
 LAYOUTS = {
     "ep2": (2, EP2, CASES, False),
@@ -41,6 +44,12 @@ LAYOUTS = {
     "ep2_etp2_tp2_sp": (4, EP2 + ETP2 + TP2_SP + A2A, [CASES[1], CASES[2]], False),
     "ep2_pp2": (4, EP2 + ["--pipeline-model-parallel-size", "2"], [CASES[0], CASES[3]], False),
     "ep2_cp2": (4, EP2 + A2A + ["--context-parallel-size", "2"], [CASES[0], CASES[1], CASES[4]], False),
+    # Optimizer state and weights sharded: the experts over their expert-dp replicas (none with
+    # EP=2 on 2 ranks: plain AdamW / left to themselves by FSDP2; two with EP=2 on 4 ranks).
+    "ep2_zero1": (2, EP2 + ZERO1, [CASES[4]], False),
+    "ep2_fsdp2": (2, EP2 + FSDP2, [CASES[1], CASES[2]], False),
+    "ep2_dp2_zero1": (4, EP2 + A2A + ZERO1, [CASES[0], CASES[3]], False),
+    "ep2_dp2_zero2": (4, EP2 + ZERO2, [CASES[0], CASES[3]], False),
 }
 
 

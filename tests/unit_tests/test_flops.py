@@ -141,3 +141,22 @@ def test_throughput_and_mfu_arithmetic():
     assert throughput_metrics(7.912e15, 65536, 2.0, 8, peak=None)["mfu"] is None
     with pytest.raises(ValueError):
         throughput_metrics(1.0, 1, 0.0, 1, None)
+
+
+def test_moe_layers_count_active_parameters():
+    """small_config() with layer 1 of 2 an MoE of 8 experts, top-2, expert ffn 32, a shared expert of 48:
+        router:  64 -> 8:                                   2 * 64 * 8 = 1024
+        experts: 2 x (fc1 64 -> 64 gated, fc2 32 -> 64):    2 * (2*64*64 + 2*32*64) = 2 * 12288 = 24576
+        shared:  fc1 64 -> 96 gated, fc2 48 -> 64:          2*64*96 + 2*48*64 = 12288 + 6144 = 18432
+    and layer 0 keeps the dense MLP (36864). Expert choice with capacity factor 1.5 counts 3 experts."""
+    from megatron.core.transformer.moe.config import MoEConfig
+
+    moe = MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32, shared_expert_intermediate_size=48,
+                    layer_freq="[0,1]")
+    terms = forward_flops_breakdown(small_config(moe=moe), SEQ, "no_mask")
+    assert (terms["mlp"], terms["moe_router"], terms["moe_experts"], terms["moe_shared_expert"]) == \
+        (36864, 1024, 24576, 18432)
+    choice = MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=32, router_type="expert_choice",
+                       expert_capacity_factor=1.5)
+    terms = forward_flops_breakdown(small_config(moe=choice), SEQ, "no_mask")
+    assert terms["moe_experts"] == 2 * 3 * 12288 and terms["mlp"] == 0 and terms["moe_shared_expert"] == 0

@@ -54,15 +54,16 @@ _BUCKET_ELEMENTS = 1 << 25  # gradients summed per all-reduce under pipeline par
 
 
 def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strategy: str = "no_shard",
-                       pipeline: bool = False) -> nn.Module:
+                       pipeline: bool = False, expert_group=None) -> nn.Module:
     """The model wrapped for `strategy` over `group`; the bare model with one replica. With
-    `pipeline` (a stage of a pipeline), every chunk of a ModelChunks is wrapped by itself."""
+    `pipeline` (a stage of a pipeline), every chunk of a ModelChunks is wrapped by itself. FSDP2
+    shards MoE experts over `expert_group` (their expert-data-parallel replicas)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy!r} is not one of {list(STRATEGIES)}")
     if group_size(group) == 1:
         return model
     if isinstance(model, ModelChunks):
-        model.chunks = nn.ModuleList([wrap_data_parallel(chunk, device, group, strategy, pipeline)
+        model.chunks = nn.ModuleList([wrap_data_parallel(chunk, device, group, strategy, pipeline, expert_group)
                                       for chunk in model.chunks])
         model.data_parallel_group, model.sums_gradients = group, pipeline and strategy in ("no_shard", "optim")
         return model
@@ -77,10 +78,30 @@ def wrap_data_parallel(model: nn.Module, device: torch.device, group=None, strat
         # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step.
         return DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                        broadcast_buffers=False, gradient_as_bucket_view=True)
-    return _fully_shard(model, device, group, reshard_after_forward=strategy == "optim_grads_params")
+    return _fully_shard(model, device, group, reshard_after_forward=strategy == "optim_grads_params",
+                        expert_group=expert_group)
 
 
-def _fully_shard(model: nn.Module, device: torch.device, group, reshard_after_forward: bool) -> nn.Module:
+def _shard_experts(layer: nn.Module, device: torch.device, expert_group, reshard_after_forward: bool) -> set:
+    """MoE experts sharded over their own replicas (the expert-dp group), before the layer's
+    dense weights are sharded over the dense ones; returns the expert weights the layer's FSDP2
+    must leave alone (all of them when there is one expert-dp replica: nothing to shard)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    experts = [module for module in layer.modules()
+               if any(is_expert(p) for p in module.parameters(recurse=False))]
+    owners = {module for module in layer.modules() for child in module.children() if child in experts}
+    if group_size(expert_group) == 1:
+        return {p for module in experts for p in module.parameters(recurse=False)}
+    mesh = DeviceMesh.from_group(expert_group, device.type)
+    for module in owners:  # the GroupedExperts holding linear_fc1 / linear_fc2
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return set()
+
+
+def _fully_shard(model: nn.Module, device: torch.device, group, reshard_after_forward: bool,
+                 expert_group=None) -> nn.Module:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -88,9 +109,12 @@ def _fully_shard(model: nn.Module, device: torch.device, group, reshard_after_fo
             for name, p in model.named_parameters()}
     mesh = DeviceMesh.from_group(group, device.type)
     layers = getattr(getattr(model, "decoder", None), "layers", {})
+    ignored = set()
     for layer in layers.values():  # one all-gather / reduce-scatter per layer, overlapped with compute
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        kept = _shard_experts(layer, device, expert_group, reshard_after_forward)
+        ignored |= kept
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
     for name, param in model.named_parameters():
         for tag, value in tags[name].items():
             setattr(param, tag, value)
@@ -209,14 +233,20 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group=None, expert_tp_gro
     biases over etp), then divided by the number of dense replicas the wrapper averaged over:
     afterwards they are on the footing of the dense gradients. A rank whose experts got no token
     still joins the sums (with zeros)."""
-    experts = [p for p in model.parameters() if is_expert(p) and p.requires_grad]
-    if not experts:
+    params = [p for p in model.parameters() if is_expert(p) and p.requires_grad]
+    if not params:
         return
+    # FSDP2 reduce-scattered its experts' gradients over expert-dp already, as a mean.
+    sharded = [p for p in params if p.grad is not None and hasattr(p.grad, "to_local")]
+    if sharded:
+        torch._foreach_mul_([local_tensor(p.grad) for p in sharded], float(group_size(expert_dp_group)))
+    experts = [p for p in params if not (p.grad is not None and hasattr(p.grad, "to_local"))]
     for param in experts:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     if group_size(expert_dp_group) > 1:
         _allreduce_flat([local_tensor(p.grad) for p in experts], expert_dp_group)
+    experts = experts + sharded
     biases = [local_tensor(p.grad) for p in experts if getattr(p, "allreduce_over_expert_tp", False)]
     if biases and group_size(expert_tp_group) > 1:
         _allreduce_flat(biases, expert_tp_group)

@@ -38,10 +38,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig,
-                    zero_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
-    """AdamW; with `zero_group`, ZeRO-1: each rank keeps the state of its share of the weights."""
-    groups = param_groups(model, config.weight_decay)
+class ChainedOptimizer:
+    """Several optimizers stepping as one (Megatron's ChainedOptimizer): under ZeRO-1 with MoE,
+    the dense weights' state is split over the data-parallel replicas and the experts' over the
+    expert-data-parallel ones. `param_groups` are the parts' own groups, so the LR scheduler and
+    fp16's GradScaler drive every part."""
+
+    def __init__(self, parts: List[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+
+    @property
+    def param_groups(self) -> List[Dict]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def state(self) -> Dict:
+        return {param: state for part in local_optimizers(self) for param, state in part.state.items()}
+
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+def local_optimizers(optimizer) -> List[torch.optim.Optimizer]:
+    """The AdamW objects holding this rank's state: the parts of a ChainedOptimizer, ZeRO-1's local one."""
+    parts = optimizer.parts if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return [getattr(part, "optim", part) for part in parts]
+
+
+def _adamw(groups: List[Dict], config: OptimizerConfig, zero_group: Optional[dist.ProcessGroup]):
     params = [p for group in groups for p in group["params"]]
     # The fused kernel updates every parameter in one launch on GPU; foreach elsewhere
     # (and for FSDP2's sharded DTensor weights).
@@ -55,10 +84,26 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig,
     return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
 
 
+def build_optimizer(model: nn.Module, config: OptimizerConfig, zero_group: Optional[dist.ProcessGroup] = None,
+                    expert_zero_group: Optional[dist.ProcessGroup] = None):
+    """AdamW; with `zero_group`, ZeRO-1: each rank keeps the state of its share of the weights.
+    Expert weights (MoE) differ between the data-parallel ranks under expert parallelism, so
+    under ZeRO-1 they get an optimizer of their own, sharded over `expert_zero_group`."""
+    groups = param_groups(model, config.weight_decay)
+    experts = [{**group, "params": [p for p in group["params"] if getattr(p, "expert_parallel", False)]}
+               for group in groups]
+    if zero_group is None or not any(group["params"] for group in experts):
+        return _adamw(groups, config, zero_group)
+    dense = [{**group, "params": [p for p in group["params"] if not getattr(p, "expert_parallel", False)]}
+             for group in groups]
+    return ChainedOptimizer([_adamw([g for g in dense if g["params"]], config, zero_group),
+                             _adamw([g for g in experts if g["params"]], config, expert_zero_group)])
+
+
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group=None,
                    dp_shard_group=None, scale: Optional[torch.Tensor] = None,
                    optimizer: Optional[torch.optim.Optimizer] = None, pp_group=None,
-                   expert_group=None) -> torch.Tensor:
+                   expert_group=None, expert_shard_group=None) -> torch.Tensor:
     """Global L2 norm of the gradients before clipping; clips to max_norm when max_norm > 0.
 
     `scale` (a 0-d tensor, e.g. 1 / loss tokens): the gradients are taken as multiplied by it
@@ -71,7 +116,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
     the data-parallel ranks (FSDP2) are summed over `dp_shard_group`, and the stages of a
     pipeline over `pp_group` (the last stage's copy of a tied embedding counts once). Expert
     weights (param.expert_parallel) are split over `expert_group` (the etp x ep ranks) and
-    replicated over the expert-data-parallel ones: summed over the former only. A
+    replicated over the expert-data-parallel ones: summed over the former only (and over
+    `expert_shard_group` where FSDP2 shards them over their replicas). A
     non-finite norm may leave NaN gradients behind: the caller skips that step and zeroes them.
     """
     params = [p for p in parameters if p.grad is not None]
@@ -79,8 +125,11 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
         return torch.zeros(())
     device = local_tensor(params[0].grad).device
     squares = _norm_squares(params, device)
-    if dp_shard_group is not None and dist.get_world_size(dp_shard_group) > 1:
-        dist.all_reduce(squares, group=dp_shard_group)
+    for kinds, group in ((slice(0, 2), dp_shard_group), (slice(2, 3), expert_shard_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            part = squares[kinds].clone()
+            dist.all_reduce(part, group=group)
+            squares = torch.cat([squares[:kinds.start], part, squares[kinds.stop:]])
     for index, group in ((0, tp_group), (2, expert_group)):
         if group is not None and dist.get_world_size(group) > 1:
             part = squares[index:index + 1].clone()
@@ -152,8 +201,7 @@ def forget_gradient_scale(optimizer: torch.optim.Optimizer) -> None:
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
     """(elements, bytes) of the optimizer state tensors on this rank (for memory accounting)."""
     numel = nbytes = 0
-    optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1 keeps its local optimizer here
-    for state in optimizer.state.values():
+    for state in (state for part in local_optimizers(optimizer) for state in part.state.values()):
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 value = local_tensor(value)
