@@ -13,13 +13,12 @@ dropout and evaluation, is the `pp2_tp2_sp_dlm` case of test_checkpoint_resume.p
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.test_checkpoint_resume import SMALLER, train
+from tests.distributed.test_checkpoint_resume import SMALLER, checkpoint_at, train
 
 pytestmark = pytest.mark.distributed
 
@@ -71,14 +70,6 @@ def writers(tmp_path_factory):
         return runs[name]
 
     return run
-
-
-def checkpoint_at(ckpt: Path, iteration: int, root: Path) -> Path:
-    """A --save directory holding only iteration `iteration` of `ckpt` (its tracker names it)."""
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(ckpt / name, root / name)
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return root
 
 
 def saved_state(ckpt: Path) -> dict:

@@ -1,5 +1,6 @@
 """tools/benchmark/train_throughput.py on CPU: both rows, the FLOPs it reports, the baseline's
-bidirectional attention and LLaDA loss, the fp8/compile seams and bad flag combinations.
+bidirectional attention and LLaDA loss, the fp8/compile seams, the MoE preset (grouped GEMM,
+per-expert loop, transformers' OLMoE and its router loss) and bad flag combinations.
 No speed is asserted."""
 
 import json
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
 import train_throughput as tt  # noqa: E402
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
+MOE_TINY = ["--model", "olmoe-tiny", "--steps", "2", "--warmup", "1"]
 
 
 def expected_flops(config: dict, mode: str) -> float:
@@ -79,7 +81,7 @@ def test_ar_in_process_and_dlm_counts_more_flops(tmp_path):
 
 
 def tiny_hf(family: str):
-    spec = tt.MODELS["tiny"]
+    spec = tt.MODELS["olmoe-tiny" if family == "olmoe" else "tiny"]
     if family == "llama":
         spec = tt.ModelSpec("llama", 2, 64, 4, 2, 16, 192, 1024, True, 10000.0, 256)
     torch.manual_seed(0)
@@ -90,7 +92,7 @@ def first_position_logits(model, tokens, forward_kwargs) -> torch.Tensor:
     return model(input_ids=tokens, **forward_kwargs(tokens)).logits[:, 0].detach()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "olmoe"])
 def test_hf_baseline_attention_is_bidirectional(family):
     pytest.importorskip("transformers")
     model, spec = tiny_hf(family)
@@ -145,7 +147,12 @@ def test_named_shapes_have_the_same_parameters_in_both_implementations(name):
     with torch.device("meta"):  # shapes only: no memory, no init
         ours = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
         baseline = tt.hf_model(spec)
-    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in baseline.parameters())
+    ours_count, baseline_count = (sum(p.numel() for p in model.parameters()) for model in (ours, baseline))
+    # OLMoE's QK-norm weights span the whole projection, ours one head (moe_models.py): (a + g - 2) d a layer.
+    qk_norm = (spec.num_attention_heads + spec.num_query_groups - 2) * spec.kv_channels if spec.moe else 0
+    assert ours_count + spec.num_layers * qk_norm == baseline_count
+    if name == "olmoe-1b-7b":
+        assert baseline_count == 6_919_161_856  # allenai/OLMoE-1B-7B-0924
 
 
 def test_fp8_prints_our_bf16_and_fp8_rows_next_to_the_baseline():
@@ -198,6 +205,15 @@ def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
      ["aten::mul_", "autograd::engine::evaluate_function: _VocabParallelCrossEntropyBackward"], "loss"),
     ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", ["aten::_fused_adamw_"], "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, add>", ["aten::add", "aten::silu"], "other"),
+    ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6",
+     ["aten::_grouped_mm", "GroupedMmBackward0"], "grouped_gemm"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8", ["aten::mm", "aten::_grouped_mm"],
+     "grouped_gemm"),  # torch's fp32 fallback of grouped_mm: a loop of GEMMs
+    ("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NTT", ["aten::mm", "aten::linear", "moe_layer"], "gemm"),
+    ("void at::native::indexFuncLargeIndex<float, long, unsigned int, 2, 2, -2, true>",
+     ["aten::index_add", "moe_layer"], "moe"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>",
+     ["aten::add_", "autograd::engine::evaluate_function: SelectBackward0", "moe_layer_backward"], "moe"),
 ])
 def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, callers, category):
     assert tt.kernel_breakdown.classify(kernel, callers) == category
@@ -210,6 +226,12 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "tiny", "--steps", "0"], "--steps 0 must be at least 1"),
     (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
     (["--model", "tiny", "--compile-loss"], "--compile-loss needs --masked-only-loss"),
+    (["--model", "tiny", "--num-layers", "0"], "--num-layers 0 must be at least 1"),
+    (["--model", "tiny", "--compare-grouped-gemm"], "--compare-grouped-gemm needs an MoE --model"),
+    (["--model", "olmoe-tiny", "--compare-grouped-gemm", "--no-moe-grouped-gemm"],
+     "--compare-grouped-gemm times both our variants"),
+    (["--model", "olmoe-tiny", "--hf-experts-implementation", "eager"],
+     "--hf-experts-implementation needs --baseline hf"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -278,7 +300,7 @@ def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
                                  dlm_config=model.dlm_config, tokenizer=SimpleNamespace(eod=tt.mask_token_id(spec) - 1),
                                  eod_mask_loss=False, reset_attention_mask=False, reset_position_ids=False)
     ctx = SimpleNamespace(iteration=index, first_sample_index=index * batch, global_batch_size=batch,
-                          microbatch=0, training=True, stream=0)
+                          microbatch=0, training=True, stream=0, loss_scale=None)  # no fp16 loss scale
     sample = {"tokens": tokens, "index": torch.arange(batch) + index * batch}
     pretrain_difflm.forward_step(iter([sample]), model, ctx, train_args)
     assert len(calls) == 2
@@ -287,3 +309,114 @@ def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
         assert timed.corruption.masked_positions.any()
         assert torch.equal(timed.model_input, trained.model_input) and torch.equal(timed.weights, trained.weights)
         assert torch.equal(timed.normalizer, trained.normalizer)  # B*L: the clamp of compute_loss changes nothing
+
+
+# ---------------------------------------------------------------------- the MoE preset
+def expected_moe_flops(config: dict, mode: str) -> float:
+    """OLMoE's matmuls by hand: per token and layer the attention of the dense count, the router
+    (2 h E) and the top-k SwiGLU experts (gate, up, down: k x 3 x 2 h F), once the output layer;
+    3 x forward for training."""
+    h, a, g, d = (config[key] for key in ("hidden_size", "num_attention_heads", "num_query_groups", "kv_channels"))
+    moe, seq = config["moe"], config["seq_length"]
+    keys = seq if mode == "dlm" else seq / 2
+    layer = (2 * h * (a + 2 * g) * d + 2 * 2 * a * d * keys + 2 * a * d * h + 2 * h * moe["num_experts"]
+             + moe["topk"] * 3 * 2 * h * moe["expert_ffn_hidden_size"])
+    per_token = config["num_layers"] * layer + 2 * h * config["vocab_size"]
+    return 3 * per_token * seq * config["micro_batch_size"]
+
+
+def test_moe_preset_times_grouped_gemm_per_expert_loop_and_hf_olmoe(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "moe.json"
+    result = tt.main([*MOE_TINY, "--mode", "dlm", "--num-layers", "1", "--baseline", "hf", "--compare-grouped-gemm",
+                      "--json", str(out)])
+    names = ["MegaDLMs grouped-gemm", "MegaDLMs per-expert-loop", "HF transformers"]
+    assert [row["name"] for row in json.loads(out.read_text())["rows"]] == names
+    printed = capsys.readouterr().out
+    assert all(f"| {name} |" in printed for name in names)
+    assert "ours / baseline" in printed and "grouped GEMM / per-expert loop" in printed
+    config = result["config"]
+    assert config["num_layers"] == 1 and result["transformer_config"]["moe"]["layer_flags"] == [1]
+    assert result["flops_per_step"] == pytest.approx(expected_moe_flops(config, "dlm"), rel=1e-12)
+    assert result["flops_per_step"] > expected_flops(config, "dlm")  # top-2 experts and a router over one MLP
+    grouped, loop, baseline = result["rows"]
+    seconds = {row["name"]: row["median_step_ms"] / 1e3 for row in result["rows"]}
+    for row in result["rows"]:
+        assert len(row["step_ms"]) == config["steps"] and math.isfinite(row["final_loss"])
+        assert row["tflops_per_gpu"] == pytest.approx(result["flops_per_step"] / seconds[row["name"]] / 1e12)
+    assert (grouped["moe_grouped_gemm"], loop["moe_grouped_gemm"]) == (True, False)
+    assert not grouped["grouped_mm_kernel"]  # torch grouped_mm needs CUDA and bf16: the same math here
+    assert grouped["final_loss"] == pytest.approx(loop["final_loss"], rel=1e-5)
+    assert baseline["attention"] != "causal" and baseline["experts_implementation"]  # passed leaks_future
+    spec = tt.MODELS["olmoe-tiny"]
+    qk_norm = (spec.num_attention_heads + spec.num_query_groups - 2) * spec.kv_channels
+    assert grouped["parameters"] == loop["parameters"] == baseline["parameters"] - qk_norm  # one layer in both
+    for key in ("tokens_per_sec_per_gpu", "tflops_per_gpu"):
+        assert result["ratio"][key] == pytest.approx(grouped[key] / baseline[key], rel=1e-12)
+        assert result["grouped_gemm_ratio"][key] == pytest.approx(grouped[key] / loop[key], rel=1e-12)
+
+
+def test_moe_preset_in_ar_mode_is_causal_with_one_expert_path():
+    pytest.importorskip("transformers")
+    result = tt.main([*MOE_TINY, "--mode", "ar", "--baseline", "hf", "--no-moe-grouped-gemm"])
+    assert [row["name"] for row in result["rows"]] == ["MegaDLMs per-expert-loop", "HF transformers"]
+    assert result["rows"][1]["attention"] == "causal" and result["grouped_gemm_ratio"] is None
+    assert result["flops_per_step"] == pytest.approx(expected_moe_flops(result["config"], "ar"), rel=1e-12)
+
+
+def test_hf_router_loss_is_the_term_olmoe_adds_when_given_labels():
+    pytest.importorskip("transformers")
+    spec = tt.MODELS["olmoe-tiny"]
+    torch.manual_seed(0)
+    model = tt.hf_model(spec).eval()
+    tokens = torch.randint(0, spec.vocab_size - 1, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with_router = model(input_ids=tokens, labels=tokens)
+        without = model(input_ids=tokens, labels=tokens, output_router_logits=False)
+    aux = float(tt.moe_models.router_aux_loss(model)(with_router))
+    assert aux > 0 and float(with_router.loss - without.loss) == pytest.approx(aux, abs=1e-5)
+    copy = tt.moe_models.switch_loss(with_router.router_logits, spec.moe.num_experts, spec.moe.topk)
+    assert float(copy) * model.config.router_aux_loss_coef == pytest.approx(aux, rel=1e-5)
+
+
+def test_llada_loss_adds_the_aux_loss_of_the_outputs():
+    vocab, mask_id = 16, 15
+    model = FixedLogits(vocab)
+    tokens = torch.randint(0, mask_id, (3, 10), generator=torch.Generator().manual_seed(1))
+    plain = tt.llada_loss(model, tokens, {}, mask_id, torch.Generator().manual_seed(5))
+    seen = []
+    with_aux = tt.llada_loss(model, tokens, {}, mask_id, torch.Generator().manual_seed(5),
+                             aux_loss=lambda outputs: seen.append(outputs) or torch.tensor(0.25))
+    assert float(with_aux.detach()) == pytest.approx(float(plain.detach()) + 0.25)
+    assert seen[0].logits.shape == (3, 10, vocab)
+
+
+def test_moe_scopes_bracket_forward_and_backward_of_every_moe_layer():
+    spec = tt.MODELS["olmoe-tiny"]
+    args = tt.build_parser().parse_args(MOE_TINY)
+    tt.validate(args)
+    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
+    tokens = tt.random_batches(spec, 1, 2, 32, 0, torch.device("cpu"))[0]
+    breakdown = tt.kernel_breakdown
+    with torch.profiler.profile() as profiler, breakdown.moe_scopes(model) as layers:
+        step(tokens, 0)
+    events = profiler.events()
+    names = [event.name for event in events]
+    assert layers == spec.num_layers == names.count("moe_layer") == names.count("moe_layer_backward")
+    combine_backward = [event for event in events if event.name.endswith("IndexAddBackward0")]
+    assert combine_backward and all(breakdown.classify(event.name, breakdown._callers(event.cpu_parent)) == "moe"
+                                    for event in combine_backward)
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    with breakdown.moe_scopes(tt.GPTModel(tt.transformer_config(tt.MODELS["tiny"], torch.device("cpu")),
+                                          tt.dlm_config(tt.MODELS["tiny"], "dlm", 1))) as dense_layers:
+        assert dense_layers == 0
+
+
+def test_profile_of_the_moe_preset_has_its_moe_time(tmp_path):
+    pytest.importorskip("transformers")
+    result = tt.main([*MOE_TINY, "--steps", "1", "--num-layers", "1", "--baseline", "hf", "--profile", str(tmp_path)])
+    for row in result["rows"]:
+        profile = row["profile"]
+        assert set(profile["ms_per_step"]) == set(tt.kernel_breakdown.CATEGORIES)
+        assert profile["ms_per_step"]["moe"] > 0 and profile["top"]["moe"], row["name"]
+        assert profile["ms_per_step"]["gemm"] + profile["ms_per_step"]["grouped_gemm"] > 0, row["name"]

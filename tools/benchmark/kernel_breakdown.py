@@ -1,12 +1,21 @@
 """Where a training step's time goes: torch.profiler over a few steps, grouped by name patterns.
 
-Categories: attention, gemm (matmuls), loss (cross-entropy / log-softmax, ours included),
-optimizer (AdamW, foreach kernels, gradient clipping) and other. On CUDA every kernel's device
-time is attributed: attention and GEMM kernels by their own names (cuDNN/flash SDPA, cuBLAS
-gemm / nvjet / cutlass), the rest by the op that launched them and that op's callers (the loss
-and the optimizer are recognised by their ops and autograd nodes, not by their elementwise
-kernels); device time no op claims counts as other. On CPU each op's self CPU time is
-attributed the same way. GEMMs of the output layer count as gemm, not loss.
+Categories: attention, gemm (matmuls), grouped_gemm (torch grouped_mm and transformers'
+fallback for it: the MoE experts as one GEMM), moe (everything else inside an MoE layer, forward
+and backward: router softmax/top-k and balancing losses, the dispatch's sorts, gathers and
+scatters, the experts' activation, the weighted combine), loss (cross-entropy / log-softmax, ours
+included), optimizer (AdamW, foreach kernels, gradient clipping) and other. On CUDA every
+kernel's device time is attributed: attention and GEMM kernels by their own names (cuDNN/flash
+SDPA, cuBLAS gemm / nvjet / cutlass), the rest by the op that launched them and that op's callers
+(the loss and the optimizer are recognised by their ops and autograd nodes, not by their
+elementwise kernels); device time no op claims counts as other. On CPU each op's self CPU time is
+attributed the same way. GEMMs of the output layer count as gemm, not loss; the router's and a
+per-expert loop's GEMMs count as gemm, not moe.
+
+MoE layers are found by `moe_scopes` while profiling: each module with `experts` (our MoELayer,
+transformers' sparse MoE blocks) runs its forward inside a profiler scope `moe_layer`, and its
+backward inside `moe_layer_backward` (entered when the gradient reaches the layer's output,
+left when it leaves through its input).
 """
 
 from __future__ import annotations
@@ -15,15 +24,20 @@ import json
 import os
 import tempfile
 from collections import defaultdict
-from typing import Callable, Iterable, List, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import torch
 from torch.autograd import DeviceType
 
-CATEGORIES = ("attention", "gemm", "loss", "optimizer", "other")
+CATEGORIES = ("attention", "gemm", "grouped_gemm", "moe", "loss", "optimizer", "other")
 ATTENTION = ("attention", "sdpa", "fmha", "flash_fwd", "flash_bwd")
+# torch's ops (aten::_grouped_mm, the sm90 cutlass kernel's grouped problem shape) and transformers'.
+GROUPED_GEMM = ("grouped_mm", "groupproblemshape", "grouped_gemm")
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-        "aten::_scaled_mm", "aten::_grouped_mm")
+        "aten::_scaled_mm")
+MOE_SCOPE = "moe_layer"
+"""The profiler scope of an MoE layer's forward (and, suffixed _backward, its backward)."""
 LOSS = ("cross_entropy", "crossentropy", "log_softmax", "logsoftmax", "nll_loss", "nllloss")
 # vector_norm: our gradient clipping's per-tensor norms (the model's norms never call it).
 TOP_KERNELS = 8
@@ -37,8 +51,12 @@ def classify(name: str, callers: Iterable[str] = ()) -> str:
     chain = " ".join(callers).lower()
     if any(pattern in own or pattern in chain for pattern in ATTENTION):
         return "attention"
+    if any(pattern in own or pattern in chain for pattern in GROUPED_GEMM):
+        return "grouped_gemm"
     if any(pattern in own for pattern in GEMM):
         return "gemm"
+    if MOE_SCOPE in own or MOE_SCOPE in chain or own.startswith("_backwardscope"):  # (the scope's own edges)
+        return "moe"
     for category, patterns in (("loss", LOSS), ("optimizer", OPTIMIZER)):
         if any(pattern in own or pattern in chain for pattern in patterns):
             return category
@@ -105,6 +123,62 @@ def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None) -
             "total_ms_per_step": total / 1e3 / steps,
             "share": {key: (value / total if total else 0.0) for key, value in totals.items()},
             "top": top}
+
+
+class _BackwardScope(torch.autograd.Function):
+    """The identity, whose backward enters (`enter`) or leaves the profiler scope `scope`."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scope, enter: bool) -> torch.Tensor:
+        ctx.scope, ctx.enter = scope, enter
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.enter:
+            ctx.scope.__enter__()
+        else:
+            ctx.scope.__exit__(None, None, None)
+        return grad, None, None
+
+
+def _bracket(tensor, scope, enter: bool):
+    """`tensor` through _BackwardScope when its gradient will flow (else itself)."""
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        return _BackwardScope.apply(tensor, scope, enter)
+    return tensor
+
+
+@contextmanager
+def moe_scopes(model: torch.nn.Module) -> Iterator[int]:
+    """Run every MoE layer of `model` (a module with `experts`) inside the profiler scopes
+    MOE_SCOPE (forward) and MOE_SCOPE_backward (backward) while the block runs; yields their number."""
+    layers = [module for module in model.modules() if isinstance(getattr(module, "experts", None), torch.nn.Module)]
+    open_scopes = []
+
+    def before(module, args):
+        forward, backward = (torch.profiler.record_function(name) for name in (MOE_SCOPE, f"{MOE_SCOPE}_backward"))
+        hidden = _bracket(args[0], backward, enter=False)  # the backward scope ends where the gradient leaves
+        forward.__enter__()
+        open_scopes.append((forward, backward, hidden is not args[0]))
+        return (hidden, *args[1:])
+
+    def after(module, args, output):
+        forward, backward, bracketed = open_scopes.pop()
+        forward.__exit__(None, None, None)
+        if not bracketed:
+            return output
+        if isinstance(output, tuple):  # older transformers' blocks also return the router logits
+            return (_bracket(output[0], backward, enter=True), *output[1:])
+        return _bracket(output, backward, enter=True)
+
+    handles = [hook for layer in layers
+               for hook in (layer.register_forward_pre_hook(before), layer.register_forward_hook(after))]
+    try:
+        yield len(layers)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor],

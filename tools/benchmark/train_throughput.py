@@ -3,7 +3,12 @@
     python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
         [--masked-only-loss] [--compile-loss] [--recompute {none,selective,full}] [--attention-backend auto]
-        [--profile DIR] [--json OUT]
+        [--num-layers N] [--profile DIR] [--json OUT]
+
+    # OLMoE-1B-7B on one H200: ours grouped GEMM, ours per-expert loop, HF. 8 of its 16 layers peak at
+    # 72 GB (12: 104 GB); all 6.9B parameters with AdamW need ~110 GB before any activation.
+    python tools/benchmark/train_throughput.py --model olmoe-1b-7b --num-layers 8 --mode dlm --seq-length 4096 \
+        --micro-batch-size 2 --steps 10 --warmup 3 --baseline hf --compare-grouped-gemm [--profile DIR]
 
 Our row is the real thing on one device: `GPTModel` built from `TransformerConfig`/`DLMConfig`
 (bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
@@ -22,14 +27,22 @@ user would write: in DLM mode LLaDA's recipe (mask at rate p = (1 - eps) t + eps
 on the masked tokens weighted 1/p, divided by B*L) with bidirectional attention, which is
 checked before timing; in AR mode the model's own shifted loss.
 
-Both rows are counted with the FLOPs formula of megatron/training/flops.py (the one the
-console MFU uses): bidirectional attention counts the full s keys, causal s/2. MFU is against
-the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on CPU. Step times are the
-median of the timed steps (CUDA events on GPU, wall clock on CPU), after --warmup steps.
+The MoE shapes (olmoe-1b-7b, olmoe-tiny; moe_models.py): ours is `TransformerConfig(moe=MoEConfig(...))`,
+its experts one grouped GEMM per projection (`--no-moe-grouped-gemm`: one GEMM per expert;
+`--compare-grouped-gemm`: both rows); the baseline is OlmoeForCausalLM with its router balancing
+loss; moe_models.py says where the rows differ (QK-norm over the whole projection in OLMoE, per
+head in ours; z-loss; the balancing loss's scale).
+
+Both rows are counted with the FLOPs formula of megatron/training/flops.py (the one the console
+MFU uses; MoE layers by their active parameters): bidirectional attention counts the full s keys,
+causal s/2. MFU is against the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on
+CPU. Step times are the median of the timed steps (CUDA events on GPU, wall clock on CPU), after
+--warmup steps. The table gives each row's tokens/s over the HF row's.
 
 `--profile DIR` then runs 3 more steps of each row under torch.profiler, prints where the time
-went (attention, gemm, loss, optimizer, other; CUDA kernel time on GPU, CPU time on CPU, see
-kernel_breakdown.py), stores it in the row's "profile" and writes a Chrome trace per row to DIR.
+went (attention, gemm, grouped_gemm, moe, loss, optimizer, other; CUDA kernel time on GPU, CPU
+time on CPU, see kernel_breakdown.py), stores it in the row's "profile" and writes a Chrome trace
+per row to DIR.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_breakdown  # noqa: E402
+import moe_models  # noqa: E402
 
 from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
@@ -78,7 +92,7 @@ class ModelSpec:
     """A named shape, and which transformers class is its plain equivalent."""
 
     family: str
-    """'qwen3' (Qwen3ForCausalLM, QK-norm) or 'llama' (LlamaForCausalLM)."""
+    """'qwen3' (Qwen3ForCausalLM, QK-norm), 'llama' (LlamaForCausalLM) or 'olmoe' (OlmoeForCausalLM)."""
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -91,10 +105,12 @@ class ModelSpec:
     max_positions: int
     default_seq_length: int = 4096
     norm_epsilon: float = 1e-6
+    moe: Optional[moe_models.MoESpec] = None
+    """Routed experts in every layer (family 'olmoe'); ffn_hidden_size is then the experts' width."""
 
     @property
     def qk_layernorm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "olmoe")
 
 
 MODELS: Dict[str, ModelSpec] = {
@@ -107,17 +123,24 @@ MODELS: Dict[str, ModelSpec] = {
     "7b-shape": ModelSpec("llama", 8, 4096, 32, 8, 128, 14336, 151936, False, 1e6, 32768),
     # A few hundred thousand parameters: runs on CPU in seconds (tests).
     "tiny": ModelSpec("qwen3", 2, 64, 4, 2, 16, 192, 1024, True, 10000.0, 256, default_seq_length=128),
+    # OLMoE-1B-7B: MHA 16 x 128, QK-norm, 64 experts of ffn 1024, top-8 in all 16 layers, untied.
+    "olmoe-1b-7b": ModelSpec("olmoe", 16, 2048, 16, 16, 128, 1024, 50304, False, 10000.0, 4096, norm_epsilon=1e-5,
+                             moe=moe_models.OLMOE_1B_7B),
+    # Its routing in miniature: 8 experts of ffn 32, top-2 (CPU tests, seconds).
+    "olmoe-tiny": ModelSpec("olmoe", 2, 64, 4, 4, 16, 32, 1024, False, 10000.0, 256, default_seq_length=128,
+                            norm_epsilon=1e-5, moe=moe_models.OLMOE_TINY),
 }
 
 
 # ---------------------------------------------------------------------- configuration
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
-                       recompute: str = "none") -> TransformerConfig:
+                       recompute: str = "none", grouped_gemm: Optional[bool] = True) -> TransformerConfig:
     """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
     batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
     `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
-    --recompute-num-layers 1)."""
+    --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config)."""
     full = recompute == "full"
+    moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
     return TransformerConfig(
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
@@ -127,7 +150,7 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
         layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
         activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
         params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
-        check_token_ids=False)
+        check_token_ids=False, moe=moe)
 
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
@@ -163,7 +186,7 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 # ---------------------------------------------------------------------- our step
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
-    config = transformer_config(spec, device, args.attention_backend, args.recompute)
+    config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
@@ -172,6 +195,9 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8 else 0,
             "compiled_layers": compile_transformer_layers(model) if args.torch_compile else 0,
             "masked_only_loss": args.masked_only_loss}
+    if spec.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
+        info.update(moe_grouped_gemm=args.moe_grouped_gemm,
+                    grouped_mm_kernel=moe_models.grouped_mm_kernel_runs(args.moe_grouped_gemm, device, config.bf16))
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD))
     batch = args.micro_batch_size
@@ -192,9 +218,12 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
 
 
 # ---------------------------------------------------------------------- the Hugging Face step
-def hf_model(spec: ModelSpec):
+def hf_model(spec: ModelSpec, experts_implementation: Optional[str] = None):
     """The plain transformers model of the shape (random init, SDPA, fp32 weights)."""
     import transformers
+
+    if spec.moe is not None:
+        return moe_models.olmoe_model(spec, experts_implementation)
 
     config_class, model_class = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                                  "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[spec.family]
@@ -255,28 +284,35 @@ def make_bidirectional(model: nn.Module, vocab_size: int) -> tuple[Callable[[tor
 
 
 def llada_loss(model: nn.Module, tokens: torch.Tensor, forward_kwargs: dict, mask_id: int,
-               generator: torch.Generator) -> torch.Tensor:
+               generator: torch.Generator, aux_loss: Optional[Callable] = None) -> torch.Tensor:
     """LLaDA's pretraining loss: mask each token with probability p = (1 - eps) t + eps,
-    cross-entropy on the masked tokens weighted 1/p, divided by B*L."""
+    cross-entropy on the masked tokens weighted 1/p, divided by B*L; plus `aux_loss(outputs)`
+    when given (an MoE model's router balancing loss)."""
     batch, seq = tokens.shape
     t = torch.rand(batch, 1, device=tokens.device, generator=generator)
     p_mask = ((1 - DLM_EPS) * t + DLM_EPS).expand(batch, seq)
     masked = torch.rand(batch, seq, device=tokens.device, generator=generator) < p_mask
     noisy = torch.where(masked, torch.full_like(tokens, mask_id), tokens)
-    logits = model(input_ids=noisy, **forward_kwargs).logits
-    token_loss = nn.functional.cross_entropy(logits[masked].float(), tokens[masked], reduction="none")
-    return (token_loss / p_mask[masked]).sum() / (batch * seq)
+    outputs = model(input_ids=noisy, **forward_kwargs)
+    token_loss = nn.functional.cross_entropy(outputs.logits[masked].float(), tokens[masked], reduction="none")
+    loss = (token_loss / p_mask[masked]).sum() / (batch * seq)
+    return loss if aux_loss is None else loss + aux_loss(outputs)
 
 
 def build_hf(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """The transformers model, fused AdamW, its step (batch, step index) -> detached loss, and notes."""
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = hf_model(spec)
+        model = hf_model(spec, getattr(args, "hf_experts_implementation", None))
     model = model.to(device).train()
     forward_kwargs, how = (lambda tokens: {}), "causal"
     if args.mode == "dlm":
         forward_kwargs, how = make_bidirectional(model, spec.vocab_size)
+    # MoE: the router balancing loss, which the model itself adds only when given labels (AR).
+    aux_loss, info = None, {"attention": how}
+    if spec.moe is not None:
+        aux_loss = moe_models.router_aux_loss(model)
+        info["experts_implementation"] = moe_models.experts_implementation(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                                   fused=device.type == "cuda")
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -284,7 +320,7 @@ def build_hf(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             if args.mode == "dlm":
-                loss = llada_loss(model, tokens, forward_kwargs(tokens), mask_token_id(spec), generator)
+                loss = llada_loss(model, tokens, forward_kwargs(tokens), mask_token_id(spec), generator, aux_loss)
             else:
                 loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -293,7 +329,7 @@ def build_hf(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return model, optimizer, step, {"attention": how}
+    return model, optimizer, step, info
 
 
 # ---------------------------------------------------------------------- timing and reporting
@@ -352,7 +388,8 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     if args.profile:  # after the timing, which the profiler would slow down
         os.makedirs(args.profile, exist_ok=True)
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
-        row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
+        with kernel_breakdown.moe_scopes(model):  # MoE layers' ops, forward and backward, as "moe"
+            row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
         print(kernel_breakdown.format_table(name, row["profile"]), flush=True)
     del model, optimizer, step, batches
     gc.collect()
@@ -373,19 +410,16 @@ def _transformers_version() -> Optional[str]:
     return transformers.__version__
 
 
-def _cell(value: Optional[float], fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
 TABLE_HEADER = ("| implementation | precision | parameters | median ms/step | tokens/s/GPU | TFLOP/s/GPU | MFU | "
-                "peak memory GiB |\n|---|---|---|---|---|---|---|---|")
+                "tokens/s vs HF | peak memory GiB |\n|---|---|---|---|---|---|---|---|---|")
 
 
-def format_row(row: dict) -> str:
+def format_row(row: dict, baseline: Optional[dict] = None) -> str:
     mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    versus = "-" if baseline is None else f"{row['tokens_per_sec_per_gpu'] / baseline['tokens_per_sec_per_gpu']:.3f}x"
     return (f"| {row['name']} | {row['precision']} | {row['parameters'] / 1e6:,.1f}M | {row['median_step_ms']:.1f} | "
-            f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | "
-            f"{_cell(row['peak_memory_gib'], '.1f')} |")
+            f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | {versus} | "
+            f"{'-' if row['peak_memory_gib'] is None else format(row['peak_memory_gib'], '.1f')} |")
 
 
 def print_table(result: dict) -> None:
@@ -394,12 +428,15 @@ def print_table(result: dict) -> None:
           f"{cfg['micro_batch_size']}, {cfg['steps']} timed steps after {cfg['warmup']}, {result['device']}, "
           f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
     print(TABLE_HEADER)
+    baseline = result["rows"][-1] if cfg["baseline"] == "hf" else None
     for row in result["rows"]:
-        print(format_row(row))
-    if result.get("ratio"):
-        ratio = result["ratio"]
-        print(f"ours / baseline: tokens/s {ratio['tokens_per_sec_per_gpu']:.3f}x, "
-              f"TFLOP/s {ratio['tflops_per_gpu']:.3f}x")
+        print(format_row(row, baseline))
+    if baseline is not None and baseline.get("experts_implementation"):
+        print(f"HF experts implementation: {baseline['experts_implementation']} (--hf-experts-implementation)")
+    for label, key in (("ours / baseline", "ratio"), ("grouped GEMM / per-expert loop", "grouped_gemm_ratio")):
+        if result.get(key):
+            print(f"{label}: tokens/s {result[key]['tokens_per_sec_per_gpu']:.3f}x, "
+                  f"TFLOP/s {result[key]['tflops_per_gpu']:.3f}x")
     if result.get("fp8_ratio"):
         print("fp8 tokens/s: " + ", ".join(f"{value:.3f}x {name.replace('_', ' ')}"
                                            for name, value in result["fp8_ratio"].items()))
@@ -412,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help=f"One of {', '.join(MODELS)}.")
     parser.add_argument("--mode", choices=("dlm", "ar"), default="dlm",
                         help="dlm: masked diffusion, bidirectional attention; ar: next-token loss, causal.")
-    parser.add_argument("--seq-length", type=int, help="Tokens per sequence (default: 4096; 128 for tiny).")
+    parser.add_argument("--seq-length", type=int, help="Tokens per sequence (default: 4096; 128 for the tiny ones).")
+    parser.add_argument("--num-layers", type=int,
+                        help="Fewer (or more) layers than the shape has, in both rows, e.g. to fit memory.")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20, help="Timed steps.")
     parser.add_argument("--warmup", type=int, default=5, help="Untimed steps first (allocator, autotuning, compile).")
@@ -438,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
+    moe_models.add_arguments(parser)
     return parser
 
 
@@ -446,6 +486,10 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     if args.model not in MODELS:
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)}")
     spec = MODELS[args.model]
+    if args.num_layers is not None:
+        if args.num_layers < 1:
+            raise UsageError(f"--num-layers {args.num_layers} must be at least 1")
+        spec = dataclasses.replace(spec, num_layers=args.num_layers)
     if args.seq_length is None:
         args.seq_length = spec.default_seq_length
     if args.seq_length < 1 or args.seq_length > spec.max_positions:
@@ -453,6 +497,9 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"of {args.model}; pass a shorter --seq-length")
     if args.compile_loss and not args.masked_only_loss:
         raise UsageError("--compile-loss needs --masked-only-loss")
+    moe_error = moe_models.flag_error(args, spec)
+    if moe_error:
+        raise UsageError(moe_error)
     for flag in ("micro_batch_size", "steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
@@ -471,28 +518,40 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
+def ratios(rows: List[dict], baseline: bool, fp8: bool, variants: int) -> dict:
+    """Our first row over the baseline, fp8 over our bf16 row (the first fp8 row follows our
+    `variants` bf16 rows) and, with both expert paths, the grouped-GEMM row over the per-expert loop."""
+    keys = ("tokens_per_sec_per_gpu", "tflops_per_gpu")
+
+    def over(row: dict, base: dict) -> dict:
+        return {key: row[key] / base[key] for key in keys}
+
+    fp8_ratio = {"over_ours": over(rows[variants], rows[0])[keys[0]]} if fp8 else None
+    if fp8 and baseline:
+        fp8_ratio["over_baseline"] = over(rows[variants], rows[-1])[keys[0]]
+    return {"ratio": over(rows[0], rows[-1]) if baseline else None, "fp8_ratio": fp8_ratio,
+            "grouped_gemm_ratio": over(rows[0], rows[1]) if variants == 2 else None}
+
+
 def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: List[str]) -> dict:
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
-    config = transformer_config(spec, device, args.attention_backend)
+    grouped_variants = moe_models.grouped_variants(args, spec)
+    config = transformer_config(spec, device, args.attention_backend, grouped_gemm=grouped_variants[0])
     step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size)
     precision = "bf16" if device.type == "cuda" else "fp32"
     rows = []
-    # With --fp8 our step runs twice, without and with fp8, so one command prints both next to the baseline.
+    # With --fp8 our step runs without and with fp8, and with --compare-grouped-gemm with both expert
+    # paths, so one command prints them all next to the baseline.
     for fp8 in ([False, True] if args.fp8 else [False]):
-        variant = argparse.Namespace(**{**vars(args), "fp8": fp8})
-        levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
-                  (args.compile_loss, " compiled-loss"), (args.recompute != "none", f" recompute-{args.recompute}")]
-        rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
-                            build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
+        for grouped in grouped_variants:
+            variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
+            levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
+                      (args.compile_loss, " compiled-loss"), (args.recompute != "none", f" recompute-{args.recompute}"),
+                      (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop")]
+            rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
+                                build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
         rows.append(measure("HF transformers", build_hf, spec, args, device, step_flops, precision))
-    keys = ("tokens_per_sec_per_gpu", "tflops_per_gpu")
-    ratio = {key: rows[0][key] / rows[-1][key] for key in keys} if args.baseline == "hf" else None
-    fp8_ratio = None
-    if args.fp8:
-        fp8_ratio = {"over_ours": rows[1]["tokens_per_sec_per_gpu"] / rows[0]["tokens_per_sec_per_gpu"]}
-        if args.baseline == "hf":
-            fp8_ratio["over_baseline"] = rows[1]["tokens_per_sec_per_gpu"] / rows[-1]["tokens_per_sec_per_gpu"]
     return {
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
@@ -500,12 +559,13 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
                    "compile_loss": args.compile_loss, "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
-                   "seed": args.seed},
+                   "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,
+                   "hf_experts_implementation": args.hf_experts_implementation, "seed": args.seed},
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
                                for name, value in dataclasses.asdict(config).items()},
         "attention_mask_type": "causal" if args.mode == "ar" else "no_mask",
         "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
-        "rows": rows, "ratio": ratio, "fp8_ratio": fp8_ratio,
+        "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
         "device": _device_name(device) or "cpu",
