@@ -113,6 +113,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of every norm.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
+    g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "all"],
+                   help="With --qk-layernorm: normalise each head (Qwen3) or the whole query / key "
+                        "projection before the split into heads (all: OLMoE, OLMo2).")
     g.add_argument("--swiglu", action="store_true", help="Gated SiLU MLP (default: GeLU, not gated).")
     g.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
@@ -493,6 +496,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         vocab_size=args.padded_vocab_size, unpadded_vocab_size=args.tokenizer.vocab_size,
         max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+        qk_layernorm_scope=args.qk_layernorm_scope,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,

@@ -29,7 +29,20 @@ ARCHITECTURE_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
                                             "untie_embeddings_and_output_weights", lambda v: not v),
     "add_bias_linear": ("--disable-bias-linear", "disable_bias_linear", lambda v: not v),
     "add_qkv_bias": ("--add-qkv-bias", "add_qkv_bias", lambda v: v),
+    "qk_layernorm_scope": ("--qk-layernorm-scope", "qk_layernorm_scope", lambda v: v),
 }
+# MoEConfig fields (the checkpoint's `transformer_config.moe`) that decide the shapes, and those that
+# change what the same weights compute; each field's flag is --moe-<field> (num_experts: --num-experts).
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "shared_expert_intermediate_size", "layer_flags",
+                           "router_enable_expert_bias")
+MOE_FUNCTION_FIELDS = ("router_topk", "router_type", "router_score_function", "router_pre_softmax",
+                       "router_topk_scaling_factor")
+
+
+def _moe_flag(field: str) -> str:
+    if field == "num_experts":
+        return "--num-experts"
+    return "--moe-layer-freq" if field == "layer_flags" else f"--moe-{field.replace('_', '-')}"
 # Fields that change what the same weights compute; --finetune changes them on purpose.
 FUNCTION_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
     "layernorm_epsilon": ("--norm-epsilon", "norm_epsilon", lambda v: v),
@@ -66,8 +79,9 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
     saved = metadata["transformer_config"]
     current = dataclasses.asdict(record.transformer_config)
     for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
-        if saved.get(field) != current[field]:
+        if saved.get(field, "head" if field == "qk_layernorm_scope" else None) != current[field]:
             raise _mismatch(source, field, flag, saved.get(field), current[field], changeable=False)
+    _check_moe(saved.get("moe"), current["moe"], finetune, source)
     if not finetune:
         for field, (flag, _, _) in FUNCTION_FIELDS.items():
             if field in saved and saved[field] != current[field]:
@@ -78,6 +92,30 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
             if saved_dlm.get(field) != current_dlm.get(field):
                 raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)
     _check_vocabulary(record, finetune, metadata, source)
+
+
+def _check_moe(saved, current, finetune: bool, source: str) -> None:
+    if (saved is None) != (current is None):
+        raise _mismatch(source, "moe.num_experts", "--num-experts", saved and saved["num_experts"],
+                        current and current["num_experts"], changeable=False)
+    if saved is None:
+        return
+    for fields, changeable in ((MOE_ARCHITECTURE_FIELDS, False), (() if finetune else MOE_FUNCTION_FIELDS, True)):
+        for field in fields:
+            if saved.get(field) != current[field]:
+                raise _mismatch(source, f"moe.{field}", _moe_flag(field), saved.get(field), current[field],
+                                changeable)
+
+
+def _apply_moe(args, saved) -> None:
+    """The checkpoint's MoE fields as flags (none for a dense checkpoint)."""
+    if not saved:
+        return
+    for field in MOE_ARCHITECTURE_FIELDS + MOE_FUNCTION_FIELDS:
+        if field == "layer_flags":
+            args.moe_layer_freq = "[" + ",".join(str(flag) for flag in saved[field]) + "]"
+        elif field in saved:
+            setattr(args, _moe_flag(field)[2:].replace("-", "_"), saved[field])
 
 
 def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> None:
@@ -124,6 +162,7 @@ def apply_checkpoint_args(args) -> None:
         args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
     if saved.get("sliding_window") is not None:
         args.sliding_window = saved["sliding_window"]
+    _apply_moe(args, saved.get("moe"))
     if args.seq_length is None and metadata.get("seq_length"):
         args.seq_length = metadata["seq_length"]
     dlm = metadata.get("dlm_config") or {}

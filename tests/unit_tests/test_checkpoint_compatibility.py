@@ -93,3 +93,42 @@ def test_a_block_size_matters_only_for_block_causal_attention():
         check(config(), config(), saved_dlm=block, run_dlm=DLMConfig(mask_token_id=512, attention_mask_type=
                                                                       "block_causal", block_size=8))
     check(config(), config(), saved_dlm=DLMConfig(mask_token_id=512, block_size=4), run_dlm=DLM)
+
+
+def test_moe_shapes_and_routing_are_checked():
+    """The experts' shapes can never change; the routing (top-k, scores) only with --finetune; the
+    expert-parallel layout is free (experts are stored as global [E, ...] tensors)."""
+    from megatron.core.transformer.moe.config import MoEConfig
+
+    def moe(**changes):
+        return config(moe=MoEConfig(num_experts=4, router_topk=2, **changes))
+
+    check(moe(), moe().replace(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"moe.num_experts=4 but this run has None \(--num-experts\)"):
+        check(moe(), config())
+    with pytest.raises(ValueError, match=r"moe.ffn_hidden_size=None but this run has 16 \(--moe-ffn-hidden-size\)"):
+        check(moe(), moe(ffn_hidden_size=16), finetune=True)
+    with pytest.raises(ValueError, match=r"moe.layer_flags=\[1, 1\] but this run has \[0, 1\] \(--moe-layer-freq\)"):
+        check(moe(), moe(layer_freq="[0,1]"))
+    with pytest.raises(ValueError, match=r"moe.router_score_function='softmax'.*--finetune to change it"):
+        check(moe(), moe(router_score_function="sigmoid"))
+    check(moe(), moe(router_score_function="sigmoid"), finetune=True)
+
+
+def test_use_checkpoint_args_rebuilds_the_moe_config():
+    import argparse
+
+    from megatron.core.transformer.moe.config import MoEConfig
+    from megatron.training.checkpoint_args import _apply_moe
+    from megatron.training.moe_args import add_moe_args, moe_config_from_args
+
+    saved = MoEConfig(num_experts=8, router_topk=3, ffn_hidden_size=24, shared_expert_intermediate_size=16,
+                      layer_freq="[0,1,1]", router_score_function="sigmoid", router_enable_expert_bias=True).resolve(3)
+    parser = argparse.ArgumentParser()
+    add_moe_args(parser)
+    args = parser.parse_args([])
+    _apply_moe(args, dataclasses.asdict(saved))
+    rebuilt = moe_config_from_args(args).resolve(3)
+    for field in ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_intermediate_size", "layer_flags",
+                  "router_score_function", "router_enable_expert_bias"):
+        assert getattr(rebuilt, field) == getattr(saved, field), field

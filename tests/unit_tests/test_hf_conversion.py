@@ -247,14 +247,7 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     assert metadata["dlm_config"]["model_running_mode"] == "vanilla"
     assert metadata["transformer_config"]["rotary_base"] == 20000.0
     assert metadata["transformer_config"]["qk_layernorm"] == (kind == "qwen3")
-    tokens = ids()
-    with torch.no_grad():
-        reference = original(tokens).logits
-        assert_logits_equal(ours(tokens), reference)
-        export(tmp_path / "ckpt", tmp_path / "back")
-        back = load_hf(tmp_path / "back")
-        assert type(back) is type(original)
-        assert_logits_equal(back(tokens).logits, reference)
+    assert_round_trip(original, ours, tmp_path, assert_logits_equal)
     saved = {}
     for name in os.listdir(tmp_path / "back"):
         if name.endswith(".safetensors"):
@@ -295,14 +288,32 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
+def assert_round_trip(original, ours, tmp_path, compare) -> None:
+    """`ours` (imported from `original`) and the export of tmp_path/ckpt to tmp_path/back, loaded
+    back as `original`'s class: both give `original`'s logits on the same ids (`compare`)."""
+    tokens = ids()
+    with torch.no_grad():
+        reference = original(tokens).logits
+        compare(ours(tokens), reference)
+        export(tmp_path / "ckpt", tmp_path / "back")
+        back = load_hf(tmp_path / "back")
+        assert type(back) is type(original)
+        compare(back(tokens).logits, reference)
+
+
+def replace_tensor(hf_dir, name: str, tensor: torch.Tensor) -> None:
+    """Overwrite tensor `name` of a sharded HF folder in its shard."""
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shard = str(hf_dir / index["weight_map"][name])
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
 def test_shape_mismatch_names_the_tensor_and_both_shapes(tmp_path, capsys):
     random_hf_model("llama", tmp_path / "hf")
-    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     name = "model.layers.1.self_attn.k_proj.weight"
-    shard = str(tmp_path / "hf" / index["weight_map"][name])
-    tensors = load_file(shard)
-    tensors[name] = torch.zeros(24, 32)  # 3 kv heads of 8 instead of 2 of 16
-    save_file(tensors, shard, metadata={"format": "pt"})
+    replace_tensor(tmp_path / "hf", name, torch.zeros(24, 32))  # 3 kv heads of 8 instead of 2 of 16
     assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 1
     error = capsys.readouterr().err
     assert name in error and "(24, 32)" in error and "(32, 32)" in error

@@ -15,6 +15,11 @@ from megatron.core.transformer.moe.router import ExpertChoiceRouter, TopKRouter
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 
+def dense(routing):
+    """(probs [T, E], routing_map [T, E]) of a Routing."""
+    return routing.dense_probs(), routing.routing_map
+
+
 def config(**moe) -> TransformerConfig:
     torch.manual_seed(0)
     return TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, vocab_size=64,
@@ -31,7 +36,7 @@ def test_topk_routing_matches_its_definitions():
     ]:
         router = TopKRouter(config(**options))
         logits = tokens @ router.weight.t()
-        probs, routing_map = router(tokens, (12, 1))
+        probs, routing_map = dense(router(tokens, (12, 1)))
         assert routing_map.sum(-1).eq(2).all()
         assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(-1, logits.topk(2).indices, True))
         torch.testing.assert_close(probs[routing_map].view(12, 2).sort(-1).values, expected(logits).sort(-1).values)
@@ -45,7 +50,7 @@ def test_aux_loss_and_z_loss_equal_the_formulas():
     tokens = torch.randn(s * b, 16)
     router = TopKRouter(config(aux_loss_coeff=0.1, z_loss_coeff=0.01))
     logits = router.gate(tokens)
-    _, routing_map = router.route(logits, (s, b))
+    _, routing_map = dense(router.route(logits, (s, b)))
     aux, z = router.balancing_losses(logits, routing_map, (s, b))
     scores = torch.softmax(logits, -1)
     fraction = [routing_map[:, e].sum().item() / (s * b * k) for e in range(experts)]
@@ -56,7 +61,7 @@ def test_aux_loss_and_z_loss_equal_the_formulas():
 
     router = TopKRouter(config(aux_loss_coeff=0.1, router_load_balancing_type="seq_aux_loss"))
     logits = router.gate(tokens)
-    _, routing_map = router.route(logits, (s, b))
+    _, routing_map = dense(router.route(logits, (s, b)))
     aux, _ = router.balancing_losses(logits, routing_map, (s, b))
     scores, per_sequence = torch.softmax(logits, -1).view(s, b, experts), routing_map.view(s, b, experts)
     expected = sum(0.1 * experts * sum(per_sequence[:, j, e].sum().item() / (s * k) * scores[:, j, e].mean().item()
@@ -76,7 +81,7 @@ def test_balancing_losses_reach_the_gradients_with_the_given_scale():
         grads[scale is None] = layer.router.weight.grad.clone()
     layer.zero_grad()
     logits = layer.router.gate(hidden.view(10, 16))
-    _, routing_map = layer.router.route(logits, (5, 2))
+    _, routing_map = dense(layer.router.route(logits, (5, 2)))
     layer.router.balancing_losses(logits, routing_map, (5, 2)).sum().backward()
     torch.testing.assert_close(grads[False] - grads[True], 2.0 * layer.router.weight.grad)
 
@@ -86,7 +91,7 @@ def test_expert_bias_steers_selection_and_follows_the_update_rule():
                                router_bias_update_rate=0.05))
     router.train()
     tokens = torch.randn(32, 16, requires_grad=True)
-    _, routing_map = router(tokens, (32, 1))
+    _, routing_map = dense(router(tokens, (32, 1)))
     counts = routing_map.sum(0).double()
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, moe=router.moe)
     router.layer_number = 0
@@ -96,7 +101,7 @@ def test_expert_bias_steers_selection_and_follows_the_update_rule():
     assert router.tokens_per_expert.eq(0).all()
     # A large bias on expert 3 makes every token pick it; the probabilities stay the unbiased scores'.
     router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
-    probs, routing_map = router(tokens, (32, 1))
+    probs, routing_map = dense(router(tokens, (32, 1)))
     assert routing_map[:, 3].all()
     scores = torch.sigmoid(router.gate(tokens))
     chosen = (scores * routing_map)
@@ -107,9 +112,9 @@ def test_capacity_drops_the_lowest_probability_assignments():
     router = TopKRouter(config(expert_capacity_factor=0.5))
     tokens = torch.randn(16, 16)
     logits = router.gate(tokens)
-    probs, routing_map = router.route(logits, (16, 1))
+    probs, routing_map = dense(router.route(logits, (16, 1)))
     capacity = math.ceil(16 * 2 / 4 * 0.5)
-    full_probs, full_map = TopKRouter(config()).route(logits, (16, 1))
+    full_probs, full_map = dense(TopKRouter(config()).route(logits, (16, 1)))
     for e in range(4):
         kept = routing_map[:, e]
         assert kept.sum() == min(capacity, full_map[:, e].sum())
@@ -122,7 +127,7 @@ def test_expert_choice_takes_the_top_tokens_of_each_sequence_per_expert():
     router = ExpertChoiceRouter(config(router_type="expert_choice", router_topk=2))
     s, b = 8, 3
     tokens = torch.randn(s * b, 16)
-    probs, routing_map = router(tokens, (s, b))
+    probs, routing_map = dense(router(tokens, (s, b)))
     scores = torch.softmax(router.gate(tokens), -1).view(s, b, 4)
     capacity = s * 2 // 4
     per_sequence = routing_map.view(s, b, 4)
@@ -145,9 +150,11 @@ def test_grouped_gemm_equals_one_gemm_per_expert():
     counts = [3, 0, 5, 2]
     x = torch.randn(sum(counts), 8, requires_grad=True)
     weight = torch.randn(4, 6, 8, requires_grad=True)
-    looped = grouped_linear(x, weight, counts, grouped=False)
+    looped = grouped_linear(x, weight, torch.tensor(counts), grouped=False)
     expected = torch.cat([x[sum(counts[:e]):sum(counts[:e + 1])] @ weight[e].t() for e in range(4)])
     torch.testing.assert_close(looped, expected)
+    grads = torch.autograd.grad(looped.square().sum(), (x, weight))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (x, weight)))
     if hasattr(torch.nn.functional, "grouped_mm"):  # the kernel itself, where this torch runs it on CPU
         offsets = torch.tensor(counts).cumsum(0).int()
         try:
@@ -155,6 +162,29 @@ def test_grouped_gemm_equals_one_gemm_per_expert():
         except RuntimeError as error:
             pytest.skip(f"grouped_mm does not run on this CPU build: {error}")
         torch.testing.assert_close(grouped, expected)
+
+
+def test_dropless_fast_path_equals_the_routing_map_path():
+    """Dropless token choice sorts the top-k ids and sums k outputs per token; the general path reads the
+    routing map and index-adds: the same outputs and gradients."""
+    from megatron.core.transformer.moe.router import Routing
+
+    layer = MoELayer(config(aux_loss_coeff=0.1))
+    hidden = torch.randn(6, 2, 16, requires_grad=True)
+    results = []
+    for through_map in (False, True):
+        route = layer.router.route
+        if through_map:
+            layer.router.route = lambda logits, shape: (lambda r: Routing(r.routing_map, probs=r.dense_probs()))(
+                route(logits, shape))
+        layer.zero_grad()
+        output = layer(hidden)
+        grad, = torch.autograd.grad(output.square().sum(), hidden, retain_graph=True)
+        output.square().sum().backward()
+        results.append((output, grad, layer.router.weight.grad.clone(), layer.experts.linear_fc1.weight.grad.clone()))
+        layer.router.route = route
+    for fast, general in zip(*results):
+        torch.testing.assert_close(fast, general)
 
 
 def test_experts_are_the_single_process_weights_in_every_layout():

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Llama / Qwen2 / Qwen3 folder (or a MegaDLMs export) to a MegaDLMs checkpoint.
+"""Convert a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / OLMoE folder (or a MegaDLMs export) to a
+MegaDLMs checkpoint.
 
     python tools/weights_conversion/hf_to_megatron.py --hf-path HF_DIR --save CKPT_DIR \
         [--tensor-model-parallel-size N] [--model-running-mode difflm-shift --mask-token-id ID]
@@ -56,12 +57,14 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _bias_presence(weights: LazyWeights) -> dict:
-    """Which bias tensors the layers hold (layer 0 speaks for all). MegaDLMs has no biases, QKV-only
-    biases or biases everywhere; an all-zero o_proj/MLP bias is dropped when that makes the set one
-    of those (e.g. Llama's attention_bias without mlp_bias, when o_proj's bias is unused)."""
+    """Which bias tensors the layers hold (layer 0 speaks for all; its MLP may be experts). MegaDLMs
+    has no biases, QKV-only biases or biases everywhere; an all-zero o_proj/MLP bias is dropped when
+    that makes the set one of those (e.g. Llama's attention_bias without mlp_bias, when o_proj's bias
+    is unused)."""
     prefix = "model.layers.0."
+    mlp = prefix + "mlp.down_proj.bias"
     names = {"qkv": prefix + "self_attn.q_proj.bias", "o_proj": prefix + "self_attn.o_proj.bias",
-             "mlp": prefix + "mlp.down_proj.bias"}
+             "mlp": mlp if mlp in weights else prefix + "mlp.experts.0.down_proj.bias"}
     present = {kind: name in weights for kind, name in names.items()}
     if len(set(present.values())) == 1 or present == {"qkv": True, "o_proj": False, "mlp": False}:
         return present
@@ -113,7 +116,8 @@ def convert(args: argparse.Namespace) -> str:
         fields["max_position_embeddings"] = args.max_position_embeddings
     config = TransformerConfig(**fields).validate()
     dlm = _dlm_config(args, dlm_fields, config.vocab_size, args.hf_path)
-    expected = set(mapping.hf_names(config))
+    fused = mapping.has_fused_experts(weights.names())  # transformers 5's in-memory expert layout
+    expected = set(mapping.hf_names(config, fused))
     unexpected = sorted(name for name in weights.names()
                         if name not in expected and not name.endswith(_IGNORED_SUFFIXES)
                         and not (name == "lm_head.weight" and config.share_embeddings_and_output_weights))
@@ -130,7 +134,7 @@ def convert(args: argparse.Namespace) -> str:
     tensors = {name: tensor.float() for name, tensor in mapping.globals_from_hf(config, weights.get).items()}
     bar = progress_bar(config.num_layers, not args.no_progress, "reading")
     for index in range(config.num_layers):
-        layer = mapping.layer_from_hf(config, index, weights.get)
+        layer = mapping.layer_from_hf(config, index, weights.get, fused)
         tensors.update({f"decoder.layers.{index}.{name}": tensor.float() for name, tensor in layer.items()})
         bar.update()
     bar.close()
@@ -154,8 +158,12 @@ def _check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
         problems.append(f"num_attention_heads={config.num_attention_heads}")
     if groups % tp and (tp % groups or (tp // groups) % 2):
         problems.append(f"num_key_value_heads={groups}")
-    if config.ffn_hidden_size % tp:
+    dense = not all(mapping.is_moe_layer(config, index) for index in range(config.num_layers))
+    if dense and config.ffn_hidden_size % tp:  # the experts are not split over tp (expert tp is 1)
         problems.append(f"intermediate_size={config.ffn_hidden_size}")
+    shared = config.moe.shared_expert_intermediate_size if config.moe is not None else None
+    if shared and shared % tp:
+        problems.append(f"shared_expert_intermediate_size={shared}")
     if problems:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {', '.join(problems)}; choose another "
                          "size (or 1: any layout loads a TP=1 checkpoint)")

@@ -7,7 +7,9 @@ Writes safetensors shards (+ index when sharded), config.json with every archite
 checkpoint's metadata, generation_config.json and the training tokenizer (tokenizer.json,
 tokenizer_config.json, and the original files). Autoregressive (`vanilla`) checkpoints of the Llama,
 Qwen2 or Qwen3 architecture become native LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
-folders; everything else (every difflm-* mode) gets the remote-code DLMForCausalLM
+folders, mixture-of-experts ones Qwen3MoeForCausalLM / OlmoeForCausalLM (experts written per
+expert, `mlp.experts.{j}.*`, as save_pretrained does); everything else (every difflm-* mode,
+shared experts, expert biases, other routers) gets the remote-code DLMForCausalLM
 (configuration_dlm.py, modeling_dlm.py, and generation.py, cuda_graphs.py, likelihood.py), loaded with
 `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`.
 
@@ -65,8 +67,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "trained with --bf16, float16 with --fp16, else float32).")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (e.g. 5GB, 500MB).")
     parser.add_argument("--hf-architecture", default="auto", choices=hf_config.EXPORT_CHOICES,
-                        help="auto: a native Llama/Qwen2/Qwen3 class when the checkpoint is one, else the "
-                             "remote-code DLM class; or force one (an impossible choice is an error).")
+                        help="auto: a native Llama/Qwen2/Qwen3/Qwen3-MoE/OLMoE class when the checkpoint is one, "
+                             "else the remote-code DLM class; or force one (an impossible choice is an error).")
     group = parser.add_argument_group("tokenizer (the one the checkpoint was trained with; its sha256 is checked)")
     group.add_argument("--tokenizer-model", help="SentencePiece .model, or tokenizer.json or its folder.")
     group.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
@@ -106,7 +108,8 @@ def write_weights(iter_dir: str, config, output_dir: str, dtype: torch.dtype, ma
     bar.update()
     for index in range(config.num_layers):
         prefix = f"decoder.layers.{index}."
-        layer = checkpoint_io.read_tensors(iter_dir, [prefix + name for name in mapping.layer_names(config)], shapes)
+        names = [prefix + name for name in mapping.layer_names(config, index)]
+        layer = checkpoint_io.read_tensors(iter_dir, names, shapes)
         converted = mapping.layer_to_hf(config, index, {name[len(prefix):]: t for name, t in layer.items()})
         for name, tensor in converted.items():
             writer.add(name, tensor.to(dtype))
@@ -183,6 +186,8 @@ def _write_export(source: dict, output_dir: str, args: argparse.Namespace) -> di
     provenance = {"source_checkpoint": os.path.abspath(source["iter_dir"]), "iteration": source["iteration"],
                   "seq_length": metadata.get("seq_length"), "dlm_config": metadata.get("dlm_config"),
                   "tokenizer": identity}
+    if metadata["transformer_config"].get("moe"):  # the training-only MoE fields, for a later import
+        provenance["moe_config"] = metadata["transformer_config"]["moe"]
     hf = hf_config.export_config(source["kind"], config, dlm, special, dtype, provenance)
     with open(os.path.join(output_dir, "config.json"), "w") as handle:
         json.dump(hf, handle, indent=2)

@@ -130,6 +130,20 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _AllReduceBothWays(torch.autograd.Function):
+    """Forward all-reduce, backward all-reduce: every rank feeds the sum to compute of its own
+    (other heads), so each rank's output grad is a partial sum of the true one."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad, ctx.group), None
+
+
 class _SplitForwardGatherBackward(torch.autograd.Function):
     """Forward keeps this rank's chunk along `dim`; backward all-gathers the chunk grads."""
 
@@ -192,6 +206,13 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region by summing partial outputs (all-reduce; identity in backward)."""
     return _ReduceFromTensorParallel.apply(x, group) if is_parallel(group) else x
+
+
+def all_reduce_with_partial_grads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum a statistic over the TP ranks that each rank then uses in its own, different compute
+    (the full-width QK-norm's sum of squares over heads split across ranks): all-reduce forward,
+    all-reduce of the partial grads backward."""
+    return _AllReduceBothWays.apply(x, group) if is_parallel(group) else x
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:

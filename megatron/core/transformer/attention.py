@@ -3,6 +3,8 @@
 Hidden states are sequence-first [s, b, h] as in Megatron, so sequence parallelism can
 split the leading dimension. The fused QKV projection is laid out per query group,
 [q heads of the group, k, v] for each group, which is what tensor parallelism splits.
+The QK-norm normalises each head (`qk_layernorm_scope='head'`, Qwen3) or the whole query and
+key projections before the split into heads ('all', OLMoE: `FullWidthNorm`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ from megatron.core.transformer.context_parallel import (gather_keys_and_values, 
 from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
 from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.norms import FullWidthNorm, build_norm
 from megatron.core.transformer.rope import apply_rotary_pos_emb
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 RotaryPair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _norm_whole(norm: FullWidthNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm` over the last two dims (heads, head_dim) of x, flattened."""
+    return norm(x.reshape(*x.shape[:-2], -1)).view(x.shape)
 
 
 class SelfAttention(MegatronModule):
@@ -58,7 +65,10 @@ class SelfAttention(MegatronModule):
                                              init_std=output_init_std(config),
                                              init_seed=parameter_seed(layer_number, "linear_proj"), **out_kwargs)
         self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
+        self.full_width_qk_norm = config.qk_layernorm and config.qk_layernorm_scope == "all"
+        if self.full_width_qk_norm:
+            self.q_layernorm, self.k_layernorm = self._full_width_norms(config)
+        elif config.qk_layernorm:
             self.q_layernorm, self.k_layernorm = build_norm(config, self.head_dim), build_norm(config, self.head_dim)
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
                 # Shared by every head (weight and, for LayerNorm, bias), but each rank sees only
@@ -97,6 +107,21 @@ class SelfAttention(MegatronModule):
                 getattr(self.linear_q, name).copy_(self._local_rows(viewed[:, :per_group], self.linear_q))
                 getattr(self.linear_kv, name).copy_(self._local_rows(viewed[:, per_group:], self.linear_kv))
 
+    def _full_width_norms(self, config: TransformerConfig) -> Tuple[FullWidthNorm, FullWidthNorm]:
+        """The query norm is split like the query heads (a rank's heads are consecutive in the global
+        order); the key norm like the kv groups, or, when tp > kv heads (every rank gathers all the
+        keys and normalises them), whole on every rank."""
+        dim, group = self.head_dim, self.tp_group if self.tp_size > 1 else None
+        query = FullWidthNorm(config, self.local_heads * dim, self.num_heads * dim,
+                              self.tp_rank * self.local_heads * dim, group)
+        if self.split_kv_rows:
+            key = FullWidthNorm(config, self.num_groups * dim, self.num_groups * dim, 0,
+                                partial_grads=self.tp_size > 1)
+        else:
+            key = FullWidthNorm(config, self.local_groups * dim, self.num_groups * dim,
+                                self.tp_rank * self.local_groups * dim, group)
+        return query, key
+
     def _local_rows(self, viewed: torch.Tensor, layer: ColumnParallelLinear) -> torch.Tensor:
         rows = viewed.reshape(-1, *viewed.shape[3:])
         size = layer.output_size_per_partition
@@ -112,7 +137,10 @@ class SelfAttention(MegatronModule):
             # All-gather the K/V rows; the backward sums the grads of the ranks sharing a group.
             key_value = gather_from_sequence_parallel_region(key_value.permute(2, 0, 1).contiguous(), self.tp_group)
             key_value = key_value.permute(1, 2, 0).view(seq, batch, self.num_groups, 2, self.head_dim)
-            key, value = key_value[:, :, self.group_index:self.group_index + 1].unbind(3)
+            key, value = key_value.unbind(3)
+            if self.full_width_qk_norm:  # every group's key is here: the full width, no reduction
+                key = _norm_whole(self.k_layernorm, key)
+            key, value = (tensor[:, :, self.group_index:self.group_index + 1] for tensor in (key, value))
         else:
             mixed = self.linear_qkv(hidden_states)
             seq, batch = mixed.shape[:2]
@@ -120,7 +148,10 @@ class SelfAttention(MegatronModule):
             query, key, value = mixed.split([self.heads_per_group, 1, 1], dim=3)
             query = query.reshape(seq, batch, self.local_heads, self.head_dim)
             key, value = key.squeeze(3), value.squeeze(3)
-        if self.q_layernorm is not None:
+        if self.full_width_qk_norm:
+            query = _norm_whole(self.q_layernorm, query)
+            key = key if self.split_kv_rows else _norm_whole(self.k_layernorm, key)
+        elif self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         # [s, b, n, d] -> [b, n, s, d], the layout of every core-attention backend.
         return query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)

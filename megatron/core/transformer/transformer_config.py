@@ -20,6 +20,7 @@ ACTIVATIONS = ("silu", "gelu", "relu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "math")
+QK_LAYERNORM_SCOPES = ("head", "all")
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
 ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
@@ -70,6 +71,11 @@ class TransformerConfig:
     """Epsilon added to the variance in every normalisation layer."""
     qk_layernorm: bool = False
     """Apply a normalisation over head_dim to queries and keys before RoPE (Qwen3, OLMo2)."""
+    qk_layernorm_scope: str = "head"
+    """What the QK-norm normalises: 'head' (each head's head_dim channels, one [head_dim] weight
+    shared by the heads: Qwen3) or 'all' (the whole query / key projection, heads x head_dim wide,
+    before the split into heads, with a weight of that width: OLMoE, OLMo2). Under tensor
+    parallelism 'all' sums its statistics over the tp ranks, which hold different heads."""
     add_bias_linear: bool = False
     """Add biases to every linear layer."""
     add_qkv_bias: bool = False
@@ -169,6 +175,10 @@ class TransformerConfig:
         _check_choice(owner, "normalization", self.normalization, NORMALIZATIONS)
         _check_choice(owner, "activation", self.activation, ACTIVATIONS)
         _check_choice(owner, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice(owner, "qk_layernorm_scope", self.qk_layernorm_scope, QK_LAYERNORM_SCOPES)
+        if self.qk_layernorm_scope != "head" and not self.qk_layernorm:
+            raise ValueError(f"{owner}.qk_layernorm_scope={self.qk_layernorm_scope!r} needs qk_layernorm; "
+                             "add --qk-layernorm or drop the scope")
         # Chained comparisons, so NaN and inf fail them too.
         for name in ("layernorm_epsilon", "init_method_std", "rotary_base"):
             if not 0.0 < getattr(self, name) < float("inf"):

@@ -2,14 +2,18 @@
 
 Written by tools/weights_conversion/megatron_to_hf.py next to modeling_dlm.py and the weights.
 Every field comes from the training checkpoint's metadata, so the exported model computes what
-the trained one did: RoPE base and rotary fraction, norm type and epsilon, GQA, QK-norm, biases,
-tied or untied output layer, the attention pattern and the running mode.
+the trained one did: RoPE base and rotary fraction, norm type and epsilon, GQA, QK-norm (per head
+or over the whole projection), biases, tied or untied output layer, mixture-of-experts layers and
+their routing, the attention pattern and the running mode.
 """
 
 from transformers import PretrainedConfig
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
 ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+QK_NORM_SCOPES = ("head", "all")
+ROUTER_TYPES = ("token_choice", "expert_choice")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 class DLMConfig(PretrainedConfig):
@@ -19,6 +23,13 @@ class DLMConfig(PretrainedConfig):
         difflm-shift (position i predicts token i+1, AR-initialised DLMs) or vanilla (causal AR).
     attention_mask_type: the trained pattern, in MegaDLMs' names: no_mask (bidirectional),
         causal, block_causal (with attention_block_size) or sliding_window (with sliding_window).
+    qk_norm_scope: head (each head's channels) or all (the whole q / k projection, OLMoE).
+    num_experts: routed experts of the MoE layers (None: a dense model); moe_layer_flags: 1 where
+        layer i is MoE (default every layer); num_experts_per_tok, moe_intermediate_size,
+        shared_expert_intermediate_size; router_type (token_choice or expert_choice),
+        router_score_function (softmax or sigmoid), router_pre_softmax (softmax over all experts
+        before the top-k, no renormalisation), router_expert_bias (a selection-only bias),
+        router_topk_scaling_factor, expert_capacity_factor: MegaDLMs' MoEConfig fields.
     """
 
     model_type = "megadlm"
@@ -31,7 +42,10 @@ class DLMConfig(PretrainedConfig):
                  max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=True,
                  model_running_mode="difflm-noshift", attention_mask_type=None, attention_block_size=None,
                  sliding_window=None, mask_token_id=None, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-                 **kwargs):
+                 qk_norm_scope="head", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None,
+                 shared_expert_intermediate_size=None, moe_layer_flags=None, router_type="token_choice",
+                 router_score_function="softmax", router_pre_softmax=False, router_expert_bias=False,
+                 router_topk_scaling_factor=None, expert_capacity_factor=None, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -58,7 +72,19 @@ class DLMConfig(PretrainedConfig):
         self.attention_block_size = attention_block_size
         self.sliding_window = sliding_window
         self.mask_token_id = mask_token_id
+        self.qk_norm_scope = qk_norm_scope
+        self.num_experts, self.num_experts_per_tok = num_experts, num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        if num_experts and moe_layer_flags is None:
+            moe_layer_flags = [1] * num_hidden_layers
+        self.moe_layer_flags = moe_layer_flags
+        self.router_type, self.router_score_function = router_type, router_score_function
+        self.router_pre_softmax, self.router_expert_bias = router_pre_softmax, router_expert_bias
+        self.router_topk_scaling_factor = router_topk_scaling_factor
+        self.expert_capacity_factor = expert_capacity_factor
         self._check()
+        self._check_moe()
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -78,6 +104,27 @@ class DLMConfig(PretrainedConfig):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    def _check_moe(self):
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope={self.qk_norm_scope!r} is not one of {QK_NORM_SCOPES}")
+        if not self.num_experts:
+            return
+        if not self.num_experts_per_tok or not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok!r} must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if not self.moe_intermediate_size:
+            raise ValueError("num_experts is set: set moe_intermediate_size, the experts' inner width")
+        if len(self.moe_layer_flags) != self.num_hidden_layers or any(f not in (0, 1) for f in self.moe_layer_flags):
+            raise ValueError(f"moe_layer_flags={self.moe_layer_flags!r} must be a 0 or 1 for each of the "
+                             f"{self.num_hidden_layers} layers")
+        if self.router_type not in ROUTER_TYPES:
+            raise ValueError(f"router_type={self.router_type!r} is not one of {ROUTER_TYPES}")
+        if self.router_score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"router_score_function={self.router_score_function!r} is not one of {SCORE_FUNCTIONS}")
+
+    def is_moe_layer(self, index):
+        return bool(self.num_experts) and bool(self.moe_layer_flags[index])
 
     @property
     def is_diffusion(self):

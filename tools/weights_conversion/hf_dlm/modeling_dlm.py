@@ -1,8 +1,14 @@
 """A MegaDLMs model as a Hugging Face PreTrainedModel (remote code, `trust_remote_code=True`).
 
 Llama/Qwen3-style decoder: RMSNorm (or LayerNorm), rotate-half RoPE on the first
-`rotary_percent` of each head, GQA, optional QK-norm (per head, before RoPE), optional biases,
-SwiGLU (or a plain activation) MLP, tied or untied output layer. The attention pattern is the
+`rotary_percent` of each head, GQA, optional QK-norm (before RoPE: per head, or over the whole
+q / k projection with `qk_norm_scope='all'`, OLMoE-style), optional biases, SwiGLU (or a plain
+activation) MLP, tied or untied output layer. Mixture-of-experts layers (`num_experts`, the layers
+`moe_layer_flags` marks) route each token as MegaDLMs does (router.py): softmax over the top-k
+logits, or over all experts before the top-k (`router_pre_softmax`), or sigmoid scores with an
+optional selection-only expert bias; an optional scaling factor and per-batch capacity; or
+expert choice (each expert takes its top-capacity tokens of every sequence). The output is the
+routing-weighted sum of the chosen experts' MLPs plus an optional shared expert. The attention pattern is the
 trained one (`config.attention_mask_type`): bidirectional in the difflm-* modes by default,
 causal in vanilla. Numerics follow MegaDLMs (fp32 norms, RoPE tables computed in float64), so
 an fp32 export reproduces the training model's logits to rounding.
@@ -20,6 +26,8 @@ the running mode; `cuda_graphs=True` replays a captured CUDA graph per forward s
 (cuda_graphs.py, also copied next to this file). `log_likelihood(prompt, answer, **options)`
 scores an answer (likelihood.py: LLaDA's Monte Carlo ELBO for DLMs, exact for AR).
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +103,24 @@ class DLMAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
-        if config.qk_norm:
+        self.whole_qk_norm = config.qk_norm and config.qk_norm_scope == "all"
+        if self.whole_qk_norm:  # over all heads' channels, before the split into heads
+            self.q_norm = build_norm(config, self.num_heads * self.head_dim)
+            self.k_norm = build_norm(config, self.num_kv_heads * self.head_dim)
+        elif config.qk_norm:
             self.q_norm, self.k_norm = build_norm(config, self.head_dim), build_norm(config, self.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, hidden_states, cos, sin, mask, kv_cache=None, cache_start=0):
         batch, length, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
+        query, key = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.whole_qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = query.view(batch, length, self.num_heads, self.head_dim)
+        key = key.view(batch, length, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden_states).view(batch, length, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.whole_qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
@@ -119,9 +134,10 @@ class DLMAttention(nn.Module):
 
 
 class DLMMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size=None):
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inner = intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(hidden, inner, bias=bias) if config.gated_mlp else None
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
@@ -133,13 +149,95 @@ class DLMMLP(nn.Module):
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
+def expert_capacity(config, num_tokens):
+    """Assignments one expert takes out of `num_tokens` (MoEConfig.expert_capacity)."""
+    factor = 1.0 if config.expert_capacity_factor is None else config.expert_capacity_factor
+    return min(num_tokens, max(1, math.ceil(num_tokens * config.num_experts_per_tok / config.num_experts * factor)))
+
+
+class DLMRouter(nn.Module):
+    """The gate [E, h] (fp32 logits) and the routing rule: (probs [T, E] fp32, routing_map [T, E] bool)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        # Aux-loss-free balancing's bias: moves the selection only, never the weights.
+        self.expert_bias = (nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+                            if config.router_expert_bias else None)
+
+    def forward(self, tokens, batch, length):
+        logits = F.linear(tokens.float(), self.weight.float())
+        if self.config.router_type == "expert_choice":
+            return self._expert_choice(logits, batch, length)
+        return self._token_choice(logits)
+
+    def _token_choice(self, logits):
+        config, topk = self.config, self.config.num_experts_per_tok
+        if config.router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            selection = scores if self.expert_bias is None else scores + self.expert_bias.float()
+            indices = selection.topk(topk, dim=-1).indices
+            top = scores.gather(-1, indices)
+            top = top / (top.sum(-1, keepdim=True) + 1e-20) if topk > 1 else top
+        elif config.router_pre_softmax:
+            top, indices = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+        else:
+            top_logits, indices = logits.topk(topk, dim=-1)
+            top = torch.softmax(top_logits, dim=-1)
+        if config.router_topk_scaling_factor is not None:
+            top = top * config.router_topk_scaling_factor
+        probs = torch.zeros_like(logits).scatter(-1, indices, top)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, indices, True)
+        if config.expert_capacity_factor is not None:  # each expert keeps its most probable assignments
+            kept = probs.masked_fill(~routing_map, -1.0).topk(expert_capacity(config, probs.shape[0]), dim=0).indices
+            routing_map = torch.zeros_like(routing_map).scatter(0, kept, True) & routing_map
+            probs = probs * routing_map
+        return probs, routing_map
+
+    def _expert_choice(self, logits, batch, length):
+        """Each expert takes, in every sequence, the tokens with its `capacity` highest scores."""
+        scores = torch.softmax(logits, dim=-1).view(batch, length, -1)
+        threshold = scores.topk(expert_capacity(self.config, length), dim=1).values[:, -1:]  # [B, 1, E]
+        routing_map = scores >= threshold
+        return (scores * routing_map).flatten(0, 1), routing_map.flatten(0, 1)
+
+
+class DLMSparseMoeBlock(nn.Module):
+    """Router, routed experts (one MLP each) and an optional shared expert every token goes through."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = DLMRouter(config)
+        self.experts = nn.ModuleList(DLMMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = DLMMLP(config, shared) if shared else None
+
+    def forward(self, hidden_states):
+        batch, length, width = hidden_states.shape
+        tokens = hidden_states.reshape(-1, width)
+        probs, routing_map = self.gate(tokens, batch, length)
+        output = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        # While a CUDA graph is captured no row count may be read back: every expert sees every token.
+        dense = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+        for index, expert in enumerate(self.experts):
+            if dense:
+                output = output + expert(tokens).float() * probs[:, index, None]
+                continue
+            rows = routing_map[:, index].nonzero(as_tuple=True)[0]
+            if rows.numel():
+                output.index_add_(0, rows, expert(tokens[rows]).float() * probs[rows, index, None])
+        output = output.to(hidden_states.dtype).view(batch, length, width)
+        return output if self.shared_expert is None else output + self.shared_expert(hidden_states)
+
+
 class DLMDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
         self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attn = DLMAttention(config, layer_idx)
         self.post_attention_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = DLMMLP(config)
+        self.mlp = DLMSparseMoeBlock(config) if config.is_moe_layer(layer_idx) else DLMMLP(config)
 
     def forward(self, hidden_states, cos, sin, mask, kv_cache=None, cache_start=0):
         hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask,
@@ -181,6 +279,10 @@ class DLMPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, DLMRouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.expert_bias is not None:
+                nn.init.zeros_(module.expert_bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, (DLMRMSNorm, DLMLayerNorm)):

@@ -17,7 +17,7 @@ dense ones (parameters are tagged `expert_parallel`; data_parallel.py).
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import torch
 from torch import nn
@@ -34,13 +34,16 @@ def _grouped_mm_available(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: List[int], grouped: bool) -> torch.Tensor:
-    """`x [N, in]` sorted by expert (`counts[e]` rows each) times `weight[e] [out, in]`^T -> `[N, out]`."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """`x [N, in]` sorted by expert (`counts[e]` rows each, a device tensor) times `weight[e] [out, in]`^T
+    -> `[N, out]`. The grouped kernel reads the offsets on the device; the per-expert loop needs the
+    counts on the host (one sync)."""
     if grouped and _grouped_mm_available(x):
         grouped_mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
-        offsets = torch.tensor(counts, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    pieces = [nn.functional.linear(chunk, weight[e]) for e, chunk in enumerate(x.split(counts))]
+        return grouped_mm(x, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    # unbind: one view per expert, so backward writes each expert's gradient once (indexing
+    # weight[e] would add a zero-filled gradient of the whole tensor per expert).
+    pieces = [nn.functional.linear(chunk, w) for chunk, w in zip(x.split(counts.tolist()), weight.unbind(0))]
     return torch.cat(pieces) if pieces else x.new_zeros((0, weight.shape[1]))
 
 
@@ -90,15 +93,15 @@ class GroupedExperts(MegatronModule):
             self.linear_fc2.bias.allreduce_over_expert_tp = True
             self.linear_fc2.bias.duplicate_in_norm = etp_rank != 0
 
-    def forward(self, tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """`tokens [N, h]` sorted by local expert, `counts[e]` for each -> outputs `[N, h]`
-        (partial sums over the etp ranks when the experts are split)."""
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`tokens [N, h]` sorted by local expert, `counts[e]` rows for each (a device tensor) ->
+        outputs `[N, h]` (partial sums over the etp ranks when the experts are split)."""
         if torch.is_autocast_enabled(tokens.device.type):
             tokens = tokens.to(torch.get_autocast_dtype(tokens.device.type))
         fc1, fc2 = (layer.weight.to(tokens.dtype) for layer in (self.linear_fc1, self.linear_fc2))
         hidden = grouped_linear(tokens, fc1, counts, self.grouped)
         if self.linear_fc1.bias is not None:
-            hidden = hidden + self._per_token(self.linear_fc1.bias.to(hidden.dtype), counts)
+            hidden = hidden + self._per_token(self.linear_fc1.bias.to(hidden.dtype), counts, tokens.shape[0])
         if self.gated:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = self.activation(gate) * up
@@ -106,15 +109,13 @@ class GroupedExperts(MegatronModule):
             hidden = self.activation(hidden)
         output = grouped_linear(hidden, fc2, counts, self.grouped)
         if self.linear_fc2.bias is not None and self.etp_rank == 0:
-            output = output + self._per_token(self.linear_fc2.bias.to(output.dtype), counts)
+            output = output + self._per_token(self.linear_fc2.bias.to(output.dtype), counts, tokens.shape[0])
         return output
 
     @staticmethod
-    def _per_token(bias: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """Each row's expert bias: `bias [E, d]` repeated `counts[e]` times."""
-        index = torch.repeat_interleave(torch.arange(len(counts), device=bias.device),
-                                        torch.tensor(counts, device=bias.device), output_size=sum(counts))
-        return bias[index]
+    def _per_token(bias: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """Each row's expert bias: `bias [E, d]` repeated `counts[e]` times (`rows` in all)."""
+        return torch.repeat_interleave(bias, counts, dim=0, output_size=rows)
 
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
         """Global `[E, ...]` tensors: fc1 as `[E, 2, F, h]` (gate, up), fc2 as `[E, h, F]`, biases

@@ -49,8 +49,8 @@ class MoELayer(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden_states.shape
         tokens = hidden_states.reshape(s * b, h)
-        probs, routing_map = self.router(tokens, (s, b))
-        output = self.dispatcher(tokens, probs, routing_map, self.experts).view(s, b, h)
+        routing = self.router(tokens, (s, b))
+        output = self.dispatcher(tokens, routing, self.experts).view(s, b, h)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output

@@ -1,9 +1,9 @@
 """Routers: which experts each token goes to, with what weight, and the balancing losses.
 
 A router maps the tokens of a micro-batch, `[T, h]` (T = s x b in sequence-first order, this
-rank's share under sequence or context parallelism), to
-- `probs [T, E]` (fp32): the weight of expert e's output in token t's result, 0 where not routed;
-- `routing_map [T, E]` (bool): where a token goes.
+rank's share under sequence or context parallelism), to a `Routing`: where each token goes
+(`routing_map [T, E]`, bool) and with what weight (fp32; the weight of expert e's output in
+token t's result).
 
 The gate runs in fp32 whatever the compute dtype. Two kinds:
 - `TopKRouter` (token choice): each token takes its top-k experts (softmax or sigmoid scores, an
@@ -21,6 +21,7 @@ the shares sum to the single-process value. They reach the gradients through `At
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -36,7 +37,30 @@ from megatron.core.transformer.moe.config import MoEConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-Routing = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Routing:
+    """Dense form: `routing_map [T, E]` and `probs [T, E]` (0 where not routed). Dropless token
+    choice gives `top_indices` / `top_probs [T, k]` instead of `probs`: every token has exactly k
+    assignments, so the dispatch needs no host sync and the combine is a sum over k (no atomics)."""
+
+    routing_map: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    top_indices: Optional[torch.Tensor] = None
+    top_probs: Optional[torch.Tensor] = None
+
+    def dense_probs(self) -> torch.Tensor:
+        if self.probs is not None:
+            return self.probs
+        zeros = torch.zeros(self.routing_map.shape, dtype=self.top_probs.dtype, device=self.top_probs.device)
+        return zeros.scatter(-1, self.top_indices, self.top_probs)
+
+    def weighted(self, scale_with) -> "Routing":
+        """The same routing with its weights passed through `scale_with` (an autograd attachment)."""
+        if self.top_probs is not None:
+            return Routing(self.routing_map, top_indices=self.top_indices, top_probs=scale_with(self.top_probs))
+        return Routing(self.routing_map, probs=scale_with(self.probs))
 
 
 class TopKRouter(MegatronModule):
@@ -71,14 +95,15 @@ class TopKRouter(MegatronModule):
             return nn.functional.linear(tokens.float(), self.weight.float())
 
     def forward(self, tokens: torch.Tensor, shape: Tuple[int, int]) -> Routing:
-        """`tokens [T, h]` with `shape = (s, b)`, T = s * b; returns (probs, routing_map)."""
+        """`tokens [T, h]` with `shape = (s, b)`, T = s * b."""
         logits = self.gate(tokens)
-        probs, routing_map = self.route(logits, shape)
-        losses = self.balancing_losses(logits, routing_map, shape)
-        self._record(routing_map, losses)
+        routing = self.route(logits, shape)
+        losses = self.balancing_losses(logits, routing.routing_map, shape)
+        self._record(routing.routing_map, losses)
         if losses is not None and torch.is_grad_enabled():
-            probs = AttachAuxLoss.apply(probs, losses.sum(), self.aux_loss_scale)
-        return probs, routing_map
+            total = losses.sum()
+            routing = routing.weighted(lambda probs: AttachAuxLoss.apply(probs, total, self.aux_loss_scale))
+        return routing
 
     def route(self, logits: torch.Tensor, shape: Tuple[int, int]) -> Routing:
         moe = self.moe
@@ -96,18 +121,17 @@ class TopKRouter(MegatronModule):
             top = torch.softmax(top_logits, dim=-1)
         if moe.router_topk_scaling_factor is not None:
             top = top * moe.router_topk_scaling_factor
-        probs = torch.zeros_like(logits).scatter(-1, top_indices, top)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_indices, True)
-        if moe.expert_capacity_factor is not None:
-            probs, routing_map = self._drop_over_capacity(probs, routing_map)
-        return probs, routing_map
+        routing = Routing(routing_map, top_indices=top_indices, top_probs=top)
+        return self._drop_over_capacity(routing) if moe.expert_capacity_factor is not None else routing
 
-    def _drop_over_capacity(self, probs: torch.Tensor, routing_map: torch.Tensor) -> Routing:
+    def _drop_over_capacity(self, routing: Routing) -> Routing:
         """Each expert keeps its `capacity` highest-probability assignments of this rank's tokens."""
+        probs, routing_map = routing.dense_probs(), routing.routing_map
         capacity = self.moe.expert_capacity(probs.shape[0])
         kept = probs.detach().masked_fill(~routing_map, -1.0).topk(capacity, dim=0).indices
         keep = torch.zeros_like(routing_map).scatter(0, kept, True) & routing_map
-        return probs * keep, keep
+        return Routing(keep, probs=probs * keep)
 
     # ------------------------------------------------------------------ losses
     def _sequence_totals(self, local: torch.Tensor) -> torch.Tensor:
@@ -179,7 +203,7 @@ class ExpertChoiceRouter(TopKRouter):
         threshold = whole.topk(capacity, dim=0).values[-1]  # [b, E]: the capacity-th best score
         routing_map = scores.detach() >= threshold
         probs = scores * routing_map
-        return probs.view(s * b, experts), routing_map.view(s * b, experts)
+        return Routing(routing_map.view(s * b, experts), probs=probs.view(s * b, experts))
 
 
 def build_router(config: TransformerConfig, layer_number: int, seq_group=None,

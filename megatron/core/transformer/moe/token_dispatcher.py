@@ -24,13 +24,14 @@ differentiable end to end (the collectives' backward is the reverse exchange).
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.transformer.moe.experts import GroupedExperts
+from megatron.core.transformer.moe.router import Routing
 
 
 def _all_to_all(tensor: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
@@ -57,28 +58,56 @@ def all_to_all_v(tensor: torch.Tensor, output_splits: List[int], input_splits: L
     return _AllToAllV.apply(tensor, output_splits, input_splits, group)
 
 
-def expert_major(routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(expert index, token index) of every assignment, sorted by expert, then token."""
-    expert_index, token_index = routing_map.t().nonzero(as_tuple=True)
-    return expert_index, token_index
+class Assignments:
+    """Every (token, expert) pair of a micro-batch in expert-major order (by expert, then token),
+    with the counts per expert (on the device) and the way back to one output per token.
+
+    Dropless token choice (`Routing.top_indices`): a stable sort of the T*k expert ids gives the
+    order without a host sync, and the combine sums each token's k outputs (deterministic, no
+    atomics). Otherwise the pairs come from the routing map and outputs are summed per token by
+    `index_add`."""
+
+    def __init__(self, routing: Routing, num_experts: int) -> None:
+        self.num_tokens = routing.routing_map.shape[0]
+        if routing.top_indices is not None:
+            self.k = routing.top_indices.shape[1]
+            flat = routing.top_indices.reshape(-1)
+            self.order = torch.argsort(flat, stable=True)  # expert-major position -> token-major one
+            self.expert_index, self.token_index = flat[self.order], self.order // self.k
+            self.top_probs = routing.top_probs
+        else:
+            self.order = None
+            self.expert_index, self.token_index = routing.routing_map.t().nonzero(as_tuple=True)
+            self.weights = routing.probs[self.token_index, self.expert_index]
+        self.counts = expert_counts(self.expert_index, num_experts)
+
+    def combine(self, outputs: torch.Tensor) -> torch.Tensor:
+        """`outputs [A, h]` in expert-major order -> each token's probability-weighted sum `[T, h]`."""
+        if self.order is None:
+            weighted = outputs.float() * self.weights.unsqueeze(-1)
+            combined = weighted.new_zeros((self.num_tokens, outputs.shape[-1]))
+            return combined.index_add(0, self.token_index, weighted).to(outputs.dtype)
+        inverse = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(self.order.numel(),
+                                                                                    device=self.order.device))
+        per_token = outputs[inverse].view(self.num_tokens, self.k, -1)
+        weights = self.top_probs.to(per_token.dtype).unsqueeze(1)  # [T, 1, k]
+        return torch.bmm(weights, per_token).squeeze(1)
+
+
+def expert_counts(expert_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, on the device (a scatter-add: bincount would read the max back)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_index.device)
+    return counts.scatter_add_(0, expert_index, torch.ones_like(expert_index))
 
 
 def run_sorted(experts: GroupedExperts, tokens: torch.Tensor, local_expert: torch.Tensor,
                num_local_experts: int) -> torch.Tensor:
     """The experts' outputs for `tokens` in their given order, each row by `local_expert[row]`."""
     order = torch.argsort(local_expert, stable=True)
-    counts = torch.bincount(local_expert, minlength=num_local_experts).tolist()
-    output = experts(tokens[order], counts)
+    output = experts(tokens[order], expert_counts(local_expert, num_local_experts))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return output[inverse]
-
-
-def combine(num_tokens: int, token_index: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's sum of its assignments' outputs times their routing probabilities."""
-    weighted = outputs.float() * weights.unsqueeze(-1)
-    combined = weighted.new_zeros((num_tokens, outputs.shape[-1]))
-    return combined.index_add(0, token_index, weighted).to(outputs.dtype)
 
 
 class AllToAllDispatcher:
@@ -87,18 +116,17 @@ class AllToAllDispatcher:
         self.ranks = group_size(group)
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
 
-    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
-        expert_index, token_index = expert_major(routing_map)
-        routed = tokens[token_index]
-        if self.ranks == 1:
-            outputs = run_sorted(experts, routed, expert_index, self.num_local)
+    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+        assignments = Assignments(routing, self.num_experts)
+        routed = tokens[assignments.token_index]
+        if self.ranks == 1:  # already sorted by expert
+            outputs = experts(routed, assignments.counts)
         else:
-            outputs = self._exchange(routed, expert_index, experts)
-        return combine(tokens.shape[0], token_index, outputs, probs[token_index, expert_index])
+            outputs = self._exchange(routed, assignments.counts, experts)
+        return assignments.combine(outputs)
 
-    def _exchange(self, routed: torch.Tensor, expert_index: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        counts = torch.bincount(expert_index, minlength=self.num_experts).view(self.ep, self.num_local)
+    def _exchange(self, routed: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        counts = counts.view(self.ep, self.num_local)
         send_counts = counts.repeat_interleave(self.etp, dim=0)  # [group rank, local expert]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
@@ -118,10 +146,10 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher(AllToAllDispatcher):
-    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
         if self.ranks == 1:
-            return super().__call__(tokens, probs, routing_map, experts)
+            return super().__call__(tokens, routing, experts)
+        probs, routing_map = routing.dense_probs(), routing.routing_map
         sizes = self._token_counts(tokens.shape[0], tokens.device)
         mine = [tokens.shape[0]] * self.ranks
         # An all-gather of rows of different lengths, as an all-to-all sending every rank the same rows.
@@ -129,9 +157,9 @@ class AllGatherDispatcher(AllToAllDispatcher):
                     for t in (tokens, probs, routing_map.to(torch.uint8))]
         all_tokens, all_probs, all_map = gathered[0], gathered[1], gathered[2].bool()
         first = experts.first_expert
-        local_index, token_index = expert_major(all_map[:, first:first + self.num_local])
-        outputs = run_sorted(experts, all_tokens[token_index], local_index, self.num_local)
-        partial = combine(all_tokens.shape[0], token_index, outputs, all_probs[token_index, first + local_index])
+        local = all_map[:, first:first + self.num_local]
+        assignments = Assignments(Routing(local, probs=all_probs[:, first:first + self.num_local]), self.num_local)
+        partial = assignments.combine(experts(all_tokens[assignments.token_index], assignments.counts))
         # Every rank's partial outputs of this rank's tokens, summed.
         returned = all_to_all_v(partial, mine, sizes, self.group)
         return returned.view(self.ranks, tokens.shape[0], -1).sum(0)
