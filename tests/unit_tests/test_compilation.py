@@ -53,6 +53,32 @@ def test_compiled_layers_match_eager(recompute):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+def test_compiled_moe_layers_match_eager():
+    """The dropless MoE path has no host sync, so the layer compiles whole (the router's statistics
+    stay eager): the same loss, gradients and router statistics as eager."""
+    from megatron.core.transformer.moe.config import MoEConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                               vocab_size=64, max_position_embeddings=32, attention_backend="sdpa",
+                               moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=16, aux_loss_coeff=0.01,
+                                             z_loss_coeff=1e-3, shared_expert_intermediate_size=24))
+    dlm = DLMConfig(mask_token_id=63)
+    tokens = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(0))
+    models = []
+    for compile_layers in (False, True):
+        torch.manual_seed(0)
+        models.append(GPTModel(config, dlm).train())
+        if compile_layers:
+            assert compile_transformer_layers(models[-1]) == 2
+    (expected_loss, expected), (loss, grads) = (loss_and_grads(model, tokens) for model in models)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+    for eager, compiled in zip(models[0].routers, models[1].routers):
+        assert torch.equal(compiled.tokens_per_expert, eager.tokens_per_expert) and eager.tokens_per_expert.sum() > 0
+        torch.testing.assert_close(compiled.loss_sums, eager.loss_sums)
+
+
 def test_torch_compile_flag_compiles_the_layers_in_build_trainer():
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.inference.generation import compiler_disabled
 from megatron.core.tensor_parallel.layers import init_master_weight, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import all_gather_dim
 from megatron.core.tensor_parallel.utils import group_size
@@ -99,10 +100,10 @@ class TopKRouter(MegatronModule):
         logits = self.gate(tokens)
         routing = self.route(logits, shape)
         losses = self.balancing_losses(logits, routing.routing_map, shape)
-        self._record(routing.routing_map, losses)
         if losses is not None and torch.is_grad_enabled():
             total = losses.sum()
             routing = routing.weighted(lambda probs: AttachAuxLoss.apply(probs, total, self.aux_loss_scale))
+        self._record(routing.routing_map, losses)
         return routing
 
     def route(self, logits: torch.Tensor, shape: Tuple[int, int]) -> Routing:
@@ -141,9 +142,13 @@ class TopKRouter(MegatronModule):
             dist.all_reduce(local, group=self.seq_group)
         return local
 
+    @compiler_disabled
     def balancing_losses(self, logits: torch.Tensor, routing_map: torch.Tensor,
                          shape: Tuple[int, int]) -> Optional[torch.Tensor]:
-        """This rank's share of [load-balancing loss, z-loss] (None when both are off)."""
+        """This rank's share of [load-balancing loss, z-loss] (None when both are off). Eager under
+        torch.compile: inductor (torch 2.13) gets the gradients of the two losses together wrong
+        inside a compiled MoE layer (tests/unit_tests/test_compilation.py catches it); [T, E]
+        elementwise work, cheap."""
         moe = self.moe
         balance = moe.router_load_balancing_type != "none" and moe.aux_loss_coeff > 0
         if not balance and moe.z_loss_coeff == 0:
@@ -177,9 +182,11 @@ class TopKRouter(MegatronModule):
             share = (scores.sum(0) * counts).sum()
         return share * (moe.aux_loss_coeff * experts / (moe.router_topk * tokens * tokens))
 
+    @compiler_disabled
     def _record(self, routing_map: torch.Tensor, losses: Optional[torch.Tensor]) -> None:
         """Add this micro-batch to the step's statistics (training forwards only; a recompute in
-        backward replays a forward already counted)."""
+        backward replays a forward already counted). Eager under torch.compile: it reads autograd's
+        state and updates buffers in place."""
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
         with torch.no_grad():
