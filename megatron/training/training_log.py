@@ -152,14 +152,13 @@ class TrainingLogger:
 
 def pipeline_stages(model: nn.Module, state=None) -> List[dict]:
     """Per pipeline stage: its chunks' global layer ranges, its parameters (whole-model
-    equivalents: tp-sharded weights count tp times; a tied embedding's copy on the last stage
-    not at all), and whether it holds the embedding and the output layer. Gathered over the
-    pipeline group (one entry without pipelining)."""
-    tp = state.tp if state is not None else 1
+    equivalents: tp-sharded weights count tp times, experts etp x ep times; a tied embedding's
+    copy on the last stage not at all), and whether it holds the embedding and the output layer.
+    Gathered over the pipeline group (one entry without pipelining)."""
     chunks = [unwrap(chunk) for chunk in model_chunks(model)]
     mine = {"layers": [getattr(getattr(c, "decoder", None), "layer_range", None) for c in chunks],
-            "params": sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                          for p in model.parameters() if not getattr(p, "tied_embedding_copy", False)),
+            "params": sum(p.numel() * _copies(p, state) for p in model.parameters()
+                          if not getattr(p, "tied_embedding_copy", False)),
             "embedding": any(getattr(c, "pre_process", False) for c in chunks),
             "output": any(getattr(c, "post_process", False) for c in chunks)}
     if state is None or state.pp == 1:
@@ -167,6 +166,16 @@ def pipeline_stages(model: nn.Module, state=None) -> List[dict]:
     stages = [None] * state.pp
     dist.all_gather_object(stages, mine, group=state.groups.pp)
     return stages
+
+
+def _copies(param: nn.Parameter, state) -> int:
+    """How many ranks' pieces make up the whole of `param`: a tp split, or an expert weight split
+    over ep (and etp, except the etp-replicated biases)."""
+    if state is None:
+        return 1
+    if getattr(param, "expert_parallel", False):
+        return state.ep * (1 if getattr(param, "allreduce_over_expert_tp", False) else state.etp)
+    return state.tp if getattr(param, "tensor_model_parallel", False) else 1
 
 
 def stage_table(stages: List[dict]) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.test_pretrain_cli import LOSS
+from tests.distributed.test_pretrain_cli import LOSS, tensorboard_scalars
 
 pytestmark = pytest.mark.distributed
 
@@ -74,6 +74,9 @@ def test_resume_with_dropout_and_evaluation_is_bit_exact(case, tmp_path):
     ckpt = str(checkpoint_at(tmp_path / "straight", 6, tmp_path / "ckpt"))
     second, out = train(tmp_path, nproc, *flags, "--load", ckpt, "--save", ckpt, iters=12)
     assert "loaded" in out and sorted(second) == list(range(7, 13))
+    if "--num-experts" in flags:  # the routers' statistics, on the console and in tensorboard, every step
+        assert out.count("moe z loss:") == 6 and "expert load max/min:" in out
+        assert sorted(tensorboard_scalars(tmp_path / "tb", "moe/layer-1/max-load"))[-6:] == list(range(7, 13))
     assert second == {step: straight[step] for step in range(7, 13)}, "lm loss must match the uninterrupted run"
     expected, resumed = final_weights(tmp_path / "straight"), final_weights(ckpt)
     assert expected.keys() == resumed.keys()

@@ -136,6 +136,10 @@ class MoEConfig:
         if self.router_type == "expert_choice" and (self.router_enable_expert_bias or self.aux_loss_coeff > 0):
             raise ValueError(f"{owner}.router_type='expert_choice' balances by construction: drop the aux loss "
                              "coefficient and the expert bias")
+        if self.router_type == "expert_choice" and (self.router_score_function != "softmax" or
+                                                   self.router_topk_scaling_factor is not None):
+            raise ValueError(f"{owner}.router_type='expert_choice' weights tokens by their softmax scores: drop "
+                             "the sigmoid score function and the top-k scaling factor (token-choice options)")
         if self.expert_ffn_size(ffn_hidden_size) < 1:
             raise ValueError(f"{owner}.ffn_hidden_size must be positive")
         return self
