@@ -37,19 +37,19 @@ LAYOUTS = {
     "ep2": (2, EP2, CASES, False),
     "ep2_alltoall": (2, EP2 + A2A, [CASES[0], CASES[3], CASES[4]], False),
     "etp2": (2, ETP2 + A2A, [CASES[0], CASES[3]], False),
-    "ep4": (4, EP4, [CASES[0], CASES[5]], False),
+    "ep4": (4, EP4, [CASES[5]], False),
     "ep4_alltoall": (4, EP4 + A2A, [CASES[1], CASES[2]], False),
-    "ep2_tp2_sp": (4, EP2 + TP2_SP + A2A, [CASES[0], CASES[1], CASES[2], CASES[4]], False),
-    "ep2_dp2": (4, EP2 + A2A, [CASES[2], CASES[3]], False),
+    "ep2_tp2_sp": (4, EP2 + TP2_SP + A2A, [CASES[0], CASES[1], CASES[4]], False),
+    "ep2_dp2": (4, EP2 + A2A, [CASES[3]], False),
     "ep2_etp2_tp2_sp": (4, EP2 + ETP2 + TP2_SP + A2A, [CASES[1], CASES[2]], False),
     "ep2_pp2": (4, EP2 + ["--pipeline-model-parallel-size", "2"], [CASES[0], CASES[3]], False),
-    "ep2_cp2": (4, EP2 + A2A + ["--context-parallel-size", "2"], [CASES[0], CASES[1], CASES[4]], False),
+    "ep2_cp2": (4, EP2 + A2A + ["--context-parallel-size", "2"], [CASES[1], CASES[4]], False),
     # Optimizer state and weights sharded: the experts over their expert-dp replicas (none with
     # EP=2 on 2 ranks: plain AdamW / left to themselves by FSDP2; two with EP=2 on 4 ranks).
     "ep2_zero1": (2, EP2 + ZERO1, [CASES[4]], False),
     "ep2_fsdp2": (2, EP2 + FSDP2, [CASES[1], CASES[2]], False),
-    "ep2_dp2_zero1": (4, EP2 + A2A + ZERO1, [CASES[0], CASES[3]], False),
-    "ep2_dp2_zero2": (4, EP2 + ZERO2, [CASES[0], CASES[3]], False),
+    "ep2_dp2_zero1": (4, EP2 + A2A + ZERO1, [CASES[0]], False),
+    "ep2_dp2_zero2": (4, EP2 + ZERO2, [CASES[3]], False),
 }
 
 

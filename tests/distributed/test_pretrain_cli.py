@@ -21,10 +21,17 @@ def tensorboard_scalars(log_dir: Path, tag: str) -> dict:
     return {event.step: event.value for event in events.Scalars(tag)}
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Where the quickstart writes the tokenized corpus: the first run of this module tokenizes it,
+    the others reuse it (as a user's second run does)."""
+    return tmp_path_factory.mktemp("data")
+
+
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
-def test_two_process_training_lowers_the_loss(mode, tmp_path):
+def test_two_process_training_lowers_the_loss(mode, tmp_path, data_dir):
     env = dict(os.environ, MODE=mode, TRAIN_ITERS="30", TENSORBOARD_DIR=str(tmp_path / "tb"),
-               DATA_DIR=str(tmp_path / "data"), OMP_NUM_THREADS="1")
+               DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
     result = subprocess.run(["bash", "examples/quickstart.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -37,16 +44,16 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path):
     for step, value in console.items():
         assert recorded[step] == pytest.approx(value, rel=1e-6)
     assert "validation loss at iteration 30" in result.stdout
-    assert (tmp_path / "data" / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
+    assert (data_dir / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
     sample = re.search(r"^generated: (.+)$", result.stdout, re.MULTILINE)
     assert sample and len(sample.group(1).split()) >= 8, "a sample is generated from the saved checkpoint"
 
 
-def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path):
+def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path, data_dir):
     """The README's pipeline command: 2 stages x 2 tensor-parallel ranks train the bundled corpus.
     (TP+SP with ZeRO-1 and every other layout are proven equal to one process in test_layout_matrix.py.)"""
     env = dict(os.environ, NPROC="4", TRAIN_ITERS="30", TENSORBOARD_DIR=str(tmp_path / "tb"),
-               DATA_DIR=str(tmp_path / "data"), OMP_NUM_THREADS="1")
+               DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
     flags = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
     result = subprocess.run(["bash", "examples/quickstart.sh", *flags], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
