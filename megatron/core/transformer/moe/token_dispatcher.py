@@ -7,7 +7,7 @@ Every rank routes its own tokens (sequence-parallel and context-parallel shares,
 replicas' micro-batches), so the group's ranks hold different tokens.
 
 - `AllToAllDispatcher` (`--moe-token-dispatcher-type alltoall`): assignments sorted by expert,
-  per-expert counts exchanged first (one small all-to-all and the one host sync of a layer: the
+  per-expert counts exchanged first (one small all-to-all, then the one host sync of a layer: the
   split sizes), then each token goes once to every etp rank of its expert's ep rank, is
   re-sorted there by local expert, runs through the grouped GEMM, and comes back the same way;
   the etp partial sums are added at the source.
@@ -130,8 +130,10 @@ class AllToAllDispatcher:
         send_counts = counts.repeat_interleave(self.etp, dim=0)  # [group rank, local expert]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        sent, received = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        per_ep_rank = routed.split(counts.sum(1).tolist())
+        # The one host sync of the layer: the split sizes of both exchanges.
+        host = torch.cat([send_counts.sum(1), recv_counts.sum(1), counts.sum(1)]).tolist()
+        sent, received = host[:self.ranks], host[self.ranks:2 * self.ranks]
+        per_ep_rank = routed.split(host[2 * self.ranks:])
         send = torch.cat([per_ep_rank[rank // self.etp] for rank in range(self.ranks)])
         arrived = all_to_all_v(send, received, sent, self.group)
         local_expert = torch.repeat_interleave(
