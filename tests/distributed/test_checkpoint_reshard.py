@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed.parity import TINY_GQA, free_port
+from tests.distributed.parity import TINY_GQA, free_port, start_workers
 from tests.distributed.test_checkpoint_resume import checkpoint_at
 from tests.distributed.test_pretrain_cli import LOSS
 
@@ -69,8 +68,7 @@ def _logits_worker(rank: int, world: int, port: int, argv: list, out: str) -> No
 def logits_after_loading(tmp_path, nproc: int, layout: list, checkpoint: str) -> torch.Tensor:
     out = str(tmp_path / f"logits_{nproc}_{'_'.join(layout)}.pt")
     argv = [*MODEL, "--train-iters", "8", *layout, "--load", checkpoint]
-    mp.start_processes(_logits_worker, args=(nproc, free_port(), argv, out), nprocs=nproc, join=True,
-                       start_method="spawn")
+    start_workers(_logits_worker, (nproc, free_port(), argv, out), nproc)
     return torch.load(out)
 
 
@@ -156,7 +154,7 @@ def _async_worker(rank: int, world: int, port: int, argv: list, out: str) -> Non
 def test_async_save_lets_the_next_step_start_before_the_save_completes(tmp_path):
     ckpt, out = tmp_path / "ckpt", str(tmp_path / "async.pt")
     argv = [*MODEL, "--train-iters", "4", "--save", str(ckpt), "--async-save", "--save-interval", "2"]
-    mp.start_processes(_async_worker, args=(1, free_port(), argv, out), nprocs=1, join=True, start_method="spawn")
+    start_workers(_async_worker, (1, free_port(), argv, out), 1)
     result = torch.load(out)
     events = result["events"]
     started = events.index("step 3 started while a save is in flight")

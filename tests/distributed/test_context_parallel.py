@@ -13,14 +13,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.context_parallel import (COMM_TYPES, gather_keys_and_values, gathered_positions,
                                                         heads_to_sequence, load_balanced, sequence_to_heads,
                                                         shard_positions, whole_sequence_mask)
-from tests.distributed.parity import LayoutCases, free_port
+from tests.distributed.parity import LayoutCases, free_port, start_workers
 from tests.distributed.test_layout_matrix import CONFIGS, GQA, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
@@ -125,7 +124,7 @@ def test_context_parallel_attention_over_four_ranks_equals_full_attention(tmp_pa
     documents, both ways: all-gathered K/V (reduce-scattered grads) and Ulysses all-to-all (4 query
     heads, 1 per rank; 2 kv heads, replicated to 4)."""
     out = str(tmp_path / "attention")
-    mp.start_processes(_attention_worker, args=(4, free_port(), out), nprocs=4, join=True, start_method="spawn")
+    start_workers(_attention_worker, (4, free_port(), out), 4)
     q, k, v, grad_out, documents = _attention_inputs()
     per_rank = [torch.load(f"{out}.{rank}") for rank in range(4)]
     for name, (mask_type, block, window, packed) in ATTENTION_CASES.items():

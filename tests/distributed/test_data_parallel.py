@@ -23,16 +23,22 @@ def test_masked_only_loss_under_fsdp2_matches_one_process_with_full_logits(tmp_p
     assert_same_training(single, parallel, by_name=True)
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_sharded_optimizer_state_is_a_quarter_on_four_replicas(strategy, tmp_path):
+def test_sharded_optimizer_state_is_a_quarter_on_four_replicas(tmp_path):
+    """ZeRO-1 (optim) and ZeRO-3 (optim_grads_params) against no_shard, in one set of processes."""
+    from tests.distributed.parity import run_many
+
     argv = TINY_GQA + ["--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "4",
                        "--train-iters", "1"]
-    whole = run(4, argv, tmp_path, "no_shard")["optimizer_state"]
-    sharded = run(4, argv + ["--data-parallel-sharding-strategy", strategy], tmp_path, strategy)["optimizer_state"]
+    strategies = ["no_shard", "optim", "optim_grads_params"]
+    results = run_many(4, [argv + ["--data-parallel-sharding-strategy", strategy] for strategy in strategies],
+                       tmp_path, "sharding")
+    whole = results[0]["optimizer_state"]
     assert len(set(whole)) == 1, "without sharding every rank keeps the whole state"
-    for per_rank in sharded:
-        assert 0.2 < per_rank / whole[0] < 0.3, (per_rank, whole[0])
-    assert abs(sum(sharded) - whole[0]) <= 0.02 * whole[0], "the shards add up to the whole state"
+    for strategy, result in zip(strategies[1:], results[1:]):
+        sharded = result["optimizer_state"]
+        for per_rank in sharded:
+            assert 0.2 < per_rank / whole[0] < 0.3, (strategy, per_rank, whole[0])
+        assert abs(sum(sharded) - whole[0]) <= 0.02 * whole[0], f"{strategy}: the shards add up to the whole state"
 
 
 def test_variable_length_cuts_are_the_same_in_every_layout(tmp_path):

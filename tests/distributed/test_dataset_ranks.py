@@ -6,11 +6,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.core.datasets.dataset_builder import DatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-from tests.distributed.parity import free_port
+from tests.distributed.parity import free_port, start_workers
 from tests.unit_tests.test_gpt_dataset import write_unique_token_corpus
 
 pytestmark = pytest.mark.distributed
@@ -33,8 +32,7 @@ def test_only_rank_zero_builds_and_both_ranks_read_the_same(tmp_path):
     prefix = str(tmp_path / "corpus")
     write_unique_token_corpus(prefix)
     out = str(tmp_path / "result")
-    mp.start_processes(_worker, args=(free_port(), prefix, str(tmp_path / "cache"), out), nprocs=2, join=True,
-                       start_method="spawn")
+    start_workers(_worker, (free_port(), prefix, str(tmp_path / "cache"), out), 2)
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert rank0["built"] == [True, True] and rank1["built"] == [False, False]
     assert rank0["digest"] == rank1["digest"]

@@ -64,13 +64,11 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_generation_equals_one_process(world_size, tmp_path):
-    import torch.multiprocessing as mp
 
-    from tests.distributed.parity import free_port
+    from tests.distributed.parity import free_port, start_workers
 
     out = str(tmp_path / "generation")
-    mp.start_processes(_worker, args=(world_size, free_port(), out), nprocs=world_size, join=True,
-                       start_method="spawn")
+    start_workers(_worker, (world_size, free_port(), out), world_size)
     reference = _generate_all()
     for rank in range(world_size):
         got = torch.load(f"{out}.{rank}")

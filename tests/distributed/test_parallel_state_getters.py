@@ -31,12 +31,11 @@ def test_megatron_named_getters_read_the_initialised_layout(tmp_path):
     """The compatibility shim (Megatron's `parallel_state.get_*` names) agrees with the state
     the wiring passes explicitly: tp fastest, so ranks {0,1} and {2,3} are tp peers."""
     import torch
-    import torch.multiprocessing as mp
 
-    from tests.distributed.parity import free_port
+    from tests.distributed.parity import free_port, start_workers
 
     out = str(tmp_path / "getters")
-    mp.start_processes(_getters_worker, args=(free_port(), out), nprocs=4, join=True, start_method="spawn")
+    start_workers(_getters_worker, (free_port(), out), 4)
     for rank in range(4):
         seen = torch.load(f"{out}.{rank}")
         assert seen["tp"] == (2, rank % 2, [rank - rank % 2, rank - rank % 2 + 1])

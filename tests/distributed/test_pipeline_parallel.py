@@ -13,14 +13,13 @@ import weakref
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import build_trainer
-from tests.distributed.parity import LayoutCases, free_port
+from tests.distributed.parity import LayoutCases, free_port, start_workers
 from tests.distributed.test_layout_matrix import CONFIGS, GQA, MODES, SHAPE
 
 pytestmark = pytest.mark.distributed
@@ -122,6 +121,6 @@ def test_one_f_one_b_stage_holds_at_most_p_micro_batches_of_activations(tmp_path
     holds the activations of at most 4 - s micro-batches at once (GPipe would hold all 8)."""
     argv = argv_of("megatron", "dlm", ()) + PP4 + ["--train-iters", "1"]
     out = str(tmp_path / "peak")
-    mp.start_processes(_memory_worker, args=(4, free_port(), argv, out), nprocs=4, join=True, start_method="spawn")
+    start_workers(_memory_worker, (4, free_port(), argv, out), 4)
     peaks = [torch.load(f"{out}.{rank}") for rank in range(4)]
     assert peaks == [4, 3, 2, 1], peaks

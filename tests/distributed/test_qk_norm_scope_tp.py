@@ -97,10 +97,10 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_full_width_qk_norm_under_tp_matches_one_process(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.distributed.parity import start_workers
 
     out = str(tmp_path / "results")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn")
+    start_workers(_worker, (_free_port(), out), 2)
     for rank in range(2):
         for case, results in torch.load(f"{out}.{rank}").items():
             _check(case, results)

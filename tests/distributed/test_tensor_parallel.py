@@ -14,7 +14,8 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.distributed.parity import start_workers
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel as tp
@@ -243,8 +244,7 @@ def free_port():
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
 def ranks(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp(f"tp{request.param}"))
-    mp.start_processes(_worker, args=(request.param, free_port(), out_dir), nprocs=request.param, join=True,
-                       start_method="spawn")
+    start_workers(_worker, (request.param, free_port(), out_dir), request.param)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(request.param)]
 
 

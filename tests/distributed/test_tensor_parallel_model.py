@@ -5,7 +5,7 @@ sharded data parallelism under tp. The layout x configuration matrix is test_lay
 import pytest
 import torch
 
-from tests.distributed.parity import TINY_GQA, assert_same_training, run
+from tests.distributed.parity import TINY_GQA, assert_same_training, run, start_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -57,29 +57,32 @@ def _dropout_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_dropout_agrees_outside_and_differs_inside_tensor_parallel_regions(tmp_path):
-    import torch.multiprocessing as mp
 
     from tests.distributed.parity import free_port
 
     out = str(tmp_path / "dropout")
-    mp.start_processes(_dropout_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
+    start_workers(_dropout_worker, (free_port(), out), 2)
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     # Hidden dropout acts on replicated activations: the same mask on both ranks keeps them equal.
     torch.testing.assert_close(rank0["logits"], rank1["logits"])
     assert not torch.equal(rank0["stream"], rank1["stream"]), "the tp stream differs per rank"
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_tensor_parallel_composes_with_sharded_data_parallel(strategy, tmp_path):
+def test_tensor_parallel_composes_with_sharded_data_parallel(tmp_path):
     """TP=2 x DP=2 with the optimizer (ZeRO-1) or everything (FSDP2) sharded over the replicas:
-    the same losses and global gradient norms as one process."""
+    the same losses and global gradient norms as one process (both trained in one set of processes)."""
+    from tests.distributed.parity import run_many
+
     argv = ARGV + ["--model-running-mode", "difflm-noshift"]
     reference = run(1, argv, tmp_path, "reference")
-    parallel = run(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                              "--data-parallel-sharding-strategy", strategy], tmp_path, strategy)
-    for key in ("losses", "norms"):
-        for single, multi in zip(reference[key], parallel[key]):
-            assert abs(multi - single) <= 1e-5 * abs(single), (key, reference[key], parallel[key])
+    strategies = ["optim", "optim_grads_params"]
+    runs = run_many(4, [argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--data-parallel-sharding-strategy", strategy] for strategy in strategies],
+                    tmp_path, "sharded")
+    for strategy, parallel in zip(strategies, runs):
+        for key in ("losses", "norms"):
+            for single, multi in zip(reference[key], parallel[key]):
+                assert abs(multi - single) <= 1e-5 * abs(single), (strategy, key, reference[key], parallel[key])
 
 
 def _recompute_worker(rank: int, port: int, out: str) -> None:
@@ -112,12 +115,11 @@ def _recompute_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_recompute_replays_tensor_parallel_dropout(tmp_path):
-    import torch.multiprocessing as mp
 
     from tests.distributed.parity import free_port
 
     out = str(tmp_path / "recompute")
-    mp.start_processes(_recompute_worker, args=(free_port(), out), nprocs=2, join=True, start_method="spawn")
+    start_workers(_recompute_worker, (free_port(), out), 2)
     for rank in range(2):
         plain, selective, full = torch.load(f"{out}.{rank}")
         for name, grad in plain.items():
