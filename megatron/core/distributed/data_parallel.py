@@ -237,10 +237,10 @@ def allreduce_expert_grads(model: nn.Module, expert_dp_group=None, expert_tp_gro
     if not params:
         return
     # FSDP2 reduce-scattered its experts' gradients over expert-dp already, as a mean.
-    sharded = [p for p in params if p.grad is not None and hasattr(p.grad, "to_local")]
+    sharded = [p for p in params if hasattr(p.grad, "to_local")]
     if sharded:
         torch._foreach_mul_([local_tensor(p.grad) for p in sharded], float(group_size(expert_dp_group)))
-    experts = [p for p in params if not (p.grad is not None and hasattr(p.grad, "to_local"))]
+    experts = [p for p in params if not hasattr(p.grad, "to_local")]
     for param in experts:
         if param.grad is None:
             param.grad = torch.zeros_like(param)

@@ -87,9 +87,7 @@ class Assignments:
             weighted = outputs.float() * self.weights.unsqueeze(-1)
             combined = weighted.new_zeros((self.num_tokens, outputs.shape[-1]))
             return combined.index_add(0, self.token_index, weighted).to(outputs.dtype)
-        inverse = torch.empty_like(self.order).scatter_(0, self.order, torch.arange(self.order.numel(),
-                                                                                    device=self.order.device))
-        per_token = outputs[inverse].view(self.num_tokens, self.k, -1)
+        per_token = outputs[inverse_permutation(self.order)].view(self.num_tokens, self.k, -1)
         weights = self.top_probs.to(per_token.dtype).unsqueeze(1)  # [T, 1, k]
         return torch.bmm(weights, per_token).squeeze(1)
 
@@ -105,9 +103,12 @@ def run_sorted(experts: GroupedExperts, tokens: torch.Tensor, local_expert: torc
     """The experts' outputs for `tokens` in their given order, each row by `local_expert[row]`."""
     order = torch.argsort(local_expert, stable=True)
     output = experts(tokens[order], expert_counts(local_expert, num_local_experts))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return output[inverse]
+    return output[inverse_permutation(order)]
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """`inverse` with `inverse[order[i]] = i` (a scatter, no second sort)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 class AllToAllDispatcher:
