@@ -52,7 +52,8 @@ def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: Li
                      if count else None for count, split in zip(num_samples, ("train", "valid", "test")))
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Rank 0 builds the index files; the others wait at the barrier and read them.
-    builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path),
+    builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path,
+                                               mmap_bin_files=not args.no_mmap_bin_files),
                              barrier=dist.barrier if distributed else None,
                              is_builder=not distributed or dist.get_rank() == 0)
     if args.data_path:

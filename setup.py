@@ -13,7 +13,7 @@ setup(
     description="Megatron-style pretraining of masked diffusion language models and AR LMs on PyTorch",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron", "megatron.*", "custom_args", "custom_args.*"]),
-    py_modules=["pretrain_difflm"],
+    py_modules=["pretrain_difflm", "pretrain_gpt"],
     install_requires=[
         "torch>=2.11",
         "numpy",

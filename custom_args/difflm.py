@@ -15,9 +15,12 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model-running-mode", default="difflm-noshift", choices=RUNNING_MODES,
                    help="difflm-noshift: position i predicts token i; difflm-shift: i predicts i+1 "
                         "(AR-initialised); vanilla: autoregressive.")
+    g.add_argument("--base-model", default="vanilla", choices=["vanilla"],
+                   help="MegaDLMs' model family flag: vanilla is the GPT model, the only one here.")
     g.add_argument("--attention-mask-type", default="no_mask",
                    choices=list(ATTENTION_MASK_TYPES) + list(MASK_TYPE_ALIASES),
-                   help="Attention in the DLM modes (vanilla is always causal). causal_bottom_right = causal.")
+                   help="Attention in the DLM modes (vanilla: causal, or a causal sliding_window). "
+                        "causal_bottom_right = causal.")
     g.add_argument("--mask-token", type=int, help="Id of the mask token (default: the tokenizer's).")
     g.add_argument("--difflm-block-size", type=int, help="Block length of block_causal attention.")
     g.add_argument("--difflm-eps", type=float, default=1e-3, help="Lowest mask probability: p = (1-eps)t + eps.")

@@ -59,6 +59,16 @@ class ProcessGroups:
     """The ranks splitting each expert's inner dim."""
     expert_tp_ep: Optional[dist.ProcessGroup] = None
     """etp x ep: the ranks holding the experts of one layer (the token dispatch group)."""
+    intra_dp_cp: Optional[dist.ProcessGroup] = None
+    """With --num-distributed-optimizer-instances N > 1: the dp x cp replicas of this rank's
+    instance (dp*cp/N consecutive ones), over which the optimizer state (and FSDP2's weights) is
+    sharded; None with one instance (the whole replica group then)."""
+    inter_dp_cp: Optional[dist.ProcessGroup] = None
+    """The replicas at this rank's place in every instance: they hold the same shard (N > 1)."""
+    intra_expert_dp: Optional[dist.ProcessGroup] = None
+    """The expert-data-parallel ranks of this rank's instance (N > 1)."""
+    inter_expert_dp: Optional[dist.ProcessGroup] = None
+    """The expert-data-parallel ranks at this rank's place in every instance (N > 1)."""
 
 
 @dataclass
@@ -100,10 +110,11 @@ class ParallelState:
     """Sizes, this rank's coordinates and the process groups of one layout."""
 
     def __init__(self, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 virtual_pp: Optional[int] = None, etp: int = 1) -> None:
+                 virtual_pp: Optional[int] = None, etp: int = 1, optimizer_instances: int = 1) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        check_layout(world, tp, pp, cp, ep, etp)
+        check_layout(world, tp, pp, cp, ep, etp, optimizer_instances)
+        self.optimizer_instances = optimizer_instances
         self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp = world, tp, pp, cp, ep, etp
         self.dp = world // (tp * pp * cp)
         self.expert_dp = world // (etp * ep * pp)
@@ -119,7 +130,20 @@ class ParallelState:
             expert_dp=self._group("expert_dp", experts, ["edp"]), embedding=self._embedding_group(),
             tp_cp=self._group("tp_cp", grid, ["tp", "cp"]), expert_tp=self._group("expert_tp", experts, ["etp"]),
             expert_tp_ep=self._group("expert_tp_ep", experts, ["etp", "ep"]))
+        if optimizer_instances > 1:
+            groups = self.groups
+            groups.intra_dp_cp, groups.inter_dp_cp = self._instance_groups("dp_cp", grid, ["cp", "dp"])
+            groups.intra_expert_dp, groups.inter_expert_dp = self._instance_groups("expert_dp", experts, ["edp"])
         self.pipeline_p2p_groups = self._pipeline_p2p_groups()
+
+    def _instance_groups(self, name: str, grid: Dict[str, int], dims: List[str]):
+        """Megatron's partial distributed optimizer: each replica group cut into N instances of
+        consecutive ranks (intra), and the ranks at the same place of every instance (inter)."""
+        whole = rank_groups(grid, dims)
+        size = len(whole[0]) // self.optimizer_instances
+        intra = [ranks[start:start + size] for ranks in whole for start in range(0, len(ranks), size)]
+        inter = [ranks[place::size] for ranks in whole for place in range(size)]
+        return self._new_group(f"intra_{name}", intra), self._new_group(f"inter_{name}", inter)
 
     def _pipeline_p2p_groups(self) -> Dict[str, Optional[dist.ProcessGroup]]:
         """One group per kind of stage-to-stage traffic (p2p_communication.py says why)."""
@@ -183,7 +207,7 @@ class ParallelState:
         return "\n".join(rows)
 
 
-def check_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1) -> None:
+def check_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1, optimizer_instances: int = 1) -> None:
     """One clear message for a layout the world size cannot hold."""
     for name, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                        ("--context-parallel-size", cp), ("--expert-model-parallel-size", ep),
@@ -198,6 +222,18 @@ def check_layout(world: int, tp: int, pp: int, cp: int, ep: int, etp: int = 1) -
         raise ValueError(f"world size {world} is not divisible by --expert-tensor-parallel-size x "
                          f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp * ep * pp}; "
                          "change the expert parallel sizes")
+    _check_optimizer_instances(world, tp, pp, cp, ep, etp, optimizer_instances)
+
+
+def _check_optimizer_instances(world: int, tp: int, pp: int, cp: int, ep: int, etp: int, instances: int) -> None:
+    """The replicas (dense and expert) must split into `instances` equal instances (Megatron's rule)."""
+    flag = "--num-distributed-optimizer-instances"
+    if instances < 1:
+        raise ValueError(f"{flag} {instances} must be >= 1")
+    for what, replicas in (("data-parallel x context-parallel size", world // (tp * pp)),
+                           ("expert-data-parallel size", world // (etp * ep * pp))):
+        if replicas % instances:
+            raise ValueError(f"{flag} {instances} does not divide the {what} {replicas}; choose a divisor of it")
 
 
 _STATE: Optional[ParallelState] = None
@@ -206,11 +242,12 @@ _STATE: Optional[ParallelState] = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              expert_tensor_parallel_size: int = 1) -> ParallelState:
+                              expert_tensor_parallel_size: int = 1,
+                              num_distributed_optimizer_instances: int = 1) -> ParallelState:
     global _STATE
     _STATE = ParallelState(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
                            expert_model_parallel_size, virtual_pipeline_model_parallel_size,
-                           expert_tensor_parallel_size)
+                           expert_tensor_parallel_size, num_distributed_optimizer_instances)
     return _STATE
 
 

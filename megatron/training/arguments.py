@@ -8,6 +8,7 @@ includes a flag that would change nothing (only the DLM flags in vanilla mode me
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -18,8 +19,19 @@ import torch
 
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_compat_args, print_notes,
+                                           resolve_compat_args, unknown_flag_error)
+from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
+from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
+from megatron.training.data_parallel_args import (DATA_PARALLEL_FLAG_NEEDS, add_data_parallel_args,
+                                                  validate_data_parallel_args)
 from megatron.training.parallel_args import validate_parallel, validate_parallel_shapes, validate_pipeline
+from megatron.training import schedule_args
+from megatron.training.rope_args import (ROPE_FIELD_FLAGS, ROPE_FLAG_NEEDS, add_rope_args, rope_config_fields,
+                                         validate_rope_args)
+from megatron.training.checkpoint_flags import (CHECKPOINT_FLAG_NEEDS, CKPT_FORMATS, add_checkpoint_flags,
+                                               validate_checkpoint_flags)
 from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.tokenizer import add_tokenizer_args
 
@@ -31,8 +43,9 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 POSITIVE_INT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                       "global_batch_size", "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
                       "max_position_embeddings", "train_samples", "exit_interval", "keep_last_checkpoints",
-                      "max_consecutive_nan_iterations", "distributed_timeout_minutes", "difflm_block_size",
-                      "difflm_loss_chunk_size", "num_layers_per_virtual_pipeline_stage",
+                      "max_consecutive_nan_iterations", "distributed_timeout_minutes", "loss_scale_window",
+                      "hysteresis", "difflm_block_size", "difflm_loss_chunk_size",
+                      "num_layers_per_virtual_pipeline_stage",
                       "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
                       "decoder_last_pipeline_num_layers")
 NON_NEGATIVE_INT_FLAGS = ("eval_iters", "num_workers", "lr_warmup_iters")
@@ -50,6 +63,8 @@ FLOAT_FLAG_RANGES = {
     "adam_beta2": ("in [0, 1)", lambda v: 0.0 <= v < 1.0),
     "adam_eps": ("> 0", lambda v: 0.0 < v < _INF),
     "initial_loss_scale": ("> 0", lambda v: 0.0 < v < _INF),
+    "loss_scale": ("> 0", lambda v: 0.0 < v < _INF),
+    "min_loss_scale": ("> 0", lambda v: 0.0 < v < _INF),
     "exit_duration_in_mins": ("> 0", lambda v: 0.0 < v < _INF),
 }
 
@@ -69,15 +84,22 @@ FLAG_NEEDS = (
     ("fp8_recipe", "--fp8-format", lambda a: a.fp8_format is not None),
     ("lr_wsd_decay_style", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("lr_wsd_decay_iters", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
-    ("split", "--data-path (it splits those documents)", lambda a: bool(a.data_path)),
-    ("data_cache_path", "--data-path or --train-data-path (--mock-data has no index files)",
-     lambda a: not a.mock_data),
     ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
     ("cp_comm_type", "--context-parallel-size > 1", lambda a: a.context_parallel_size > 1),
     ("account_for_embedding_in_pipeline_split", "--pipeline-model-parallel-size > 1",
      lambda a: a.pipeline_model_parallel_size > 1),
     ("account_for_loss_in_pipeline_split", "--pipeline-model-parallel-size > 1",
      lambda a: a.pipeline_model_parallel_size > 1),
+) + ROPE_FLAG_NEEDS + CHECKPOINT_FLAG_NEEDS + DATA_PARALLEL_FLAG_NEEDS + LOGGING_FLAG_NEEDS
+FLAG_NEEDS += schedule_args.SCHEDULE_FLAG_NEEDS
+FLAG_NEEDS += RERUN_FLAG_NEEDS
+# Like FLAG_NEEDS, but only a note: Megatron-LM's own scripts pass these with --mock-data.
+FLAG_NOTES = (
+    ("split", "--data-path (it splits those documents)", lambda a: bool(a.data_path)),
+    ("data_cache_path", "--data-path or --train-data-path (--mock-data has no index files)",
+     lambda a: not a.mock_data),
+    *((dest, "--fp16 (bf16 needs no loss scaling)", lambda a: a.fp16)
+      for dest in ("loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "initial_loss_scale")),
 )
 # What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
@@ -93,7 +115,7 @@ CONFIG_FIELD_FLAGS = {"layernorm_epsilon": "--norm-epsilon", "vocab_size": "--vo
                       "unpadded_vocab_size": "--vocab-size", "gated_linear_unit": "--swiglu", "activation": "--swiglu",
                       "add_bias_linear": "--disable-bias-linear", "model_running_mode": "--model-running-mode",
                       "attention_mask_type": "--attention-mask-type", "mask_token_id": "--mask-token",
-                      "seed": "--seed"}
+                      "seed": "--seed", **ROPE_FIELD_FLAGS}
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -107,11 +129,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, help="Head dimension (default hidden size / heads).")
     g.add_argument("--seq-length", type=int, help="Training sequence length.")
     g.add_argument("--max-position-embeddings", type=int, help="Longest position (default --seq-length).")
-    g.add_argument("--position-embedding-type", default="rope", choices=["rope"], help="Position encoding.")
+    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "yarn"],
+                   help="Position encoding: RoPE, or RoPE with YaRN context extension.")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of head dims that rotate.")
+    add_rope_args(g)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of every norm.")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="Zero-centred norm scales: each norm stores w and multiplies by 1 + w (Megatron's "
+                        "LayerNorm-1p, for RMSNorm too).")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalise queries and keys per head.")
     g.add_argument("--qk-layernorm-scope", default="head", choices=["head", "all"],
                    help="With --qk-layernorm: normalise each head (Qwen3) or the whole query / key "
@@ -125,8 +152,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="Residual-branch dropout.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the weight init.")
     g.add_argument("--sliding-window", type=int, help="Window of the sliding_window attention mask.")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flex", "math"],
-                   help="Core attention kernel; auto picks the fastest correct one.")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "sdpa", "sdpa_flash", "flex", "math"] + list(MEGATRON_ATTENTION_BACKENDS),
+                   help="Core attention kernel; auto picks the fastest correct one. Megatron's names map onto "
+                        "ours: flash = sdpa_flash (SDPA, flash kernel first), fused = sdpa (cuDNN first), "
+                        "unfused and local = math (explicit fp32 softmax).")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], help="Activation recompute.")
     g.add_argument("--recompute-method", choices=["uniform", "block"], help="Which layers full recompute covers.")
     g.add_argument("--recompute-num-layers", type=int, help="Layers per group (uniform) or recomputed (block).")
@@ -150,10 +180,17 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights and grads.")
     g.add_argument("--fp16", action="store_true", help="fp16 compute with dynamic loss scaling.")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16, help="fp16 starting loss scale.")
+    g.add_argument("--loss-scale", type=float, help="fp16 static loss scale (default: dynamic).")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the dynamic scale's floor.")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: clean steps in a row before the dynamic scale doubles.")
+    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflowing steps before the dynamic scale halves.")
     g.add_argument("--max-consecutive-nan-iterations", type=int, default=10,
                    help="Stop after this many non-finite loss or grad-norm steps in a row.")
     g.add_argument("--exit-interval", type=int, help="Exit after the iteration divisible by this.")
     g.add_argument("--exit-duration-in-mins", type=float, help="Exit after this many minutes of training.")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic kernels only (torch.use_deterministic_algorithms): repeatable runs, slower.")
 
     g = parser.add_argument_group("learning rate and optimizer")
     g.add_argument("--optimizer", default="adam", choices=["adam"], help="AdamW (decoupled weight decay).")
@@ -183,14 +220,20 @@ def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="*", help="Training prefixes (instead of --data-path/--split).")
     g.add_argument("--valid-data-path", nargs="*", help="Validation prefixes.")
     g.add_argument("--test-data-path", nargs="*", help="Test prefixes.")
+    g.add_argument("--data-args-path", help="A text file holding the --data-path words (weights and prefixes).")
+    g.add_argument("--per-split-data-args-path",
+                   help='A JSON file {"train": ..., "valid": ..., "test": ...} holding the per-split data paths '
+                        "(lists, or strings of words).")
     g.add_argument("--data-cache-path", help="Where dataset index files are cached (default: beside the data).")
-    add_tokenizer_args(g, default_type="NullTokenizer")
+    add_tokenizer_args(g, optional_type=True)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this times the tensor-parallel size.")
     g.add_argument("--reset-position-ids", action="store_true", help="Restart positions after each EOD.")
     g.add_argument("--reset-attention-mask", action="store_true", help="Attend within documents only.")
     g.add_argument("--eod-mask-loss", action="store_true", help="No loss (and no corruption) on EOD tokens.")
     g.add_argument("--num-workers", type=int, default=0, help="Data loader worker processes.")
+    g.add_argument("--no-mmap-bin-files", action="store_true",
+                   help="Read .bin token files through a file handle instead of memory-mapping them.")
 
     g = parser.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100, help="Print and record every N steps.")
@@ -207,8 +250,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", help="Directory for checkpoints (iter_NNNNNNN/ and the tracker file).")
     g.add_argument("--save-interval", type=int, help="Save every N iterations (and at the end of training).")
     g.add_argument("--load", help="Resume from the latest checkpoint in this directory, if there is one.")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"],
-                   help="Sharded torch.distributed.checkpoint, loadable under any tensor-parallel layout.")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+                   help="torch_dist: sharded torch.distributed.checkpoint, loadable under any layout; the only "
+                        "format written here (Megatron's other values stop with one line).")
     g.add_argument("--async-save", action="store_true",
                    help="Write checkpoints in the background: training continues once the shards are copied "
                         "to host memory (pinned buffers, kept between saves: one host copy of this rank's "
@@ -223,8 +267,16 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="Take the architecture flags (shape, norms, biases, RoPE, running mode) and, when not "
                         "given, --seq-length from the latest checkpoint under --load.")
     g.add_argument("--keep-last-checkpoints", type=int, help="Delete all but the newest N checkpoints.")
+    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   help="On resume, keep this run's LR and weight-decay schedule flags (the checkpoint's schedule "
+                        "wins otherwise, with a warning per changed value); only the position is restored.")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM: finish the step, save a checkpoint (with --save), exit with code 0.")
+                   help="On SIGTERM (or --exit-signal): finish the step, save a checkpoint (with --save), exit with "
+                        "code 0.")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP",
+                                                               "SIGQUIT"],
+                   help="The signal --exit-signal-handler waits for.")
+    add_checkpoint_flags(g)
 
 
 def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -250,10 +302,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Same as --data-parallel-sharding-strategy optim.")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="Accepted for Megatron scripts: DDP and FSDP2 always overlap the gradient reduction.")
     g.add_argument("--overlap-param-gather", action="store_true",
-                   help="Accepted for Megatron scripts: FSDP2 always prefetches the next layer's weights.")
+                   help="FSDP2 strategies: each layer prefetches the next layer's weights explicitly (default: "
+                        "when the next layer starts). ZeRO-1 (optim) broadcasts them after the step (no effect).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="Default: nccl on GPU, gloo on CPU.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
@@ -264,9 +315,14 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     _add_model_args(parser)
     add_moe_args(parser)
     _add_training_args(parser)
+    schedule_args.add_schedule_args(parser)
     _add_data_and_logging_args(parser)
+    add_logging_args(parser)
+    add_rerun_args(parser)
     _add_checkpoint_args(parser)
     _add_distributed_args(parser)
+    add_data_parallel_args(parser)
+    add_compat_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -274,25 +330,29 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
 
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[ExtraArgsProvider] = None,
                world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse and validate; any problem exits with one line and code 2 (argparse's convention;
-    an unrecognised flag gets argparse's own usage message)."""
+    """Parse and validate; any problem exits with one line and code 2 (argparse's convention).
+    Flags accepted for compatibility that change nothing print one note each (compat_args.py)."""
     parser = build_parser(extra_args_provider)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line: the closest flag we accept, or why a Megatron feature is refused
+        parser.exit(2, f"{parser.prog}: error: {unknown_flag_error(unknown, parser._option_string_actions)}\n")
     # A flag counts as given when its value differs from the default: a default typed out
     # explicitly changes nothing, so the rules about ignored flags need no sentinel defaults.
     given = {dest for dest, value in vars(args).items() if value != parser.get_default(dest)}
     args.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        notes = resolve_compat_args(args, given)
         if args.use_checkpoint_args:
             from megatron.training.checkpoint_args import apply_checkpoint_args
 
             apply_checkpoint_args(args)
-        validate_args(args, given)
+        notes += validate_args(args, given)
     # ImportError: a flag's optional dependency is missing; OSError: a path given cannot be read or written.
     except (ValueError, ImportError, OSError) as error:
         # One line, argparse's exit code; no usage block: the flags were all recognised.
         print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    print_notes(notes)
     return args
 
 
@@ -332,7 +392,10 @@ def _validate_flag_dependencies(args: argparse.Namespace, given: Collection[str]
     """A flag that would change nothing fails (or, for the DLM flags in vanilla mode, warns)."""
     given = set(given)
     if getattr(args, "model_running_mode", "vanilla") == "vanilla":
-        ignored = [dest for dest in DLM_ONLY_FLAGS if dest in given]
+        # A causal sliding window is an autoregressive pattern: vanilla reads it.
+        window = (("attention_mask_type", "sliding_window") if getattr(args, "attention_mask_type", None)
+                  == "sliding_window" else ())
+        ignored = [dest for dest in DLM_ONLY_FLAGS if dest in given and dest not in window]
         if ignored:
             # Only a warning: one launch script serving both modes (examples/quickstart.sh with
             # MODE=vanilla) passes its DLM flags in vanilla mode too, and should keep working.
@@ -345,11 +408,22 @@ def _validate_flag_dependencies(args: argparse.Namespace, given: Collection[str]
         if dest in given and not holds(args):
             raise ValueError(f"{_flag(dest)} has no effect without {needed}; add that or drop {_flag(dest)}")
     readers = TOKENIZER_INPUT_FLAGS.get(args.tokenizer_type, ())
-    for dest in ("vocab_size", "tokenizer_model", "vocab_file", "merge_file"):
+    # --vocab-size is also checked against a file tokenizer's size (_validate_data), as Megatron's scripts pass both.
+    for dest in ("tokenizer_model", "vocab_file", "merge_file"):
         if dest in given and dest not in readers:
             types = [name for name, reads in TOKENIZER_INPUT_FLAGS.items() if dest in reads]
             raise ValueError(f"{_flag(dest)} is not read by --tokenizer-type {args.tokenizer_type} (only by "
                              f"{' and '.join(types)}); pass the --tokenizer-type it belongs to or drop it")
+
+
+def _flag_notes(args: argparse.Namespace, given: Collection[str]) -> List[str]:
+    """Notes for flags that change nothing in this run but that Megatron's scripts pass anyway."""
+    notes = [f"{_flag(dest)} has no effect without {needed}; ignored" for dest, needed, holds in FLAG_NOTES
+             if dest in given and not holds(args)]
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # as Megatron-LM does
+        notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; turned off")
+    return notes
 
 
 def _check_writable_dir(flag: str, path: Optional[str]) -> None:
@@ -378,8 +452,8 @@ def _config_error_hint(error: ValueError) -> str:
     return f"flag {CONFIG_FIELD_FLAGS.get(field, default)}"
 
 
-def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()) -> None:
-    """Fill derived values and raise ValueError naming the flag and the fix.
+def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()) -> List[str]:
+    """Fill derived values and raise ValueError naming the flag and the fix; returns the notes to print.
 
     `given`: the dests of the flags the user set to a non-default value; the rules about flags
     that would be ignored look only at those (empty: assume none was).
@@ -387,7 +461,13 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     _validate_ranges(args)
     _validate_flag_dependencies(args, given)
+    validate_logging_args(args, given)
+    validate_rerun_args(args, given)
+    notes = _flag_notes(args, given)
+    validate_checkpoint_flags(args, given)
+    validate_rope_args(args)
     validate_parallel(args)
+    validate_data_parallel_args(args)
     _validate_batch_and_schedule(args)
     # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
     for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
@@ -418,30 +498,15 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
         raise ValueError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                          f"{args.max_position_embeddings}")
     args.run_record = RunRecord.from_args(args)
+    return notes
 
 
 def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.micro_batch_size < 1 or args.global_batch_size % per_step:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-                         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; "
-                         "adjust one of them")
-    args.num_microbatches = args.global_batch_size // per_step
+    # Batch sizes (with a ramp: every size), run length and LR lengths: schedule_args.py.
+    schedule_args.resolve_batch_sizes(args)
     validate_pipeline(args)
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise ValueError("give exactly one of --train-iters and --train-samples")
-    if args.train_iters is None:
-        args.train_iters = args.train_samples // args.global_batch_size
-    if args.train_iters < 1:
-        raise ValueError(f"--train-iters {args.train_iters} must be >= 1")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ValueError("give only one of --lr-warmup-iters and --lr-warmup-fraction")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    schedule_args.check_microbatches_per_size(args)
+    schedule_args.resolve_run_length(args)
     OptimizerParamScheduler(None, **schedule_kwargs(args))  # raises naming the flag
     # The loop's typed configs, built once; their validate() checks their own flags.
     args.training_config = TrainingConfig.from_args(args)
@@ -449,11 +514,36 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     args.logging_config = LoggingConfig.from_args(args)
 
 
+def _read_data_args(args: argparse.Namespace) -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths from a file (Megatron's long blends)."""
+    if args.data_args_path:
+        if args.data_path:
+            raise ValueError("give --data-path or --data-args-path, not both")
+        with open(args.data_args_path) as handle:
+            args.data_path = handle.read().split()
+    if args.per_split_data_args_path:
+        if any([args.train_data_path, args.valid_data_path, args.test_data_path]):
+            raise ValueError("give --train/valid/test-data-path or --per-split-data-args-path, not both")
+        with open(args.per_split_data_args_path) as handle:
+            try:
+                splits = json.load(handle)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path} is not JSON "
+                                 f"({error})") from None
+        if not isinstance(splits, dict) or "train" not in splits:
+            raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path} must hold a JSON object "
+                             'with a "train" key (and optional "valid", "test")')
+        for split in ("train", "valid", "test"):
+            value = splits.get(split)
+            setattr(args, f"{split}_data_path", value.split() if isinstance(value, str) else value)
+
+
 def _validate_data(args: argparse.Namespace) -> None:
     from megatron.core.datasets.dataset_builder import check_prefixes_exist, parse_data_paths
     from megatron.core.datasets.gpt_dataset import split_weights
     from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
 
+    _read_data_args(args)
     split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
     if args.mock_data and (args.data_path or any(split_paths)):
         raise ValueError("--mock-data and --data-path/--train-data-path are exclusive; choose one")
@@ -472,6 +562,11 @@ def _validate_data(args: argparse.Namespace) -> None:
     elif args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--mock-data with the NullTokenizer needs --vocab-size")
     args.tokenizer = build_tokenizer(args)
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer" \
+            and args.vocab_size != args.tokenizer.vocab_size:
+        raise ValueError(f"--vocab-size {args.vocab_size} is not the size of --tokenizer-type {args.tokenizer_type}'s "
+                         f"vocabulary ({args.tokenizer.vocab_size}); drop --vocab-size (padding is "
+                         "--make-vocab-size-divisible-by) or fix it")
     args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                      args.tensor_model_parallel_size)
     requested_mask, args.mask_token = args.mask_token, args.tokenizer.mask
@@ -483,10 +578,7 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 
 def schedule_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-                lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
-                init_lr=args.lr_warmup_init, wsd_decay_steps=args.lr_wsd_decay_iters,
-                lr_wsd_decay_style=args.lr_wsd_decay_style, weight_decay=args.weight_decay)
+    return schedule_args.schedule_kwargs(args)
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -496,10 +588,11 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         vocab_size=args.padded_vocab_size, unpadded_vocab_size=args.tokenizer.vocab_size,
         max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         qk_layernorm_scope=args.qk_layernorm_scope,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, **rope_config_fields(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

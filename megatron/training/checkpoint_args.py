@@ -2,9 +2,10 @@
 
 `check_compatible` refuses to `--load` a checkpoint whose network computes something else than
 the one this run built: another shape (never loadable), or the same shapes computing another
-function (rotary base, norm epsilon, activation, mask token, running mode, vocabulary), which
-`--finetune` accepts on purpose. `apply_checkpoint_args` is Megatron's `--use-checkpoint-args`:
-the architecture flags are taken from the checkpoint, so a user need not retype them.
+function (rotary base and RoPE scaling, norm epsilon, activation, mask token, running mode, sliding
+window, vocabulary), which `--finetune` accepts on purpose. `apply_checkpoint_args` is Megatron's
+`--use-checkpoint-args`: the architecture flags are taken from the checkpoint, so a user need not
+retype them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import dataclasses
 from typing import Callable, Dict, Tuple
 
 from megatron.core.errors import InputError
+from megatron.core.transformer.rope_scaling import FIELDS_OF_TYPE, SCALING_DEFAULTS
+from megatron.training.rope_args import ROPE_FIELD_FLAGS, checkpoint_rope_flags
 
 # TransformerConfig fields that decide the parameters' shapes: (the flag, checkpoint -> flag value).
 ARCHITECTURE_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
@@ -30,7 +33,11 @@ ARCHITECTURE_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
     "add_bias_linear": ("--disable-bias-linear", "disable_bias_linear", lambda v: not v),
     "add_qkv_bias": ("--add-qkv-bias", "add_qkv_bias", lambda v: v),
     "qk_layernorm_scope": ("--qk-layernorm-scope", "qk_layernorm_scope", lambda v: v),
+    # Not a shape, but the stored norm weights mean w or 1 + w: never reinterpreted, even by --finetune.
+    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "apply_layernorm_1p", lambda v: v),
 }
+# What checkpoints written before a field existed hold.
+ARCHITECTURE_DEFAULTS = {"qk_layernorm_scope": "head", "layernorm_zero_centered_gamma": False}
 # MoEConfig fields (the checkpoint's `transformer_config.moe`) that decide the shapes, and those that
 # change what the same weights compute; each field's flag is --moe-<field> (num_experts: --num-experts).
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "shared_expert_intermediate_size", "layer_flags",
@@ -51,7 +58,8 @@ FUNCTION_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
     "rotary_percent": ("--rotary-percent", "rotary_percent", lambda v: v),
 }
 DLM_FUNCTION_FIELDS = {"model_running_mode": "--model-running-mode", "mask_token_id": "--mask-token",
-                       "attention_mask_type": "--attention-mask-type", "block_size": "--difflm-block-size"}
+                       "attention_mask_type": "--attention-mask-type", "block_size": "--difflm-block-size",
+                       "sliding_window": "--sliding-window"}
 
 
 def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bool) -> InputError:
@@ -61,16 +69,37 @@ def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bo
                       f"({flag}); {fix} (--use-checkpoint-args takes the architecture from the checkpoint)")
 
 
-def _dlm_function(dlm: dict) -> dict:
-    """The DLM fields that matter for what the network computes, given its running mode."""
-    if dlm.get("model_running_mode", "vanilla") == "vanilla":
-        return {"model_running_mode": "vanilla"}
+def _dlm_function(dlm: dict, window) -> dict:
+    """The DLM fields (and the sliding `window`) that matter for what the network computes, given its
+    running mode: vanilla attends causally, or in a causal sliding window."""
     mask_type = dlm.get("attention_mask_type")
+    if dlm.get("model_running_mode", "vanilla") == "vanilla":
+        function = {"model_running_mode": "vanilla"}
+        if mask_type == "sliding_window":
+            function.update(attention_mask_type=mask_type, sliding_window=window)
+        return function
     function = {"model_running_mode": dlm["model_running_mode"], "mask_token_id": dlm.get("mask_token_id"),
                 "attention_mask_type": "causal" if mask_type == "causal_bottom_right" else mask_type}
     if mask_type == "block_causal":
         function["block_size"] = dlm.get("block_size")
+    if mask_type == "sliding_window":
+        function["sliding_window"] = window
     return function
+
+
+def _rope_function(config: dict) -> dict:
+    """The RoPE-scaling fields its type reads (a checkpoint without them is unscaled)."""
+    kind = config.get("rope_scaling_type", "none")
+    fields = FIELDS_OF_TYPE.get(kind, FIELDS_OF_TYPE["none"])
+    return {field: config.get(field, SCALING_DEFAULTS[field]) for field in fields}
+
+
+def _check_rope(saved: dict, current: dict, source: str) -> None:
+    saved_rope, current_rope = _rope_function(saved), _rope_function(current)
+    for field in dict.fromkeys([*saved_rope, *current_rope]):
+        if saved_rope.get(field) != current_rope.get(field):
+            flag = ROPE_FIELD_FLAGS.get(field, f"--{field.replace('_', '-')}")
+            raise _mismatch(source, field, flag, saved_rope.get(field), current_rope.get(field), changeable=True)
 
 
 def check_compatible(record, finetune: bool, metadata: dict, source: str) -> None:
@@ -79,15 +108,16 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
     saved = metadata["transformer_config"]
     current = dataclasses.asdict(record.transformer_config)
     for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
-        if saved.get(field, "head" if field == "qk_layernorm_scope" else None) != current[field]:
+        if saved.get(field, ARCHITECTURE_DEFAULTS.get(field)) != current[field]:
             raise _mismatch(source, field, flag, saved.get(field), current[field], changeable=False)
     _check_moe(saved.get("moe"), current["moe"], finetune, source)
     if not finetune:
         for field, (flag, _, _) in FUNCTION_FIELDS.items():
             if field in saved and saved[field] != current[field]:
                 raise _mismatch(source, field, flag, saved[field], current[field], changeable=True)
-        saved_dlm = _dlm_function(metadata.get("dlm_config") or {})
-        current_dlm = _dlm_function(dataclasses.asdict(record.dlm_config))
+        _check_rope(saved, current, source)
+        saved_dlm = _dlm_function(metadata.get("dlm_config") or {}, saved.get("sliding_window"))
+        current_dlm = _dlm_function(dataclasses.asdict(record.dlm_config), current["sliding_window"])
         for field, flag in DLM_FUNCTION_FIELDS.items():
             if saved_dlm.get(field) != current_dlm.get(field):
                 raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)
@@ -163,12 +193,13 @@ def apply_checkpoint_args(args) -> None:
     if saved.get("sliding_window") is not None:
         args.sliding_window = saved["sliding_window"]
     _apply_moe(args, saved.get("moe"))
+    checkpoint_rope_flags(args, saved)
     if args.seq_length is None and metadata.get("seq_length"):
         args.seq_length = metadata["seq_length"]
     dlm = metadata.get("dlm_config") or {}
     if hasattr(args, "model_running_mode") and dlm.get("model_running_mode"):
         args.model_running_mode = dlm["model_running_mode"]
-        if dlm["model_running_mode"] != "vanilla":
+        if dlm["model_running_mode"] != "vanilla" or dlm.get("attention_mask_type") == "sliding_window":
             args.attention_mask_type = dlm.get("attention_mask_type", args.attention_mask_type)
             if dlm.get("attention_mask_type") == "block_causal":
                 args.difflm_block_size = dlm.get("block_size")

@@ -158,7 +158,7 @@ def _metadata(record: RunRecord, trainer, iteration: int) -> dict:
     return {"format_version": FORMAT_VERSION, "iteration": iteration,
             "framework": {"megadlms": megatron.__version__, "torch": torch.__version__},
             "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
-            "adam_step": trainer.scheduler.num_steps,  # both advance once per applied update
+            "adam_step": trainer.scheduler.num_updates,  # applied updates (num_steps may count samples)
             "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
                                    for k, v in dataclasses.asdict(record.transformer_config).items()},
             "dlm_config": dataclasses.asdict(record.dlm_config),
@@ -169,7 +169,8 @@ def _metadata(record: RunRecord, trainer, iteration: int) -> dict:
                        "virtual_pipeline_model_parallel_size": record.virtual_pipeline_model_parallel_size},
             "tokenizer": record.tokenizer, "seq_length": record.seq_length,
             # fp16's dynamic loss scale: a resumed run continues with the scale it had reached.
-            "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None}
+            "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None,
+            "loss_scale": trainer.loss_scale.state_dict() if trainer.grad_scaler.is_enabled() else None}
 
 
 def _barrier() -> None:
@@ -177,47 +178,63 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _sharded_state(config: CheckpointConfig, trainer) -> Dict[str, ShardedTensor]:
+    sharded = model_sharded_state_dict(unwrap(trainer.model))
+    if not config.no_save_optim:
+        sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
+    return sharded
+
+
 def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
-                    process_group=None) -> Tuple[str, Optional[Future]]:
+                    process_group=None, root: Optional[str] = None) -> Tuple[str, Optional[Future]]:
     """Collective. Writes the shards (in the background with `--async-save`: the returned future
-    completes when this rank's files are written), RNG states and metadata. The tracker is
-    moved by `finalize_save` once every rank finished, never here."""
+    completes when this rank's files are written), RNG states (unless --no-save-rng) and
+    metadata into `root` (default --save). The tracker is moved by `finalize_save` once every
+    rank finished, never here."""
     iteration = trainer.state.iteration
-    target = checkpoint_dir(config.save, iteration) + STAGING_SUFFIX
+    target = checkpoint_dir(root or config.save, iteration) + STAGING_SUFFIX
     rank = _rank()
     if rank == 0 and os.path.isdir(target):  # a save of N that died earlier: never part of a checkpoint
         shutil.rmtree(target)
     _barrier()
-    sharded = model_sharded_state_dict(unwrap(trainer.model))
-    if not config.no_save_optim:
-        sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
+    sharded = _sharded_state(config, trainer)
+    planning = dict(fully_parallel=config.ckpt_fully_parallel_save, cache_plan=config.ckpt_assume_constant_structure)
     if config.async_save:
-        future = _serialization().save_async(sharded, target, process_group)
+        future = _serialization().save_async(sharded, target, process_group, **planning)
     else:
-        _serialization().save(sharded, target)
+        _serialization().save(sharded, target, **planning)
         future = None
-    os.makedirs(os.path.join(target, "rng"), exist_ok=True)
-    torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+    if not config.no_save_rng:
+        os.makedirs(os.path.join(target, "rng"), exist_ok=True)
+        torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         with open(os.path.join(target, "metadata.json"), "w") as handle:
             json.dump(_metadata(record, trainer, iteration), handle, indent=1)
     return target, future
 
 
-def finalize_save(config: CheckpointConfig, iteration: int) -> str:
+def finalize_save(config: CheckpointConfig, iteration: int, root: Optional[str] = None,
+                  non_persistent: bool = False) -> str:
     """Collective, once every rank's files are written: rename the staged directory into place,
-    move the tracker (never backwards), drop this run's older checkpoints. Returns the path."""
+    move the tracker (never backwards), drop this run's older checkpoints (of a non-persistent
+    `root`: all but this one). Returns the path."""
     _barrier()
-    final = checkpoint_dir(config.save, iteration)
+    root = root or config.save
+    final = checkpoint_dir(root, iteration)
     if _rank() == 0:
-        install_checkpoint(config.save, iteration, final + STAGING_SUFFIX)
-        newest = latest_iteration(config.save, missing_ok=True)
+        install_checkpoint(root, iteration, final + STAGING_SUFFIX)
+        newest = latest_iteration(root, missing_ok=True)
         if newest is None or newest <= iteration:
-            _write_tracker(config.save, iteration)
+            _write_tracker(root, iteration)
         else:
-            print(f"warning: {config.save} already holds iteration {newest}, newer than this save ({iteration}); "
+            print(f"warning: {root} already holds iteration {newest}, newer than this save ({iteration}); "
                   f"{TRACKER} keeps naming {newest}", file=sys.stderr, flush=True)
-        _remove_old_checkpoints(config.save, config.keep_last_checkpoints, iteration)
+        if non_persistent:
+            from megatron.training.checkpoint_sources import finish_global_save  # builds on this module
+
+            finish_global_save(root, iteration)
+        else:
+            _remove_old_checkpoints(root, config.keep_last_checkpoints, iteration)
     _barrier()
     return final
 
@@ -226,36 +243,54 @@ class Checkpointer:
     """`--save` for the training loop: synchronous saves, or with `--async-save` one save in
     flight while training goes on. Shards are staged to host memory before the loop
     continues; the tracker moves only after all ranks report their writes done (polled once
-    a step, a one-element all-reduce, while a save is pending)."""
+    a step, a one-element all-reduce, while a save is pending). Non-persistent saves
+    (checkpoint_sources.py) go to their own directory; local ones are written synchronously."""
 
     def __init__(self, config: CheckpointConfig, record: RunRecord, log: Callable[[str], None] = print) -> None:
         self.config, self.record, self.log = config, record, log
-        self.pending: Optional[Tuple[int, str, Future]] = None
+        self.pending: Optional[Tuple[int, str, Future, bool]] = None
         # DCP's collectives run in the writer thread: they get their own group, so they never
         # interleave with the training loop's collectives on the default one.
         self.group = dist.new_group(backend="gloo") if config.async_save and dist.is_initialized() else None
 
     def due(self, iteration: int) -> bool:
-        """Whether --save-interval asks for a save after `iteration`."""
-        return bool(self.config.save_interval) and iteration % self.config.save_interval == 0
+        """Whether --save-interval or --checkpoint-steps asks for a (persistent) save after `iteration`."""
+        interval = self.config.save_interval
+        return bool(interval) and iteration % interval == 0 or iteration in self.config.checkpoint_steps
 
-    def save(self, trainer) -> None:
+    def non_persistent_due(self, iteration: int) -> bool:
+        """Whether --non-persistent-save-interval asks for one (checked only where `due` is not)."""
+        interval = self.config.non_persistent_save_interval
+        return bool(interval) and self.config.non_persistent_ckpt_type is not None and iteration % interval == 0
+
+    def save(self, trainer, non_persistent: bool = False) -> None:
         self.finalize(blocking=True)  # one save in flight at a time
         started = time.perf_counter()
-        target, future = save_checkpoint(self.config, self.record, trainer, self.group)
+        if non_persistent and self.config.non_persistent_ckpt_type == "local":
+            from megatron.training.checkpoint_sources import save_local  # builds on this module
+
+            target = save_local(self.config, self.record, trainer, _sharded_state(self.config, trainer))
+            self.log(f"> saved {target} (local non-persistent, {time.perf_counter() - started:.2f} s)")
+            return
+        root = None
+        if non_persistent:
+            from megatron.training.checkpoint_sources import global_root  # builds on this module
+
+            root = global_root(self.config, saving=True)
+        target, future = save_checkpoint(self.config, self.record, trainer, self.group, root)
         blocked = time.perf_counter() - started
         if future is None:
-            target = finalize_save(self.config, trainer.state.iteration)
+            target = finalize_save(self.config, trainer.state.iteration, root, non_persistent)
             self.log(f"> saved {target} ({blocked:.2f} s)")
             return
-        self.pending = (trainer.state.iteration, target, future)
+        self.pending = (trainer.state.iteration, root, future, non_persistent)
         self.log(f"> async save of {target} started; training blocked {blocked:.2f} s")
 
     def finalize(self, blocking: bool, iteration: Optional[int] = None) -> None:
         """Complete a pending async save if every rank is done (or wait for it, when blocking)."""
         if self.pending is None:
             return
-        saved_iteration, target, future = self.pending
+        saved_iteration, root, future, non_persistent = self.pending
         if blocking:
             future.result()  # re-raises a failed write
         done = torch.tensor([1.0 if future.done() else 0.0])
@@ -267,7 +302,7 @@ class Checkpointer:
             return
         future.result()
         self.pending = None
-        target = finalize_save(self.config, saved_iteration)
+        target = finalize_save(self.config, saved_iteration, root, non_persistent)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")
 
@@ -366,46 +401,67 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     return model.eval(), metadata
 
 
+def _find_checkpoint(config: CheckpointConfig, record: RunRecord):
+    from megatron.training.checkpoint_sources import find_checkpoint  # builds on this module
+
+    return find_checkpoint(config, record)
+
+
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
-    """The checks of `load_checkpoint` that need no model: run before building one."""
-    iteration = latest_iteration(config.load)
-    if iteration is not None:
-        source = iteration_dir(config.load, iteration)
-        _check_compatible(record, config.finetune, read_checkpoint_metadata(source), source)
+    """The checks of `load_checkpoint` that need no model: run before building one (collective
+    with local non-persistent checkpoints)."""
+    source = _find_checkpoint(config, record)
+    if source is None and config.exit_on_missing_checkpoint:
+        raise InputError(f"--load {config.load}: no checkpoint there (no {TRACKER}) and --exit-on-missing-checkpoint "
+                         "is set; check the path, or drop the flag to start from scratch")
+    if source is not None:
+        _check_compatible(record, config.finetune, read_checkpoint_metadata(source.path), source.path)
 
 
-def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer) -> Optional[int]:
-    """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)."""
-    iteration = latest_iteration(config.load)
-    if iteration is None:
+def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
+                    log: Optional[Callable[[str], None]] = None) -> Optional[int]:
+    """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)
+    from the checkpoint `checkpoint_sources.find_checkpoint` chooses; `log` gets a line saying which."""
+    from megatron.training.checkpoint_sources import LOCAL, describe, load_local  # builds on this module
+
+    source = _find_checkpoint(config, record)
+    if source is None:
         return None
-    source = iteration_dir(config.load, iteration)
-    metadata = read_checkpoint_metadata(source)
-    _check_compatible(record, config.finetune, metadata, source)
+    metadata = read_checkpoint_metadata(source.path)
+    _check_compatible(record, config.finetune, metadata, source.path)
     load_optim = not (config.no_load_optim or config.finetune)
     sharded = model_sharded_state_dict(unwrap(trainer.model))
     if load_optim:
         for part in local_optimizers(trainer.optimizer):
             _initialise_adam_state(part, metadata["adam_step"])
         sharded.update(_optimizer_sharded_state(trainer.model, trainer.optimizer))
-    _serialization().load(sharded, source)
+    if source.kind == LOCAL:
+        load_local(sharded, source)
+    else:
+        _serialization().load(sharded, source.path)
+    if log is not None:
+        restart = "; --finetune: training starts at iteration 0" if config.finetune else ""
+        log(f"> loaded {config.load} at iteration {source.iteration}{describe(source, config)}{restart}")
     if config.finetune:
         return 0
     if load_optim:
-        trainer.scheduler.load_state_dict(metadata["scheduler"])
+        trainer.scheduler.load_state_dict(metadata["scheduler"], override=config.override_opt_param_scheduler)
         if metadata.get("grad_scaler") and trainer.grad_scaler.is_enabled():
             trainer.grad_scaler.load_state_dict(metadata["grad_scaler"])
+            if metadata.get("loss_scale"):
+                trainer.loss_scale.load_state_dict(metadata["loss_scale"])
     trainer.state = type(trainer.state)(**metadata["train_state"])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_path = os.path.join(source, "rng", f"rank_{rank}.pt")
+    rng_path = source.rng_path(rank)
     # A rank's RNG streams belong to its place in the layout: restored only where that place is the
-    # same (older checkpoints record no pipeline size: one stage).
+    # same (older checkpoints record no pipeline size: one stage). A checkpoint saved with
+    # --no-save-rng has none: this run keeps its own.
     layout = metadata["layout"]
     same_layout = all(layout.get(name, 1) == getattr(record, name) for name in (
         "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
     if not config.no_load_rng and same_layout and os.path.exists(rng_path):
         _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
-    return iteration
+    return source.iteration
 
 
 def _initialise_adam_state(optimizer, step: float) -> None:

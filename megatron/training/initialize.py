@@ -48,6 +48,14 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_process_group=created)
 
 
+def set_deterministic_mode(enabled: bool) -> None:
+    """--deterministic-mode: only deterministic kernels (an error names any op without one), and the
+    cuBLAS workspace setting deterministic GEMMs need; bitwise-repeatable runs, at some speed."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
 def set_random_seeds(seed: int) -> None:
     """The same seed on every rank: identical initial weights (DDP also broadcasts them) and
     data order; the corruption has its own keyed randomness (diffusion.py)."""

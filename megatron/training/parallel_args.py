@@ -14,13 +14,12 @@ def validate_parallel(args: argparse.Namespace) -> None:
     from megatron.core.parallel_state import check_layout
 
     check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                 args.context_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+                 args.context_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                 getattr(args, "num_distributed_optimizer_instances", 1))
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     args.data_parallel_size = args.world_size // model_parallel
-    if args.use_distributed_optimizer:
-        args.data_parallel_sharding_strategy = "optim"
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel")
+    if args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "no_shard":
+        args.data_parallel_sharding_strategy = "optim"  # at least ZeRO-1 (FSDP2 strategies shard more)
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")

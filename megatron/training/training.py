@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded,
+from megatron.core.distributed.data_parallel import (DataParallelConfig, finalize_gradients, is_fully_sharded,
                                                      optimizer_sharding_group, unwrap, wrap_data_parallel)
 from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.pipeline_parallel.layer_split import stage_layer_range
@@ -39,7 +39,11 @@ from megatron.core.transformer.moe.balancing import RouterStepStats, finish_rout
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.configs import TrainingConfig
-from megatron.training.initialize import Runtime, initialize_distributed, set_random_seeds
+from megatron.training.data_parallel_args import describe as describe_data_parallel
+from megatron.training.loss_scale import LossScale
+from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
+from megatron.training.loop_hooks import LoopHooks
+from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
 
@@ -90,6 +94,10 @@ class StepResult:
     nan: bool
     moe: Optional[RouterStepStats] = None
     """The routers' balancing statistics of the step (MoE models)."""
+    global_batch_size: int = 0
+    """Samples of the step (it changes along --rampup-batch-size); 0: the configured one."""
+    numerics: Optional[NumericsReport] = None
+    """Logged steps: params norm, zero gradients and the re-run counts (rerun.py)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -116,7 +124,8 @@ class Trainer:
                  scheduler: OptimizerParamScheduler, forward_step: ForwardStepFunc,
                  train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
                  runtime: Runtime, logger: Optional[TrainingLogger] = None,
-                 groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None) -> None:
+                 groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None,
+                 hooks: Optional[LoopHooks] = None, rerun_config: Optional[RerunConfig] = None) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
         self.model_config = getattr(unwrap(model_chunks(model)[0]), "config", None)
@@ -125,77 +134,130 @@ class Trainer:
         self.forward_step = forward_step
         self.train_loader, self.valid_loader = train_loader, valid_loader
         self.runtime, self.logger = runtime, logger
+        self.hooks = hooks or LoopHooks(config, device=runtime.device, logger=logger)
+        """Timers, profiler, manual GC, cache emptying, progress file (loop_hooks.py)."""
         self.state = TrainState()
         self.history: List[StepResult] = []
         self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
-        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.initial_loss_scale,
-                                                enabled=config.fp16)
+        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.loss_scale
+                                                or config.initial_loss_scale, enabled=config.fp16)
+        self.loss_scale = LossScale(self.grad_scaler, config.loss_scale, config.min_loss_scale,
+                                    config.loss_scale_window, config.hysteresis, runtime.device)
         self.schedule = get_forward_backward_func(config.pipeline_model_parallel_size,
                                                   config.virtual_pipeline_model_parallel_size, links)
+        self.rerun = RerunMachine(rerun_config or RerunConfig(), config.fp16, config.seed,
+                                  logger.config.log_interval if logger is not None else 1,
+                                  logger.print if logger is not None else (lambda message: None),
+                                  runtime.is_main, runtime.device)
 
     # ------------------------------------------------------------------ one step
     def _forward_backward(self, data_iterator: Iterator, training: bool, iteration: int,
-                          first_sample: int, stream: int) -> GlobalBatchLoss:
-        """Run every micro-batch of a global batch through the schedule; returns its reduced loss."""
+                          first_sample: int, stream: int, batch: Optional[Tuple[int, int]] = None) -> GlobalBatchLoss:
+        """Run every micro-batch of a global batch through the schedule; returns its reduced loss.
+        `batch`: (global batch size, micro-batches per replica), default the configured ones."""
+        global_batch_size, num_microbatches = batch or (self.config.global_batch_size, self.config.num_microbatches)
         loss_scale = None
         if self.config.fp16 and training:
-            loss_scale = self.grad_scaler.scale(torch.ones((), device=self.runtime.device))
+            # fp16 backpropagates the loss sum scaled by S / (the batch's tokens), so the gradients have a
+            # per-token loss's magnitude (Megatron's) and S need not shrink by the token count to fit;
+            # the gradient scale multiplies the token count back (_compute_gradients).
+            loss_scale = self.grad_scaler.scale(torch.ones((), device=self.runtime.device)) / self._fp16_tokens(
+                global_batch_size)
 
         def forward_step(iterator: Iterator, model: nn.Module, microbatch: int):
-            ctx = StepContext(iteration, first_sample, self.config.global_batch_size, microbatch, training, stream,
-                              loss_scale)
+            ctx = StepContext(iteration, first_sample, global_batch_size, microbatch, training, stream, loss_scale)
             return self.forward_step(iterator, model, ctx)
 
-        loss = self.schedule(forward_step, data_iterator, self.model, self.config.num_microbatches,
+        loss = self.schedule(forward_step, data_iterator, self.model, num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
-                             scale_loss=self.grad_scaler.scale)
+                             scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale))
         # Tensor-parallel peers hold the same values: sum over the data-parallel replicas (the loss
         # sums also over the context-parallel ranks, which hold parts of the same sequences; the
         # normalizers, computed on whole sequences, are the same there), then hand the last
         # pipeline stage's values to every stage.
         return loss.reduce(self.replica_group, self.groups.dp, pipeline_group=self.groups.pp)
 
-    def train_step(self, data_iterator: Iterator) -> StepResult:
+    def _norm_groups(self) -> dict:
+        """The groups a whole-model norm or count adds its ranks' parts over (optimizer.sum_over_layout)."""
+        sharded = is_fully_sharded(self.model)
+        shard_group, expert_shard_group = shard_groups(self.groups)  # FSDP2's gradient shards
+        return dict(tp_group=self.groups.tp, dp_shard_group=shard_group if sharded else None, pp_group=self.groups.pp,
+                    expert_group=self.groups.expert_tp_ep,
+                    expert_shard_group=expert_shard_group if sharded else None)
+
+    def _compute_gradients(self, data_iterator: Iterator, batch: Tuple[int, int]) -> Tuple[GlobalBatchLoss,
+                                                                                          torch.Tensor]:
+        """One execution of the step up to the update: every micro-batch's forward and backward, the
+        gradient reduction and the clipping; returns the reduced loss and the grad norm."""
         state = self.state
         self.optimizer.zero_grad(set_to_none=True)
-        batch_loss = self._forward_backward(data_iterator, True, state.iteration, state.consumed_train_samples,
-                                            stream=0)
-        replicas = group_size(self.groups.dp)
-        moe = finish_router_step(self.model, self.model_config, self.config.num_microbatches * replicas)
+        with self.rerun.anomaly_mode():
+            batch_loss = self._forward_backward(data_iterator, True, state.iteration, state.consumed_train_samples,
+                                                stream=0, batch=batch)
+        self.hooks.phase_end("forward-backward")
         self.grad_scaler.unscale_(self.optimizer)
         gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp, self.groups.embedding,
                                             self.groups.expert_dp, self.groups.expert_tp)
+        if self.config.fp16:
+            gradient_scale = gradient_scale * self._fp16_tokens(batch[0])
+        self.hooks.phase_end("all-grads-sync")
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
-        sharded = is_fully_sharded(self.model)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, self.groups.tp,
-                                   self.replica_group if sharded else None, scale=gradient_scale,
-                                   optimizer=None if self.config.fp16 else self.optimizer, pp_group=self.groups.pp,
-                                   expert_group=self.groups.expert_tp_ep,
-                                   expert_shard_group=self.groups.expert_dp if sharded else None)
-        loss = batch_loss.loss
-        # One host sync per step: the skip decision must be the same on every rank, and it is,
-        # because the loss is all-reduced and the gradients are synchronised before the norm.
-        finite_loss, finite_grads = (bool(v) for v in torch.stack([loss.isfinite(), grad_norm.isfinite()]).cpu())
-        skipped = not (finite_loss and finite_grads)
-        if skipped:
+        grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, scale=gradient_scale,
+                                   optimizer=None if self.config.fp16 else self.optimizer, **self._norm_groups())
+        return batch_loss, grad_norm
+
+    def _fp16_tokens(self, global_batch_size: int) -> float:
+        return float(global_batch_size * self.config.seq_length)
+
+    def _discard_gradients(self) -> None:
+        """Undo an execution before its re-run: the gradients, a scale left for a fused AdamW, fp16's
+        record that they were unscaled (torch has no public reset) and the routers' counts (the
+        expert biases are updated once, after the step's last execution)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        forget_gradient_scale(self.optimizer)
+        if self.config.fp16:
+            self.grad_scaler._per_optimizer_states.pop(id(self.optimizer), None)
+        finish_router_step(self.model, self.model_config, 1, update_bias=False)
+
+    def train_step(self, data_iterator: Iterator) -> StepResult:
+        iteration = self.state.iteration + 1
+        batch = self.config.batch_at(self.state.consumed_train_samples)  # grows along a batch ramp
+        execution = self.rerun.begin_step(data_iterator, self.model, iteration)
+        while True:
+            batch_loss, grad_norm = self._compute_gradients(execution.data, batch)
+            # One host sync per execution (a re-run happens only on an anomaly): the decision must be
+            # the same on every rank, and it is, because the loss is all-reduced and the gradients
+            # are synchronised before the norm (rerun.py).
+            loss, norm = (float(v) for v in torch.stack([batch_loss.loss.float(), grad_norm.float()]).cpu())
+            verdict = execution.judge(loss, norm)
+            if not verdict.rerun:
+                break
+            self._discard_gradients()
+            execution.rewind()
+        replicas = group_size(self.groups.dp)
+        moe = finish_router_step(self.model, self.model_config, batch[1] * replicas)
+        logged = self.rerun.logs(iteration)
+        zeros = self.rerun.count_zero_grads(self.model, self._norm_groups()) if logged else None
+        if verdict.skip:
             self.optimizer.zero_grad(set_to_none=True)
-            if self.config.fp16:
-                self.grad_scaler.update()
         else:
             self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
-            self.scheduler.step(1)
+            self.scheduler.advance(batch[0])
+        self.loss_scale.update(overflow=verdict.skip)  # fp16 only
         forget_gradient_scale(self.optimizer)
-        nan = not finite_loss or (skipped and not self.config.fp16)
-        return StepResult(float(loss), float(grad_norm), float(batch_loss.normalizer), skipped, nan, moe)
+        self.hooks.phase_end("optimizer")
+        numerics = self.rerun.report(zeros, self.rerun.params_norm(self.model, self._norm_groups())) if logged else None
+        return StepResult(loss, norm, float(batch_loss.normalizer), verdict.skip, verdict.nan, moe, batch[0],
+                          numerics)
 
     def _account(self, result: StepResult) -> None:
         state = self.state
         state.iteration += 1
-        state.consumed_train_samples += self.config.global_batch_size
-        state.consumed_train_tokens += self.config.global_batch_size * self.config.seq_length
+        size = result.global_batch_size or self.config.global_batch_size
+        state.consumed_train_samples += size
+        state.consumed_train_tokens += size * self.config.seq_length
         state.skipped_iterations += int(result.skipped)
         state.nan_iterations += int(result.nan)
         state.consecutive_nan_iterations = state.consecutive_nan_iterations + 1 if result.nan else 0
@@ -208,10 +270,16 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainState:
         config, state = self.config, self.state
+        if config.skip_train:  # --skip-train: the validation loss of the loaded weights, no step
+            if self._evaluates():
+                self.evaluate_and_log()
+            return state
         self.model.train()
-        data_iterator = self.train_loader(state.consumed_train_samples)
+        self.hooks.train_start(state, config.train_iters)
+        data_iterator = self.hooks.data(self.train_loader(state.consumed_train_samples))
         start_time = time.time()
         while state.iteration < config.train_iters:
+            self.hooks.step_start(state.iteration)
             result = self.train_step(data_iterator)
             self.history.append(result)
             self._account(result)
@@ -223,15 +291,19 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.finalize(blocking=False, iteration=state.iteration)
                 if self.checkpointer.due(state.iteration):
-                    self.checkpointer.save(self)
+                    self.hooks.save(self)
+                elif self.checkpointer.non_persistent_due(state.iteration):  # not a progress-file save
+                    self.checkpointer.save(self, non_persistent=True)
+            self.hooks.step_end(state.iteration)
             if self._should_exit(start_time):
                 break
         if self._evaluates() and state.iteration % config.eval_interval != 0:
             self.evaluate_and_log()
         if self.checkpointer is not None:
             if not self.checkpointer.due(state.iteration):
-                self.checkpointer.save(self)  # the end of training is always saved
+                self.hooks.save(self)  # the end of training is always saved
             self.checkpointer.finalize(blocking=True)
+        self.hooks.train_end()
         return state
 
     def _evaluates(self) -> bool:
@@ -269,7 +341,8 @@ class Trainer:
         return loss_sum / max(normalizer, 1.0)
 
     def evaluate_and_log(self) -> float:
-        loss = self.evaluate()
+        with self.hooks.evaluation(self.state.iteration):
+            loss = self.evaluate()
         if self.logger is not None:
             self.logger.on_validation(self.state, loss)
         return loss
@@ -280,6 +353,13 @@ def replica_group(groups: ProcessGroups):
     """The ranks that hold the same weights and see other tokens: the data-parallel replicas, and
     with context parallelism their cp ranks too (gradients, ZeRO and FSDP2 shard over these)."""
     return groups.dp_cp if group_size(groups.cp) > 1 else groups.dp
+
+
+def shard_groups(groups: ProcessGroups) -> tuple:
+    """(dense, expert) groups the sharded state is split over: the replicas, or with
+    --num-distributed-optimizer-instances the replicas of this rank's instance."""
+    dense = groups.intra_dp_cp if groups.intra_dp_cp is not None else replica_group(groups)
+    return dense, groups.intra_expert_dp if groups.intra_expert_dp is not None else groups.expert_dp
 
 
 def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, runtime: Runtime,
@@ -298,8 +378,10 @@ def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, ru
 
 
 def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None, expert_dp_group=None):
+    """AdamW (ZeRO-1 over `dp_group` / `expert_dp_group` under the optim strategy) and its schedule."""
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
+                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                             decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
     strategy = args.data_parallel_sharding_strategy
     optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
                                 optimizer_sharding_group(strategy, expert_dp_group))
@@ -311,7 +393,8 @@ def dataset_sizes(config: TrainingConfig) -> List[int]:
     """Samples needed from the train, validation and test splits over the whole run."""
     evaluations = config.train_iters // config.eval_interval + 1
     eval_samples = config.eval_iters * config.global_batch_size
-    return [config.train_iters * config.global_batch_size, eval_samples, eval_samples if evaluations else 0]
+    train_samples = config.batch_schedule.samples_after(config.train_iters)  # the sum of a ramp's batches
+    return [train_samples, eval_samples, eval_samples if evaluations else 0]
 
 
 def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelState,
@@ -340,23 +423,37 @@ def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelStat
     return (chunks[0] if virtual == 1 else ModelChunks(chunks)), fp8_layers
 
 
+def wrap_replicas(args: argparse.Namespace, model: nn.Module, runtime: Runtime, layout: ParallelState,
+                  logger: TrainingLogger) -> tuple:
+    """The data-parallel wrapper (with distributed-optimizer instances: sharded within one,
+    replicated across them), the optimizer and its schedule."""
+    groups, replicas = layout.groups, replica_group(layout.groups)
+    config = getattr(args, "data_parallel_config", None) or DataParallelConfig(args.data_parallel_sharding_strategy)
+    instances = None if groups.intra_dp_cp is None else (groups.intra_dp_cp, groups.inter_dp_cp)
+    expert_instances = None if groups.intra_expert_dp is None else (groups.intra_expert_dp, groups.inter_expert_dp)
+    model = wrap_data_parallel(model, runtime.device, replicas, pipeline=layout.pp > 1, expert_group=groups.expert_dp,
+                               config=config, instances=instances, expert_instances=expert_instances)
+    if group_size(replicas) > 1:
+        logger.print(describe_data_parallel(config, group_size(replicas), layout.optimizer_instances, layout.pp > 1))
+    optimizer, scheduler = build_optimizer_and_scheduler(args, model, *shard_groups(groups))
+    return model, optimizer, scheduler
+
+
 def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_datasets_provider: Callable,
                   model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
     """Model, data-parallel wrapper, optimizer, schedule and data."""
     set_random_seeds(args.seed)
     layout = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                        args.context_parallel_size, args.expert_model_parallel_size,
-                                       args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size)
+                                       args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size,
+                                       args.num_distributed_optimizer_instances)
     model, fp8_layers = build_model(args, runtime, layout, model_provider)
     training = args.training_config
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
     logger.log_start(model, layout)
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
-    replicas = replica_group(layout.groups)
-    model = wrap_data_parallel(model, runtime.device, replicas, args.data_parallel_sharding_strategy,
-                               pipeline=layout.pp > 1, expert_group=layout.groups.expert_dp)
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model, replicas, layout.groups.expert_dp)
+    model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)
@@ -364,7 +461,8 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
         training, model, optimizer, scheduler, partial(forward_step_func, args=args),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
-        runtime=runtime, logger=logger, groups=layout.groups, links=links)
+        runtime=runtime, logger=logger, groups=layout.groups, links=links,
+        hooks=LoopHooks.from_args(args, logger, runtime), rerun_config=args.rerun_config)
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
@@ -375,6 +473,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     from megatron.core.errors import InputError
 
     args = parse_args(argv, extra_args_provider)
+    set_deterministic_mode(args.deterministic_mode)
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = lock = None
     try:
@@ -384,9 +483,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             check_loadable(checkpoint, record)
         trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
         if checkpoint.load:
-            loaded = load_checkpoint(checkpoint, record, trainer)
-            trainer.logger.print(f"> loaded {checkpoint.load} at iteration {loaded}" if loaded is not None
-                                 else f"> no checkpoint in {checkpoint.load}; starting from scratch")
+            if load_checkpoint(checkpoint, record, trainer, log=trainer.logger.print) is None:
+                trainer.logger.print(f"> no checkpoint in {checkpoint.load}; starting from scratch")
         if checkpoint.save:
             trainer.checkpointer = Checkpointer(checkpoint, record, trainer.logger.print)
     except InputError as error:  # the user's input, not our bug: no traceback
@@ -399,7 +497,7 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
             dist.destroy_process_group()
         sys.exit(1)
     if args.training_config.exit_signal_handler:
-        trainer.signal_handler = ExitSignalHandler()
+        trainer.signal_handler = ExitSignalHandler(getattr(signal, args.training_config.exit_signal))
     try:
         trainer.train()
     except TrainingDiverged as error:  # every rank raises it at the same step

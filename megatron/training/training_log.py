@@ -7,9 +7,11 @@ work: `iteration  N/ M | consumed samples: ... | lm loss: 1.234567E+00 | ...`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
 from datetime import datetime
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.training import flops
 from megatron.training.configs import LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.initialize import Runtime
+from megatron.training.timers import Timers
 
 
 def _open_wandb(config: LoggingConfig, run: dict):
@@ -28,7 +31,34 @@ def _open_wandb(config: LoggingConfig, run: dict):
         import wandb
     except ImportError as error:
         raise SystemExit("--wandb-project needs the wandb package: pip install 'megadlms[wandb]'") from error
-    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name, config=run)
+    return wandb.init(**wandb_init_kwargs(config, run))
+
+
+def wandb_init_kwargs(config: LoggingConfig, run: dict) -> dict:
+    """wandb.init's arguments from the --wandb-* flags (MegaDLMs' set; --wandb-entity Megatron's).
+    Optional ones are passed only when given, so older wandb releases accept the call."""
+    tags = [tag.strip() for tag in (config.wandb_tags or "").split(",") if tag.strip()]
+    kwargs = dict(project=config.wandb_project, name=config.wandb_exp_name, config=run, id=config.wandb_run_id,
+                  mode=config.wandb_mode, tags=tags or None, group=config.wandb_group, notes=config.wandb_notes,
+                  dir=config.wandb_save_dir)
+    if config.wandb_resume_from:  # a fork of an earlier run's history: wandb refuses it with resume=
+        kwargs["resume_from"] = config.wandb_resume_from
+    else:
+        kwargs["resume"] = config.wandb_resume
+    if config.wandb_entity:
+        kwargs["entity"] = config.wandb_entity
+    if config.wandb_save_dir:
+        os.makedirs(config.wandb_save_dir, exist_ok=True)
+    return kwargs
+
+
+def cuda_memory_scalars(device: torch.device) -> Dict[str, float]:
+    """--log-memory-to-tensorboard: the caching allocator's statistics, under Megatron's names."""
+    stats = torch.cuda.memory_stats(device)
+    return {"mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+            "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+            "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+            "mem-allocated-count": stats.get("allocation.all.current", 0)}
 
 
 class TrainingLogger:
@@ -46,13 +76,16 @@ class TrainingLogger:
         if runtime.is_main and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=config.tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=config.tensorboard_queue_size)
         if runtime.is_main and config.wandb_project:
             self.wandb = _open_wandb(config, {"training": dataclasses.asdict(training),
                                               "logging": dataclasses.asdict(config),
                                               "dlm": dataclasses.asdict(record.dlm_config),
                                               "model": {k: str(v) for k, v in
                                                         dataclasses.asdict(record.transformer_config).items()}})
+        self.timers = Timers(config.timing_log_level, config.timing_log_option, runtime.device)
+        if config.log_memory_to_tensorboard and runtime.device.type != "cuda":
+            self.print("> --log-memory-to-tensorboard: no CUDA device, so no memory statistics on CPU")
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -92,33 +125,45 @@ class TrainingLogger:
             self.window_loss += result.loss
             self.window_counted += 1
         self.window_steps += 1
+        if state.iteration % self.config.tensorboard_log_interval == 0:
+            self._step_scalars(state, result, learning_rate, loss_scale)
         if state.iteration % self.config.log_interval:
             return
+        timers = self.timers.gather() if self.timers.level >= 1 else {}  # a collective: every rank is here
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize(self.runtime.device)
         seconds = (time.perf_counter() - self.window_start) / self.window_steps
         loss = self.window_loss / max(self.window_counted, 1)
-        tokens = self.training.global_batch_size * self.training.seq_length
-        rates = flops.throughput_metrics(self.flops_per_iteration, tokens, seconds, self.record.world_size, self.peak)
-        line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates)
+        batch = getattr(result, "global_batch_size", 0) or self.training.global_batch_size  # a ramp's current one
+        tokens = batch * self.training.seq_length
+        rates = flops.throughput_metrics(self.flops_per_iteration * batch / self.training.global_batch_size, tokens,
+                                         seconds, self.record.world_size, self.peak)
+        numerics = getattr(result, "numerics", None)  # params norm, zeros in the gradients (rerun.py)
+        line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates, batch,
+                          numerics.console_parts() if numerics is not None else ())
         moe = getattr(result, "moe", None)
         self.print(line + (f" {moe.summary()} |" if moe is not None else ""))
-        values = {"lm loss": loss, "learning-rate": learning_rate, "grad-norm": result.grad_norm,
-                  "loss-scale": loss_scale, "skipped-iterations": state.skipped_iterations,
-                  "nan-iterations": state.nan_iterations, "iteration-time": seconds,
-                  "consumed-tokens": state.consumed_train_tokens,
+        report = self.timers.report(timers, self.window_steps)
+        if report:
+            self.print(report)
+        values = {"iteration-time": seconds, "consumed-tokens": state.consumed_train_tokens,
                   "throughput/tokens-per-sec-per-gpu": rates["tokens_per_sec_per_gpu"],
                   "throughput/tflops-per-gpu": rates["tflops_per_gpu"]}
         if rates["mfu"] is not None:
             values["throughput/mfu"] = rates["mfu"]
         if moe is not None:  # the last step of the window (Megatron logs MoE losses per step too)
             values.update(moe.scalars())
+        if numerics is not None:
+            values.update(numerics.all_scalars())
         if self.runtime.device.type == "cuda":
             values["memory/max-allocated-gib"] = torch.cuda.max_memory_allocated(self.runtime.device) / 2 ** 30
+        if self.config.log_timers_to_tensorboard:  # seconds per step, the slowest rank's (Megatron's)
+            values.update({f"{name}-time": max(times) / self.window_steps for name, times in timers.items()})
         self._scalars(values, state.iteration)
         self._reset_window()
 
-    def _line(self, state, seconds, learning_rate, loss, loss_scale, grad_norm, rates) -> str:
+    def _line(self, state, seconds, learning_rate, loss, loss_scale, grad_norm, rates, batch: int,
+              numerics: Sequence[str] = ()) -> str:
         training = self.training
         parts = [f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {state.iteration:8d}/{training.train_iters:8d}",
                  f"consumed samples: {state.consumed_train_samples:12d}",
@@ -128,8 +173,8 @@ class TrainingLogger:
             parts.append(f"tokens per second per GPU: {rates['tokens_per_sec_per_gpu']:.1f}")
             if rates["mfu"] is not None:
                 parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
-        parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {training.global_batch_size:5d}",
-                  f"lm loss: {loss:.6E}", f"loss scale: {loss_scale:.1f}", f"grad norm: {grad_norm:.3f}",
+        parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {batch:5d}",
+                  f"lm loss: {loss:.6E}", f"loss scale: {loss_scale:.1f}", f"grad norm: {grad_norm:.3f}", *numerics,
                   f"number of skipped iterations: {state.skipped_iterations:3d}",
                   f"number of nan iterations: {state.nan_iterations:3d}"]
         if self.runtime.device.type == "cuda":
@@ -137,11 +182,48 @@ class TrainingLogger:
                          f"{torch.cuda.max_memory_allocated(self.runtime.device) / 2 ** 30:.2f}")
         return " | ".join(parts) + " |"
 
+    def _step_scalars(self, state, result, learning_rate: float, loss_scale: float) -> None:
+        """Megatron's per-step scalars, every --tensorboard-log-interval steps; tensorboard also gets
+        them against consumed samples (`<name> vs samples`)."""
+        if self.writer is None and self.wandb is None:
+            return
+        config = self.config
+        values = {"grad-norm": result.grad_norm, "skipped-iterations": state.skipped_iterations,
+                  "nan-iterations": state.nan_iterations}
+        if math.isfinite(result.loss):
+            values["lm loss"] = result.loss
+        if config.log_learning_rate_to_tensorboard:
+            values["learning-rate"] = learning_rate
+        if config.log_batch_size_to_tensorboard:
+            values["batch-size"] = getattr(result, "global_batch_size", 0) or self.training.global_batch_size
+        if config.log_loss_scale_to_tensorboard:
+            values["loss-scale"] = loss_scale
+        if config.log_world_size_to_tensorboard:
+            values["world-size"] = self.record.world_size
+        if config.log_memory_to_tensorboard and self.runtime.device.type == "cuda":
+            values.update(cuda_memory_scalars(self.runtime.device))
+        self._scalars(values, state.iteration)
+        if self.writer is not None:
+            for name in ("lm loss", "learning-rate", "batch-size", "loss-scale", "world-size", "grad-norm"):
+                if name in values:
+                    self.writer.add_scalar(f"{name} vs samples", values[name], state.consumed_train_samples)
+
+    def on_timer(self, name: str, seconds: float, iteration: int) -> None:
+        """A timed evaluation or save (this rank's time): `<name>-time` with --log-timers-to-tensorboard."""
+        if self.config.log_timers_to_tensorboard:
+            self._scalars({f"{name}-time": seconds}, iteration)
+
     def on_validation(self, state, loss: float) -> None:
-        ppl = float(torch.tensor(min(loss, 20.0)).exp())
+        ppl = math.exp(min(loss, 20.0))
         line = f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        self._scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, state.iteration)
+        values = {"lm loss validation": loss}
+        if self.config.log_validation_ppl_to_tensorboard:  # for a DLM: exp of the ELBO bound
+            values["lm loss validation ppl"] = ppl
+        self._scalars(values, state.iteration)
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(f"{name} vs samples", value, state.consumed_train_samples)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -83,8 +83,6 @@ BAD_FLAGS = [
     (["--difflm-loss-chunk-size", "16"], "--difflm-loss-chunk-size has no effect without --difflm-masked-only-loss"),
     (["--num-query-groups", "2"], "--num-query-groups has no effect without --group-query-attention"),
     (["--recompute-method", "block"], "--recompute-method has no effect without --recompute-granularity full"),
-    (["--split", "1,1,1"], "--split has no effect without --data-path"),
-    (["--data-cache-path", "/tmp/unused"], "--data-cache-path has no effect without --data-path"),
     (["--tokenizer-model", "spm.model"], "--tokenizer-model is not read by --tokenizer-type NullTokenizer"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "router_topk=5 exceeds num_experts=4 (flag --moe-router-topk)"),
     (["--num-experts", "4", "--moe-router-enable-expert-bias"],

@@ -13,7 +13,6 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 from megatron.core.models.difflm.batch import document_ids_from_eod
 from megatron.training.arguments import parse_args
-from megatron.training.initialize import initialize_distributed
 from megatron.training.training import TrainingDiverged, build_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,13 +24,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "
         "--log-interval", "1000", "--eval-iters", "0", "--attention-backend", "math"]
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    return initialize_distributed("gloo")
-
-
-def make_trainer(runtime, *extra, forward_step=pretrain_difflm.forward_step):
-    args = parse_args(TINY + list(extra), add_difflm_args, world_size=1)
+def make_trainer(runtime, *extra, forward_step=pretrain_difflm.forward_step, base=TINY):
+    """A one-process Trainer of `base` + `extra` flags (other test modules import this and `runtime`)."""
+    args = parse_args(list(base) + list(extra), add_difflm_args, world_size=1)
     return build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                          pretrain_difflm.model_provider, forward_step)
 
@@ -223,7 +218,6 @@ def test_packing_flags_give_documents_positions_and_eod_masking(mode):
 
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads 4 is not divisible"),
-    (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31"], "--seq-length 31"),
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
      "--num-layers 2 is not divisible by --pipeline-model-parallel-size 4"),

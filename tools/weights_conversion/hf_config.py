@@ -6,8 +6,9 @@ checkpoints `Qwen3MoeForCausalLM` / `OlmoeForCausalLM` (no remote code), for aut
 (`vanilla`) checkpoints of those architectures, otherwise the remote-code `DLMForCausalLM`
 (hf_dlm/), which covers every architecture MegaDLMs trains (shared experts, expert biases and
 the expert-bias balancing, sigmoid scores, expert-choice routing, capacity limits included).
-config.json is written by hand, with both `rope_theta` and `rope_parameters`, so transformers
-4.x and 5.x read the same RoPE base.
+config.json is written by hand, with both `rope_theta` and `rope_parameters` (and `rope_scaling`
+when scaled), so transformers 4.x and 5.x read the same RoPE. RoPE scaling (llama3, yarn) and
+sliding-window attention: hf_rope.py.
 
 MoE fields: `num_experts`, `num_experts_per_tok` (router_topk), `moe_intermediate_size` (Qwen3-MoE;
 OLMoE's `intermediate_size`: the experts' ffn), `norm_topk_prob` (= not router_pre_softmax),
@@ -17,8 +18,8 @@ between the two frameworks). OLMoE's QK-norm covers the whole q / k projection:
 `qk_layernorm_scope='all'`.
 
 Import accepts the architectures in SUPPORTED_IMPORTS and rejects, with the reason, any option
-MegaDLMs cannot reproduce (RoPE scaling, another activation, sliding-window attention, QKV
-clipping, ...).
+MegaDLMs cannot reproduce (RoPE scaling other than llama3 / yarn, another activation, a sliding
+window in only some layers, QKV clipping, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 
 from megatron.core.transformer.moe.config import MoEConfig
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from tools.weights_conversion import hf_rope
+from tools.weights_conversion.hf_rope import UnsupportedArchitecture
 
 DLM_ARCHITECTURE = "DLMForCausalLM"
 NATIVE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -44,10 +47,6 @@ SUPPORTED_IMPORTS = {
     DLM_ARCHITECTURE: "MegaDLMs export (remote code, any running mode, MoE included)",
 }
 EXPORT_CHOICES = ("auto", "llama", "qwen2", "qwen3", "qwen3_moe", "olmoe", "dlm")
-
-
-class UnsupportedArchitecture(ValueError):
-    pass
 
 
 def supported_imports_text() -> str:
@@ -129,6 +128,8 @@ def _moe_mismatches(kind: str, config: TransformerConfig) -> List[str]:
 def native_mismatches(kind: str, config: TransformerConfig, dlm: DLMConfig) -> List[str]:
     """Why `kind` (llama, qwen2, qwen3, qwen3_moe, olmoe) cannot represent this checkpoint; empty when it can."""
     reasons = _common_mismatches(config, dlm)
+    if dlm.effective_mask_type == "sliding_window" and kind not in hf_rope.WINDOW_KINDS:
+        reasons.append(f"sliding-window attention ({kind} has none; {', '.join(hf_rope.WINDOW_KINDS)} have)")
     return reasons + (_moe_mismatches(kind, config) if kind in MOE_KINDS else _dense_mismatches(kind, config))
 
 
@@ -148,14 +149,6 @@ def choose_export(config: TransformerConfig, dlm: DLMConfig, requested: str = "a
         if not native_mismatches(kind, config, dlm):
             return kind
     return "dlm"
-
-
-def _rope_fields(kind: str, config: TransformerConfig) -> dict:
-    if kind == "dlm":
-        return {"rope_theta": config.rotary_base}
-    # transformers 4.x reads rope_theta, 5.x rope_parameters: write both, equal.
-    return {"rope_theta": config.rotary_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base}}
 
 
 def _moe_fields(kind: str, config: TransformerConfig) -> dict:
@@ -196,15 +189,14 @@ def _dlm_fields(config: TransformerConfig, dlm: DLMConfig, special_ids: Dict[str
                          "AutoModelForCausalLM": "modeling_dlm.DLMForCausalLM"}}
 
 
-def _specific_fields(kind: str, config: TransformerConfig) -> dict:
-    """The fields of one native class."""
+def _specific_fields(kind: str, config: TransformerConfig, window: Optional[int]) -> dict:
+    """The fields of one native class (`window`: the sliding window of every layer, or None)."""
     if kind == "llama":
         return {"model_type": "llama", "attention_bias": config.add_bias_linear,
                 "mlp_bias": config.add_bias_linear, "pretraining_tp": 1}
     if kind == "olmoe":
         return {"model_type": "olmoe", "attention_bias": False, "clip_qkv": None}
-    specific = {"model_type": kind, "use_sliding_window": False, "sliding_window": None,
-                "max_window_layers": config.num_layers, "layer_types": ["full_attention"] * config.num_layers}
+    specific = {"model_type": kind, **hf_rope.export_window(kind, config.num_layers, window)}
     if kind in ("qwen3", "qwen3_moe"):
         specific["attention_bias"] = False
     return specific
@@ -219,12 +211,13 @@ def export_config(kind: str, config: TransformerConfig, dlm: DLMConfig, special_
               "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
               "hidden_act": config.activation, "max_position_embeddings": config.max_position_embeddings,
               "rms_norm_eps": config.layernorm_epsilon, "initializer_range": config.init_method_std,
-              "tie_word_embeddings": config.share_embeddings_and_output_weights, **_rope_fields(kind, config),
+              "tie_word_embeddings": config.share_embeddings_and_output_weights, **hf_rope.export_rope(kind, config),
               "attention_dropout": 0.0, "use_cache": kind != "dlm",
               "bos_token_id": special_ids.get("bos_token_id"), "eos_token_id": special_ids.get("eos_token_id"),
               "pad_token_id": special_ids.get("pad_token_id"),
               "torch_dtype": str(dtype).replace("torch.", ""), "dtype": str(dtype).replace("torch.", "")}
-    specific = _dlm_fields(config, dlm, special_ids) if kind == "dlm" else _specific_fields(kind, config)
+    window = config.sliding_window if dlm.effective_mask_type == "sliding_window" else None
+    specific = _dlm_fields(config, dlm, special_ids) if kind == "dlm" else _specific_fields(kind, config, window)
     architecture = DLM_ARCHITECTURE if kind == "dlm" else NATIVE_ARCHITECTURES[kind]
     return {"architectures": [architecture], **common, **specific, **_moe_fields(kind, config),
             "megadlms": provenance}
@@ -238,20 +231,6 @@ def _architecture(hf: dict) -> str:
         raise UnsupportedArchitecture(f"unsupported architecture {', '.join(map(str, found))}; supported: "
                                       f"{supported_imports_text()}")
     return architectures[0]
-
-
-def _rope(hf: dict) -> Tuple[float, float]:
-    """(rope base, rotary fraction); RoPE scaling variants are rejected."""
-    parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for source in (parameters, scaling):
-        kind = source.get("rope_type", source.get("type", "default"))
-        if kind not in ("default", None):
-            raise UnsupportedArchitecture(f"RoPE scaling {kind!r} is not supported (MegaDLMs' RoPE is unscaled); "
-                                          "supported: the default rope_type")
-    theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
-    fraction = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_percent", 1.0)))
-    return float(theta), float(fraction)
 
 
 _QK_NORM_SCOPES = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "all"}
@@ -334,7 +313,9 @@ def _dlm_import(hf: dict, fields: dict) -> dict:
     mode = hf.get("model_running_mode", "difflm-noshift")
     mask_type = hf.get("attention_mask_type", "causal" if mode == "vanilla" else "no_mask")
     fields["sliding_window"] = hf.get("sliding_window") if mask_type == "sliding_window" else None
-    dlm_fields = {"model_running_mode": mode, "attention_mask_type": "no_mask" if mode == "vanilla" else mask_type,
+    if mode == "vanilla" and mask_type != "sliding_window":  # vanilla attends causally (or in a window)
+        mask_type = "no_mask"
+    dlm_fields = {"model_running_mode": mode, "attention_mask_type": mask_type,
                   "mask_token_id": hf.get("mask_token_id"), "block_size": hf.get("attention_block_size")}
     dlm_fields.update((hf.get("megadlms") or {}).get("dlm_config") or {})
     return dlm_fields
@@ -351,10 +332,8 @@ def import_configs(hf: dict, biases: Dict[str, bool], has_lm_head: bool) -> Tupl
     act = hf.get("hidden_act", "silu")
     if not is_dlm and act != "silu":
         raise UnsupportedArchitecture(f"hidden_act={act!r} is not supported for {architecture}; supported: silu")
-    if hf.get("use_sliding_window") or (architecture == "LlamaForCausalLM" and hf.get("sliding_window")):
-        raise UnsupportedArchitecture(f"{architecture} with sliding-window attention is not supported; "
-                                      "supported: full attention")
-    theta, fraction = _rope(hf)
+    window = None if is_dlm else hf_rope.import_window(hf, architecture)
+    theta, fraction, rope_scaling = hf_rope.import_rope(hf, is_dlm)
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or hidden // heads
     if architecture == "OlmoeForCausalLM" and head_dim * heads != hidden:
@@ -374,9 +353,12 @@ def import_configs(hf: dict, biases: Dict[str, bool], has_lm_head: bool) -> Tupl
                   qk_layernorm_scope=_QK_NORM_SCOPES.get(architecture, hf.get("qk_norm_scope") or "head"),
                   **_bias_fields(architecture, biases),
                   gated_linear_unit=bool(hf.get("gated_mlp", True)), activation=act,
-                  rotary_base=theta, rotary_percent=fraction, moe=import_moe(architecture, hf),
+                  rotary_base=theta, rotary_percent=fraction, **rope_scaling, sliding_window=window,
+                  moe=import_moe(architecture, hf),
                   init_method_std=hf.get("initializer_range", 0.02), share_embeddings_and_output_weights=tied)
     dlm_fields = _dlm_import(hf, fields) if is_dlm else {"model_running_mode": "vanilla"}
+    if window is not None:  # an AR model's causal window
+        dlm_fields["attention_mask_type"] = "sliding_window"
     return architecture, fields, dlm_fields
 
 

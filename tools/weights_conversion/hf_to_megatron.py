@@ -86,9 +86,11 @@ def _tokenizer_identity(hf_path: str, add_mask: bool, mask_token_id: Optional[in
     return {**tokenizer.identity, "files": [os.path.abspath(path) for path in tokenizer._source_files()]}
 
 
-def _dlm_config(args, fields: dict, vocab: int, hf_path: str) -> DLMConfig:
-    mode = args.model_running_mode or fields.get("model_running_mode", "vanilla")
+def _dlm_config(args, fields: dict, config: TransformerConfig, hf_path: str) -> DLMConfig:
+    mode, vocab = args.model_running_mode or fields.get("model_running_mode", "vanilla"), config.vocab_size
     values = {**fields, "model_running_mode": mode}
+    if mode != "vanilla" and fields.get("model_running_mode") == "vanilla":
+        values.pop("attention_mask_type", None)  # an AR model's causal window is not the DLM modes' default
     if args.attention_mask_type:
         values["attention_mask_type"] = args.attention_mask_type
     if args.mask_token_id is not None:
@@ -100,7 +102,7 @@ def _dlm_config(args, fields: dict, vocab: int, hf_path: str) -> DLMConfig:
             raise ValueError(f"--model-running-mode {mode} needs a mask token and the folder's tokenizer has none; "
                              f"pass --mask-token-id ID (an id below the vocabulary size {vocab})")
     dlm = DLMConfig(**hf_config.dataclass_fields(DLMConfig, values))
-    dlm.validate(vocab)
+    dlm.validate(vocab, sliding_window=config.sliding_window)
     return dlm
 
 
@@ -115,7 +117,7 @@ def convert(args: argparse.Namespace) -> str:
     if args.max_position_embeddings:
         fields["max_position_embeddings"] = args.max_position_embeddings
     config = TransformerConfig(**fields).validate()
-    dlm = _dlm_config(args, dlm_fields, config.vocab_size, args.hf_path)
+    dlm = _dlm_config(args, dlm_fields, config, args.hf_path)
     fused = mapping.has_fused_experts(weights.names())  # transformers 5's in-memory expert layout
     expected = set(mapping.hf_names(config, fused))
     unexpected = sorted(name for name in weights.names()

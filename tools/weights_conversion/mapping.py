@@ -228,6 +228,13 @@ def _experts_from_hf(config: TransformerConfig, which: str, param: str, read: Re
     return torch.stack(pieces)
 
 
+def _norm_to_hf(config: TransformerConfig, module: str, param: str, tensor: torch.Tensor) -> torch.Tensor:
+    """HF norms multiply by their weight: a zero-centred scale (--apply-layernorm-1p) exports as 1 + w."""
+    if config.layernorm_zero_centered_gamma and module.endswith("layernorm") and param == "weight":
+        return tensor + 1.0
+    return tensor
+
+
 def layer_to_hf(config: TransformerConfig, index: int, ours: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """One layer's tensors (our names relative to `decoder.layers.i.`) -> HF names."""
     prefix = f"model.layers.{index}."
@@ -242,7 +249,7 @@ def layer_to_hf(config: TransformerConfig, index: int, ours: Dict[str, torch.Ten
         elif owner == "mlp.experts":
             hf.update(_experts_to_hf(config, which, param, tensor, prefix))
         elif module in _RENAMES:
-            hf[f"{prefix}{_RENAMES[module]}.{param}"] = tensor
+            hf[f"{prefix}{_RENAMES[module]}.{param}"] = _norm_to_hf(config, module, param, tensor)
         else:  # a dense MLP or the shared expert
             hf.update(_mlp_to_hf(config.gated_linear_unit, which, param, tensor, prefix + _MLP_PREFIXES[owner]))
     return {name: tensor.contiguous() for name, tensor in hf.items()}
@@ -291,7 +298,7 @@ def globals_to_hf(config: TransformerConfig, ours: Dict[str, torch.Tensor]) -> D
     for param in _norm_params(config):
         tensor = ours[f"decoder.final_layernorm.{param}"]
         check_shape(f"decoder.final_layernorm.{param}", tensor, (hidden,), "checkpoint")
-        hf[f"model.norm.{param}"] = tensor
+        hf[f"model.norm.{param}"] = _norm_to_hf(config, "final_layernorm", param, tensor)
     return hf
 
 

@@ -5,11 +5,14 @@
 
 Both models run in fp32. Real text (default: the first address of the bundled corpus,
 examples/data/) is tokenized with the checkpoint's tokenizer (its sha256 is checked) and cut
-into --batch-size rows of --seq-length tokens. In the difflm-* modes the rows are corrupted with
-the checkpoint's diffusion process (seeded, the same for both) and both sides are scored with
-the training loss (mask weights, normalizer, shift alignment); in vanilla with the next-token
-loss. Prints the max and mean absolute logit difference and the loss difference; exits 1 when
-either exceeds --tolerance (a bf16 export needs about 1e-1: its weights are rounded).
+into --batch-size rows of --seq-length tokens (default 128, or longer where the model needs it to
+be checked: past the original context of RoPE scaling, llama3 / yarn, and past a sliding window,
+up to max_position_embeddings; an explicit shorter --seq-length is kept, with a note). In the
+difflm-* modes the rows are corrupted with the checkpoint's diffusion process (seeded, the same
+for both) and both sides are scored with the training loss (mask weights, normalizer, shift
+alignment); in vanilla with the next-token loss. Prints the max and mean absolute logit
+difference and the loss difference; exits 1 when either exceeds --tolerance (a bf16 export
+needs about 1e-1: its weights are rounded).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import gzip
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +48,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--text-file", help="File whose text to run.")
     parser.add_argument("--tokenizer-model", help="Training tokenizer file, when the checkpoint does not "
                         "record it (default: the copy in --hf-path).")
-    parser.add_argument("--seq-length", type=int, default=128, help="Tokens per row (capped by the model).")
+    parser.add_argument("--seq-length", type=int, help="Tokens per row (default 128, or past the original context "
+                        "of RoPE scaling / past the sliding window; capped by the model).")
     parser.add_argument("--batch-size", type=int, default=2, help="Rows.")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="Largest accepted absolute difference.")
     return parser.parse_args(argv)
@@ -80,9 +84,33 @@ def _training_tokenizer(identity: dict, args):
     return None, errors[-1]
 
 
-def token_rows(args, metadata: dict, vocab: int, max_length: int) -> torch.Tensor:
-    """[batch, seq] ids of real text (or, for the NullTokenizer, of a fixed random draw)."""
-    length = min(args.seq_length, max_length)
+def exercised_length(config, dlm) -> Optional[Tuple[int, str]]:
+    """The shortest length whose positions reach what RoPE scaling or a sliding window changes, and what."""
+    needs = []
+    if config.rope_scaling_type == "llama3":
+        original = config.rope_scaling_original_max_position_embeddings
+        needs.append((original + 1, f"llama3 RoPE scaling past original_max_position_embeddings={original}"))
+    if config.rope_scaling_type == "yarn":
+        original = config.yarn_original_max_position_embeddings
+        needs.append((original + 1, f"YaRN past original_max_position_embeddings={original}"))
+    if dlm.effective_mask_type == "sliding_window":
+        needs.append((config.sliding_window + 1, f"the sliding window of {config.sliding_window} tokens"))
+    return max(needs) if needs else None
+
+
+def choose_length(args, config, dlm) -> int:
+    """--seq-length, or the default raised to what `exercised_length` asks, capped by the model."""
+    need, limit = exercised_length(config, dlm), config.max_position_embeddings
+    length = args.seq_length or max(128, need[0] if need else 0)
+    if need and min(length, limit) < need[0]:
+        why = "the model's max_position_embeddings" if length >= need[0] else "--seq-length"
+        print(f"> note: {min(length, limit)} tokens (capped by {why}) do not reach {need[1]}: that part is "
+              "not checked")
+    return min(length, limit)
+
+
+def token_rows(args, metadata: dict, vocab: int, length: int) -> torch.Tensor:
+    """[batch, length] ids of real text (or, for the NullTokenizer, of a fixed random draw)."""
     needed = length * args.batch_size
     identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}
     tokenizer, problem = _training_tokenizer(identity, args)
@@ -149,7 +177,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, metadata, iter_dir = checkpoint_io.load_model(args.load, args.iteration)
         hf_model = AutoModelForCausalLM.from_pretrained(args.hf_path, trust_remote_code=True,
                                                         dtype=torch.float32).eval()
-        ids = token_rows(args, metadata, model.config.unpadded_vocab_size, model.config.max_position_embeddings)
+        length = choose_length(args, model.config, model.dlm_config)
+        ids = token_rows(args, metadata, model.config.unpadded_vocab_size, length)
         result = compare(model, hf_model, ids)
     except (ValueError, OSError) as error:  # InputError and TokenizerExportError are ValueErrors
         print(f"error: {error}", file=sys.stderr)

@@ -74,7 +74,7 @@ class DatasetBuilder:
 
     def indexed(self, prefix: str) -> IndexedDataset:
         if prefix not in self._indexed:
-            self._indexed[prefix] = IndexedDataset(prefix)
+            self._indexed[prefix] = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
         return self._indexed[prefix]
 
     def gpt(self, prefix: str, document_range: Tuple[int, int], num_samples: int, split: str) -> GPTDataset:

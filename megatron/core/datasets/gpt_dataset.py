@@ -40,6 +40,9 @@ class GPTDatasetConfig:
     """Seed of the document and sample shuffles."""
     cache_dir: Optional[str] = None
     """Where index files go (default: `<data prefix dir>/cache/GPTDataset_indices`)."""
+    mmap_bin_files: bool = True
+    """Memory-map the `.bin` token files; False reads each sample through a file handle
+    (--no-mmap-bin-files, for filesystems where mmap is slow or not allowed)."""
 
 
 def split_weights(split: str) -> List[float]:

@@ -96,14 +96,17 @@ def linear_range_boxes(shape: Tuple[int, ...], start: int, stop: int) -> List[Bo
 
 
 def _local_rows(tensor: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """The rows of dim 0 this rank holds of an FSDP2 DTensor, and the index of the first."""
+    """The rows of dim 0 this rank holds of an FSDP2 DTensor, and the index of the first. Under
+    HSDP (distributed-optimizer instances) the mesh is [replicate, shard]: the replicas describe
+    the same rows, which the writer stores once."""
     placements = tensor.placements
-    if len(placements) != 1 or not placements[0].is_shard(0):
+    sharded = [dim for dim, placement in enumerate(placements) if not placement.is_replicate()]
+    if len(sharded) != 1 or not placements[sharded[0]].is_shard(0):
         raise ValueError(f"checkpointing supports FSDP2 parameters sharded on dim 0 only, not {placements}")
     local = tensor.to_local()
-    mesh = tensor.device_mesh
-    chunk = -(-tensor.shape[0] // mesh.size())  # FSDP2 splits rows as torch.chunk does
-    first = min(mesh.get_local_rank() * chunk, tensor.shape[0])
+    mesh, dim = tensor.device_mesh, sharded[0]
+    chunk = -(-tensor.shape[0] // mesh.size(dim))  # FSDP2 splits rows as torch.chunk does
+    first = min(mesh.get_local_rank(dim) * chunk, tensor.shape[0])
     if local.shape[0] != max(0, min(chunk, tensor.shape[0] - first)):
         raise ValueError(f"unexpected FSDP2 shard of {local.shape[0]} rows at row {first} of {tuple(tensor.shape)}")
     return local, first

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
@@ -93,9 +94,19 @@ def _writer(checkpoint_dir: str) -> dcp.FileSystemWriter:
     return dcp.FileSystemWriter(checkpoint_dir, thread_count=WRITER_THREADS)
 
 
-def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
+def _planner(fully_parallel: bool, cache_plan: bool) -> DefaultSavePlanner:
+    """DCP writes a box several ranks hold (replicas) once: by default from the rank with the
+    fewest bytes planned so far (writes spread over the replicas: Megatron's fully parallel
+    save), with `fully_parallel=False` from the lowest rank holding it. `cache_plan`: the
+    structure is the same at every save, so the plan is exchanged once and reused."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=not fully_parallel, enable_plan_caching=cache_plan)
+
+
+def save(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, fully_parallel: bool = True,
+         cache_plan: bool = False) -> None:
     """Collective: every rank calls it with its own boxes."""
-    dcp.save(to_dcp_state_dict(sharded), storage_writer=_writer(checkpoint_dir))
+    dcp.save(to_dcp_state_dict(sharded), storage_writer=_writer(checkpoint_dir),
+             planner=_planner(fully_parallel, cache_plan))
 
 
 class _HostStaging:
@@ -127,22 +138,23 @@ class _HostStaging:
             torch.cuda.synchronize()
         return staged
 
-    def write(self, state: Dict[str, object], checkpoint_dir: str, process_group) -> Future:
+    def write(self, state: Dict[str, object], checkpoint_dir: str, process_group, planner) -> Future:
         self.writing = self.executor.submit(dcp.save, state, storage_writer=_writer(checkpoint_dir),
-                                            process_group=process_group)
+                                            process_group=process_group, planner=planner)
         return self.writing
 
 
 _STAGING = _HostStaging()
 
 
-def save_async(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, process_group=None) -> Future:
+def save_async(sharded: Dict[str, ShardedTensor], checkpoint_dir: str, process_group=None,
+               fully_parallel: bool = True, cache_plan: bool = False) -> Future:
     """Collective: stage this rank's boxes to host memory, then write them in a background
     thread. The future completes when this rank's files are written (and, on the coordinating
     rank, the metadata). `process_group` carries DCP's collectives: give the writer a group of
     its own (gloo) so they never interleave with the training loop's."""
     state = to_dcp_state_dict(_STAGING.stage(sharded))
-    return _STAGING.write(state, checkpoint_dir, process_group)
+    return _STAGING.write(state, checkpoint_dir, process_group, _planner(fully_parallel, cache_plan))
 
 
 def _fit_padded_rows(sharded: Dict[str, ShardedTensor], metadata) -> Dict[str, ShardedTensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,18 +23,40 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Global L2 norm clip; 0 disables clipping (the norm is still computed and logged)."""
+    decoupled_lr: Optional[float] = None
+    """Peak lr of the input embedding and the output layer (--decoupled-lr); None: `lr`."""
+    decoupled_min_lr: Optional[float] = None
+    """Their lr floor (--decoupled-min-lr); None: the scheduler's --min-lr."""
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> List[Dict]:
-    """Two groups: decayed weights, and norms/biases without decay (1-D parameters)."""
-    decay, no_decay = [], []
+# Megatron's `is_embedding_or_output_parameter` weights, by name (wrappers and FSDP2 keep names,
+# not attributes): the word embedding (also the output weight when tied, on every stage that
+# holds a copy) and the untied output layer.
+DECOUPLED_LR_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    return any(name == suffix or name.endswith("." + suffix) for suffix in DECOUPLED_LR_PARAMETERS)
+
+
+def param_groups(model: nn.Module, weight_decay: float, decoupled_lr: Optional[float] = None,
+                 decoupled_min_lr: Optional[float] = None) -> List[Dict]:
+    """Decayed weights, and norms/biases without decay (1-D parameters); with `decoupled_lr`, the
+    embedding and output layer in a third group whose "max_lr" / "min_lr" the scheduler reads."""
+    decay, no_decay, decoupled = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
+        if param.dim() == 1 or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            (decoupled if decoupled_lr is not None and is_embedding_or_output(name) else decay).append(param)
     # wd_mult tells the LR scheduler, which rewrites weight decay every step, to keep it 0 here.
     groups = [{"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
               {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    if decoupled:
+        own = {"max_lr": decoupled_lr, **({} if decoupled_min_lr is None else {"min_lr": decoupled_min_lr})}
+        groups.append({"params": decoupled, "weight_decay": weight_decay, "wd_mult": 1.0, **own})
     return [group for group in groups if group["params"]]
 
 
@@ -89,7 +111,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig, zero_group: Optio
     """AdamW; with `zero_group`, ZeRO-1: each rank keeps the state of its share of the weights.
     Expert weights (MoE) differ between the data-parallel ranks under expert parallelism, so
     under ZeRO-1 they get an optimizer of their own, sharded over `expert_zero_group`."""
-    groups = param_groups(model, config.weight_decay)
+    groups = param_groups(model, config.weight_decay, config.decoupled_lr, config.decoupled_min_lr)
     experts = [{**group, "params": [p for p in group["params"] if getattr(p, "expert_parallel", False)]}
                for group in groups]
     if zero_group is None or not any(group["params"] for group in experts):
@@ -125,19 +147,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, tp_group
         return torch.zeros(())
     device = local_tensor(params[0].grad).device
     squares = _norm_squares(params, device)
-    for kinds, group in ((slice(0, 2), dp_shard_group), (slice(2, 3), expert_shard_group)):
-        if group is not None and dist.get_world_size(group) > 1:
-            part = squares[kinds].clone()
-            dist.all_reduce(part, group=group)
-            squares = torch.cat([squares[:kinds.start], part, squares[kinds.stop:]])
-    for index, group in ((0, tp_group), (2, expert_group)):
-        if group is not None and dist.get_world_size(group) > 1:
-            part = squares[index:index + 1].clone()
-            dist.all_reduce(part, group=group)
-            squares = torch.cat([squares[:index], part, squares[index + 1:]])
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squares, group=pp_group)
-    norm = squares.sum().sqrt()
+    norm = sum_over_layout(squares, tp_group, dp_shard_group, pp_group, expert_group, expert_shard_group).sqrt()
     sharded = [local_tensor(p.grad) for p in params if getattr(p, "tensor_model_parallel", False)]
     replicated = [local_tensor(p.grad) for p in params if not getattr(p, "tensor_model_parallel", False)]
     multiplier = None
@@ -161,15 +171,48 @@ def _norm_kind(param: nn.Parameter) -> int:
 
 def _norm_squares(params: List[nn.Parameter], device: torch.device) -> torch.Tensor:
     """[sum of squares of the tp-sharded gradients, of the replicated ones, of the experts'] on this rank."""
+    return per_kind_sums(params, lambda p: p.grad, _sum_of_squares, device)
+
+
+def _sum_of_squares(tensors: List[torch.Tensor]) -> torch.Tensor:
+    # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+
+
+def per_kind_sums(params: List[nn.Parameter], tensor_of: Callable[[nn.Parameter], torch.Tensor],
+                  measure: Callable[[List[torch.Tensor]], torch.Tensor], device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[measure of the tp-sharded tensors, of the replicated ones, of the experts'] on this rank, each
+    tensor (`tensor_of(param)`: its gradient, or the weight itself) taken as this rank's local part;
+    a tied embedding's second copy and the etp copies of replicated expert biases count nowhere.
+    `sum_over_layout` then adds the ranks' parts, counting every element of the model once."""
     counted = [p for p in params if not (getattr(p, "tied_embedding_copy", False)
                                          or getattr(p, "duplicate_in_norm", False))]
-    squares = torch.zeros(3, device=device, dtype=torch.float32)
+    sums = torch.zeros(3, device=device, dtype=dtype)
     for index in range(3):
-        grads = [local_tensor(p.grad) for p in counted if _norm_kind(p) == index]
-        if grads:
-            # One multi-tensor kernel per dtype instead of a norm kernel per parameter.
-            squares[index] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-    return squares
+        tensors = [local_tensor(tensor_of(p)) for p in counted if _norm_kind(p) == index]
+        if tensors:
+            sums[index] = measure(tensors)
+    return sums
+
+
+def sum_over_layout(sums: torch.Tensor, tp_group=None, dp_shard_group=None, pp_group=None,
+                    expert_group=None, expert_shard_group=None) -> torch.Tensor:
+    """The whole model's total of `per_kind_sums` (same on every rank): the sharded kinds summed over the
+    ranks that split them (see `clip_grad_norm` for which group splits what), then over the stages."""
+    for kinds, group in ((slice(0, 2), dp_shard_group), (slice(2, 3), expert_shard_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            part = sums[kinds].clone()
+            dist.all_reduce(part, group=group)
+            sums = torch.cat([sums[:kinds.start], part, sums[kinds.stop:]])
+    for index, group in ((0, tp_group), (2, expert_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            part = sums[index:index + 1].clone()
+            dist.all_reduce(part, group=group)
+            sums = torch.cat([sums[:index], part, sums[index + 1:]])
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sums, group=pp_group)
+    return sums.sum()
 
 
 def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:

@@ -167,20 +167,23 @@ def _sdpa_kernel_order():
 # Plain module constants (not a cached factory) so torch.compile can trace the context
 # manager when a whole layer is compiled.
 _SDPA_ORDER, _SDPA_HAS_SET_PRIORITY = _sdpa_kernel_order()
+# Megatron's --attention-backend flash: the flash kernel first, the others where it cannot run
+# (an explicit mask, an unsupported head size).
+_SDPA_FLASH_ORDER = sorted(_SDPA_ORDER, key=lambda kernel: kernel.name != "FLASH_ATTENTION")
 
 
-def _sdpa_kernel_context(device: torch.device):
+def _sdpa_kernel_context(device: torch.device, order=None):
     if device.type == "cuda" and _SDPA_HAS_SET_PRIORITY:
-        return sdpa_kernel(_SDPA_ORDER, set_priority=True)
+        return sdpa_kernel(_SDPA_ORDER if order is None else order, set_priority=True)
     return contextlib.nullcontext()
 
 
-def sdpa_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p: float):
+def sdpa_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p: float, order=None):
     """torch SDPA; ``is_causal`` / no mask when exact, else the dense bool mask.
 
     GQA goes through ``enable_gqa`` rather than repeating kv heads: on H200 with torch 2.11
     the cuDNN kernel accepts it natively, and repeating measured 5-10% slower (the extra
-    copies) at b2 hq16 hkv4 s4096 d128 bf16.
+    copies) at b2 hq16 hkv4 s4096 d128 bf16. ``order``: the kernel priority (default cuDNN first).
     """
     kwargs = dict(dropout_p=dropout_p, scale=softmax_scale)
     if q.shape[1] != k.shape[1]:
@@ -189,8 +192,13 @@ def sdpa_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p
         kwargs["is_causal"] = True
     elif not mask.is_full:
         kwargs["attn_mask"] = mask.dense(q.shape[2], device=q.device, key_len=k.shape[2])
-    with _sdpa_kernel_context(q.device):
+    with _sdpa_kernel_context(q.device, order):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_flash_attention(q, k, v, mask: AttentionMask, softmax_scale: float, dropout_p: float):
+    """SDPA with the flash kernel first (Megatron's ``--attention-backend flash``)."""
+    return sdpa_attention(q, k, v, mask, softmax_scale, dropout_p, order=_SDPA_FLASH_ORDER)
 
 
 # ---------------------------------------------------------------------------- flex
@@ -322,4 +330,5 @@ def flex_attention_backend(q, k, v, mask: AttentionMask, softmax_scale: float, d
 
 register_attention_backend("math", math_attention)
 register_attention_backend("sdpa", sdpa_attention)
+register_attention_backend("sdpa_flash", sdpa_flash_attention)
 register_attention_backend("flex", flex_attention_backend)

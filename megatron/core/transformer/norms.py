@@ -12,34 +12,43 @@ from megatron.core.tensor_parallel.mappings import all_reduce_with_partial_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def _scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """The fp32 scale a norm multiplies by: its weight, or 1 + weight when zero-centred."""
+    return weight.float() + 1.0 if zero_centered else weight.float()
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+        self.weight = nn.Parameter(torch.full((dim,), 0.0 if zero_centered_gamma else 1.0, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics: bf16 sums of squares over thousands of channels lose precision.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * _scale(self.weight, self.zero_centered_gamma)).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+        self.weight = nn.Parameter(torch.full((dim,), 0.0 if zero_centered_gamma else 1.0, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        scale = _scale(self.weight, self.zero_centered_gamma)
+        out = nn.functional.layer_norm(x.float(), (x.shape[-1],), scale, self.bias.float(), self.eps)
         return out.to(x.dtype)
 
 
 def build_norm(config: TransformerConfig, dim: int) -> nn.Module:
     norm_cls = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
-    norm = norm_cls(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    norm = norm_cls(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype,
+                    zero_centered_gamma=config.layernorm_zero_centered_gamma)
     for param in norm.parameters():
         # Under sequence parallelism each rank normalises its own slice of the sequence, so
         # these replicated weights get partial gradients that are summed over tp.
@@ -63,8 +72,10 @@ class FullWidthNorm(nn.Module):
                  partial_grads: bool = False) -> None:
         super().__init__()
         self.eps, self.layer_norm = config.layernorm_epsilon, config.normalization == "LayerNorm"
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         self.global_width, self.offset, self.group = global_width, offset, group
-        self.weight = nn.Parameter(torch.ones(width, dtype=config.params_dtype))
+        self.weight = nn.Parameter(torch.full((width,), 0.0 if self.zero_centered_gamma else 1.0,
+                                              dtype=config.params_dtype))
         if self.layer_norm:
             self.bias = nn.Parameter(torch.zeros(width, dtype=config.params_dtype))
         else:
@@ -80,7 +91,8 @@ class FullWidthNorm(nn.Module):
         x32 = x.float()  # fp32 statistics, as the per-head norms
         if self.layer_norm:
             x32 = x32 - self._sum(x32) / self.global_width
-        normed = x32 * torch.rsqrt(self._sum(x32.pow(2)) / self.global_width + self.eps) * self.weight.float()
+        normed = x32 * torch.rsqrt(self._sum(x32.pow(2)) / self.global_width + self.eps)
+        normed = normed * _scale(self.weight, self.zero_centered_gamma)
         if self.bias is not None:
             normed = normed + self.bias.float()
         return normed.to(x.dtype)

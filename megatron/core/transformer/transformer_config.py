@@ -14,13 +14,17 @@ from typing import Optional
 import torch
 
 from megatron.core.transformer.moe.config import MoEConfig
+from megatron.core.transformer.rope_scaling import SCALING_TYPES
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("silu", "gelu", "relu")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "math")
+# sdpa: torch SDPA, cuDNN kernel first; sdpa_flash: SDPA with the flash kernel first (Megatron's
+# --attention-backend flash); flex: FlexAttention; math: explicit fp32 scores (the reference).
+ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_flash", "flex", "math")
 QK_LAYERNORM_SCOPES = ("head", "all")
+ROPE_SCALING_TYPES = SCALING_TYPES
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
 ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
@@ -69,6 +73,9 @@ class TransformerConfig:
     """Normalisation layer: RMSNorm or LayerNorm."""
     layernorm_epsilon: float = 1e-6
     """Epsilon added to the variance in every normalisation layer."""
+    layernorm_zero_centered_gamma: bool = False
+    """Every norm stores its scale as w - 1 (initialised at 0) and multiplies by 1 + w (Megatron's
+    --apply-layernorm-1p): weight decay, if any, then pulls the scale toward 1, not 0."""
     qk_layernorm: bool = False
     """Apply a normalisation over head_dim to queries and keys before RoPE (Qwen3, OLMo2)."""
     qk_layernorm_scope: str = "head"
@@ -89,6 +96,31 @@ class TransformerConfig:
     """RoPE base (theta)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that rotate; the rest pass through."""
+    rope_scaling_type: str = "none"
+    """Context extension of the RoPE frequencies (rope_scaling.py): none, llama3 (Llama 3.1's
+    scaling, Megatron's --use-rope-scaling) or yarn (--position-embedding-type yarn)."""
+    rope_scaling_factor: float = 8.0
+    """llama3: how much slower the low frequencies turn (Megatron's --rope-scaling-factor)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original / low_freq_factor are divided by the factor in full."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original / high_freq_factor are kept; those between are mixed."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """llama3: the pretraining context the wavelengths are compared with (Llama 3.x: 8192)."""
+    yarn_rotary_scaling_factor: float = 1.0
+    """yarn: the context extension s (Megatron's --rotary-scaling-factor; HF `factor`)."""
+    yarn_original_max_position_embeddings: int = 4096
+    """yarn: the pretraining context the rotations are counted over."""
+    yarn_beta_fast: float = 32.0
+    """yarn: dimension pairs turning more often than this over the original context are kept."""
+    yarn_beta_slow: float = 1.0
+    """yarn: pairs turning fewer times than this are interpolated (divided by the factor) in full."""
+    yarn_mscale: float = 1.0
+    """yarn: cos and sin are scaled by (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)."""
+    yarn_mscale_all_dim: float = 0.0
+    """yarn: the denominator's coefficient of that attention factor (0: the YaRN paper's factor)."""
+    yarn_correction_range_round_to_int: bool = True
+    """yarn: round the ramp's ends outwards to whole pair indices (HF `truncate`)."""
 
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
@@ -196,6 +228,7 @@ class TransformerConfig:
         if self.bf16 and self.fp16:
             raise ValueError(f"{owner}: bf16 and fp16 are both set; choose one")
         self._validate_recompute()
+        self._validate_rope_scaling()
         if self.sliding_window is not None:
             _check_positive(owner, "sliding_window", self.sliding_window)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -221,6 +254,27 @@ class TransformerConfig:
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ValueError(f"{owner}.sequence_parallel is needed with MoE layers and tensor parallelism "
                              "(each tensor-parallel rank routes its own slice of the tokens); add --sequence-parallel")
+
+    def _validate_rope_scaling(self) -> None:
+        owner = "TransformerConfig"
+        _check_choice(owner, "rope_scaling_type", self.rope_scaling_type, ROPE_SCALING_TYPES)
+        if self.rope_scaling_type == "llama3":
+            for name in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor"):
+                if not 0.0 < getattr(self, name) < float("inf"):
+                    raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number > 0")
+            if not self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+                raise ValueError(f"{owner}.rope_scaling_high_freq_factor={self.rope_scaling_high_freq_factor} must "
+                                 f"exceed rope_scaling_low_freq_factor={self.rope_scaling_low_freq_factor}")
+            _check_positive(owner, "rope_scaling_original_max_position_embeddings",
+                            self.rope_scaling_original_max_position_embeddings)
+        elif self.rope_scaling_type == "yarn":
+            for name in ("yarn_rotary_scaling_factor", "yarn_beta_fast", "yarn_beta_slow"):
+                if not 0.0 < getattr(self, name) < float("inf"):
+                    raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number > 0")
+            for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+                if not 0.0 <= getattr(self, name) < float("inf"):
+                    raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number >= 0")
+            _check_positive(owner, "yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings)
 
     def _validate_recompute(self) -> None:
         owner = "TransformerConfig"
@@ -249,7 +303,8 @@ class DLMConfig:
     attention_mask_type: str = "no_mask"
     """Attention pattern in the DLM modes: no_mask (bidirectional), causal (bottom-right),
     block_causal (bidirectional inside blocks of block_size, causal across blocks),
-    sliding_window. The vanilla mode always runs causal."""
+    sliding_window. The vanilla mode runs causal, or sliding_window (a causal window, as Qwen2 /
+    Mistral; the only other type an autoregressive model can use)."""
     mask_token_id: Optional[int] = None
     """Token id written into corrupted positions. Required in the DLM modes."""
     block_size: Optional[int] = None
@@ -299,7 +354,9 @@ class DLMConfig:
 
     @property
     def effective_mask_type(self) -> str:
-        return self.attention_mask_type if self.is_diffusion else "causal"
+        if self.is_diffusion or self.attention_mask_type == "sliding_window":
+            return self.attention_mask_type
+        return "causal"
 
     def validate(self, vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
                  sliding_window: Optional[int] = None) -> "DLMConfig":

@@ -13,6 +13,8 @@ from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 from megatron.training.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+# Megatron-LM's names for tokenizers read by one of ours (both are SentencePiece models).
+TOKENIZER_ALIASES = {"Llama2Tokenizer": "SentencePieceTokenizer", "GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 
 
 def build_tokenizer(args) -> MegatronTokenizer:
@@ -22,6 +24,7 @@ def build_tokenizer(args) -> MegatronTokenizer:
     ``add_mask_token`` and ``mask_token`` from ``args`` when present (any Namespace works).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None)
+    tokenizer_type = TOKENIZER_ALIASES.get(tokenizer_type, tokenizer_type)
     mask = dict(add_mask_token=bool(getattr(args, "add_mask_token", False)),
                 mask_token=getattr(args, "mask_token", None))
     if tokenizer_type == "NullTokenizer":
@@ -58,16 +61,22 @@ def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int,
 
 __all__ = [
     "add_tokenizer_args",
-    "ADDED_MASK_TOKEN", "MASK_TOKEN_NAMES", "TOKENIZER_TYPES", "MegatronTokenizer", "NullTokenizer",
+    "ADDED_MASK_TOKEN", "MASK_TOKEN_NAMES", "TOKENIZER_ALIASES", "TOKENIZER_TYPES", "MegatronTokenizer",
+    "NullTokenizer",
     "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "build_tokenizer",
     "vocab_size_with_padding",
 ]
 
 
-def add_tokenizer_args(group, default_type: str = None) -> None:
-    """The tokenizer flags, shared by pretrain_difflm.py and tools/preprocess_data.py."""
-    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES), default=default_type,
-                       required=default_type is None, help="Which tokenizer reads the text.")
+def add_tokenizer_args(group, optional_type: bool = False) -> None:
+    """The tokenizer flags, shared by pretrain_difflm.py and tools/preprocess_data.py. `optional_type`:
+    --tokenizer-type may be left out (training: the type is then inferred from the files given, as
+    Megatron's scripts expect, else NullTokenizer; compat_args.py)."""
+    group.add_argument("--tokenizer-type", choices=list(TOKENIZER_TYPES) + list(TOKENIZER_ALIASES),
+                       required=not optional_type,
+                       help="Which tokenizer reads the text" + (" (default: the reader of --vocab-file/--merge-file "
+                                                                "or --tokenizer-model, else NullTokenizer)."
+                                                                if optional_type else "."))
     group.add_argument("--tokenizer-model", help="SentencePiece .model file, or a tokenizer.json or its folder.")
     group.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
     group.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")

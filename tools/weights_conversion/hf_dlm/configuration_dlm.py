@@ -2,7 +2,7 @@
 
 Written by tools/weights_conversion/megatron_to_hf.py next to modeling_dlm.py and the weights.
 Every field comes from the training checkpoint's metadata, so the exported model computes what
-the trained one did: RoPE base and rotary fraction, norm type and epsilon, GQA, QK-norm (per head
+the trained one did: RoPE base, rotary fraction and scaling, norm type and epsilon, GQA, QK-norm (per head
 or over the whole projection), biases, tied or untied output layer, mixture-of-experts layers and
 their routing, the attention pattern and the running mode.
 """
@@ -22,7 +22,11 @@ class DLMConfig(PretrainedConfig):
     model_running_mode: difflm-noshift (position i predicts token i, bidirectional by default),
         difflm-shift (position i predicts token i+1, AR-initialised DLMs) or vanilla (causal AR).
     attention_mask_type: the trained pattern, in MegaDLMs' names: no_mask (bidirectional),
-        causal, block_causal (with attention_block_size) or sliding_window (with sliding_window).
+        causal, block_causal (with attention_block_size) or sliding_window (with sliding_window: key
+        j visible from query i when 0 <= i - j < sliding_window; vanilla may use it too).
+    rope_scaling_type: none, llama3 or yarn, with that type's settings under MegaDLMs'
+        TransformerConfig names (rope_scaling_factor, ..., yarn_rotary_scaling_factor, ...); their
+        formulas are rope_scaling.py, the file training uses.
     qk_norm_scope: head (each head's channels) or all (the whole q / k projection, OLMoE).
     num_experts: routed experts of the MoE layers (None: a dense model); moe_layer_flags: 1 where
         layer i is MoE (default every layer); num_experts_per_tok, moe_intermediate_size,
@@ -45,7 +49,7 @@ class DLMConfig(PretrainedConfig):
                  qk_norm_scope="head", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None,
                  shared_expert_intermediate_size=None, moe_layer_flags=None, router_type="token_choice",
                  router_score_function="softmax", router_pre_softmax=False, router_expert_bias=False,
-                 router_topk_scaling_factor=None, expert_capacity_factor=None, **kwargs):
+                 router_topk_scaling_factor=None, expert_capacity_factor=None, rope_scaling_type="none", **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -83,6 +87,7 @@ class DLMConfig(PretrainedConfig):
         self.router_pre_softmax, self.router_expert_bias = router_pre_softmax, router_expert_bias
         self.router_topk_scaling_factor = router_topk_scaling_factor
         self.expert_capacity_factor = expert_capacity_factor
+        self.rope_scaling_type = rope_scaling_type  # its settings stay in kwargs: attributes by their names
         self._check()
         self._check_moe()
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
@@ -93,8 +98,11 @@ class DLMConfig(PretrainedConfig):
             raise ValueError(f"model_running_mode={self.model_running_mode!r} is not one of {RUNNING_MODES}")
         if self.attention_mask_type not in ATTENTION_MASK_TYPES:
             raise ValueError(f"attention_mask_type={self.attention_mask_type!r} is not one of {ATTENTION_MASK_TYPES}")
-        if self.model_running_mode == "vanilla" and self.attention_mask_type != "causal":
-            raise ValueError("model_running_mode='vanilla' attends causally; set attention_mask_type='causal'")
+        if self.model_running_mode == "vanilla" and self.attention_mask_type not in ("causal", "sliding_window"):
+            raise ValueError("model_running_mode='vanilla' attends causally; set attention_mask_type='causal' "
+                             "(or 'sliding_window')")
+        if self.rope_scaling_type not in ("none", "llama3", "yarn"):
+            raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r} is not one of none, llama3, yarn")
         if self.attention_mask_type == "block_causal" and not self.attention_block_size:
             raise ValueError("attention_mask_type='block_causal' needs attention_block_size")
         if self.attention_mask_type == "sliding_window" and not self.sliding_window:

@@ -38,6 +38,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 from .configuration_dlm import DLMConfig
 from .cuda_graphs import runner_for
 from .likelihood import log_likelihood as _log_likelihood
+from .rope_scaling import SCALING_DEFAULTS, inverse_frequencies
 from .generation import KVCache, generate as _sampler_generate  # noqa: F401 (KVCache: for callers)
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -74,13 +75,14 @@ def build_norm(config, dim):
 
 
 def rotary_cos_sin(config, position_ids):
-    """cos, sin [B, 1, q, rotary_dim] in fp32, computed in float64 like the training tables."""
+    """cos, sin [B, 1, q, rotary_dim] in fp32, computed in float64 like the training tables (the same
+    rope_scaling.py: Llama 3.1 or YaRN frequencies, YaRN's attention factor folded into both)."""
     rotary_dim = int(config.head_dim * config.rotary_percent)
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=position_ids.device) / rotary_dim
-    inv_freq = 1.0 / (float(config.rope_theta) ** exponents)
+    scaling = {name: getattr(config, name, default) for name, default in SCALING_DEFAULTS.items()}
+    inv_freq, scale = inverse_frequencies(rotary_dim, config.rope_theta, scaling, position_ids.device)
     angles = position_ids.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
+    return (angles.cos() * scale).float().unsqueeze(1), (angles.sin() * scale).float().unsqueeze(1)
 
 
 def apply_rotary(x, cos, sin):

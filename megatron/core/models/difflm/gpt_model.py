@@ -5,7 +5,7 @@ One job: embedding -> decoder -> output layer. `forward` dispatches on the runni
   corrupted batch, the labels are the clean tokens at the same positions. noshift: the
   logits at position i predict token i. shift: the logits at i predict token i+1 (models
   initialised from an AR checkpoint), so the loss of target position j uses logits j-1.
-- `vanilla_forward` (mode vanilla): causal attention, labels are the next tokens
+- `vanilla_forward` (mode vanilla): causal attention (or a causal sliding window), labels are the next tokens
   (Megatron's data convention: tokens = text[0:L], labels = text[1:L+1]).
 Per-token losses are aligned with the label positions in every mode, so the diffusion
 loss weights (see diffusion.py) multiply them directly.
@@ -174,7 +174,7 @@ class GPTModel(MegatronModule):
                 self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
             positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
         mask = build_attention_mask(self.config, self.dlm_config, document_ids,
-                                    mask_type="causal" if causal else None, **positions)
+                                    mask_type=self.dlm_config.effective_mask_type if causal else None, **positions)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
