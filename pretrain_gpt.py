@@ -11,16 +11,28 @@ import sys
 from typing import List, Optional
 
 import pretrain_difflm
+from megatron.training.compat_args import print_notes
+
+# Megatron-LM's default position encoding is a learned table, which is not implemented here.
+POSITION_NOTE = ("no --position-embedding-type given: positions are RoPE here (Megatron-LM's default, "
+                 "learned_absolute, is not implemented); docs/megatron_compatibility.md")
+
+
+def _gives(argv: List[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(f"{flag}=") for arg in argv)
 
 
 def with_ar_default(argv: List[str]) -> List[str]:
-    if any(arg == "--model-running-mode" or arg.startswith("--model-running-mode=") for arg in argv):
+    if _gives(argv, "--model-running-mode"):
         return list(argv)
     return ["--model-running-mode", "vanilla", *argv]
 
 
 def main(argv: Optional[List[str]] = None):
-    return pretrain_difflm.main(with_ar_default(sys.argv[1:] if argv is None else argv))
+    argv = sys.argv[1:] if argv is None else argv
+    if not _gives(argv, "--position-embedding-type"):
+        print_notes([POSITION_NOTE])
+    return pretrain_difflm.main(with_ar_default(argv))
 
 
 if __name__ == "__main__":

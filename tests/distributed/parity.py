@@ -9,6 +9,7 @@ same `sharded_state_dict` checkpoints use).
 
 import os
 import socket
+import tempfile
 
 import pytest
 import torch
@@ -50,6 +51,26 @@ def _torn_down(rank: int, worker, *args) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _entry_worker(rank: int, world: int, port: int, argv: list, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    trainer = pretrain_difflm.main(argv)
+    first = trainer.state.iteration - len(trainer.history) + 1
+    if rank == 0:  # each step's `lm loss` as the console prints it (with --log-interval 1)
+        torch.save({first + i: float(f"{result.loss:E}") for i, result in enumerate(trainer.history)}, out)
+
+
+def run_entry_point(nproc: int, argv: list) -> dict:
+    """`torchrun --nproc_per_node nproc pretrain_difflm.py argv` (the whole entry: flags, lock, load,
+    training, save), in workers from the fork server; returns {iteration: lm loss} of rank 0.
+    tests/distributed/test_pretrain_cli.py runs the entry through torchrun itself."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "losses.pt")
+        start_workers(_entry_worker, (nproc, free_port(), list(argv), out), nproc)
+        return torch.load(out)
 
 
 def free_port() -> int:

@@ -1,28 +1,24 @@
 """Checkpoints across layouts: identical logits after resharding, FSDP2 shards, async save.
 
-Training runs are real `torchrun pretrain_difflm.py` processes; the logits of a fixed batch
-are computed by spawned gloo workers that build the model under a layout and load the
-checkpoint the way `pretrain` does.
+Training runs are `pretrain_difflm.main` (the whole entry point: flags, checkpoint lock, load,
+training, save) in gloo workers started from the fork server (tests/distributed/test_pretrain_cli.py
+runs the same entry through torchrun); the logits of a fixed batch are computed by workers that
+build the model under a layout and load the checkpoint the way `pretrain` does.
 """
 
 import dataclasses
 import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.parity import TINY_GQA, free_port, start_workers
+from tests.distributed.parity import TINY_GQA, free_port, run_entry_point, start_workers
 from tests.distributed.test_checkpoint_resume import checkpoint_at
-from tests.distributed.test_pretrain_cli import LOSS
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
 # Vocabulary 121 padded to a multiple of 48 x tp: 144 rows under tp=1, 192 under tp=2 and tp=4.
 MODEL = [flag for flag in TINY_GQA if flag not in ("--train-iters", "3")] + [
     "--make-vocab-size-divisible-by", "48",
@@ -32,12 +28,7 @@ TP2_DP2_ZERO1 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--
 
 
 def torchrun(nproc: int, *flags: str, iters: int = 8) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "pretrain_difflm.py", *MODEL, "--train-iters", str(iters), *flags]
-    result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
+    return run_entry_point(nproc, [*MODEL, "--train-iters", str(iters), *flags])
 
 
 def _logits_worker(rank: int, world: int, port: int, argv: list, out: str) -> None:

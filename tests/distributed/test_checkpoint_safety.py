@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -57,14 +58,20 @@ def assert_one_line_error(result, *words):
         assert word in errors[0], errors[0]
 
 
-@pytest.fixture()
-def saved(tmp_path):
-    """A finished run: iteration 4 saved in ckpt/."""
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished run: iteration 4 saved by the real command line (once per module)."""
+    ckpt = tmp_path_factory.mktemp("finished") / "ckpt"
     result = pretrain("--train-iters", "4", "--save", str(ckpt))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
     return ckpt
+
+
+@pytest.fixture()
+def saved(finished_run, tmp_path):
+    """This test's own copy of the finished run's checkpoint directory, ckpt/."""
+    return Path(shutil.copytree(finished_run, tmp_path / "ckpt"))
 
 
 def test_sigkill_while_rewriting_an_existing_iteration_keeps_it_loadable(saved):

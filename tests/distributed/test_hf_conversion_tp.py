@@ -1,4 +1,4 @@
-"""A TP=2 training checkpoint -> Hugging Face -> a TP=2 checkpoint again, through the real CLIs.
+"""A TP=2 training checkpoint -> Hugging Face -> a TP=2 checkpoint again, through the real entry points.
 
 Training (2 gloo processes, sequence parallel, vocabulary padded for TP=2) writes the checkpoint;
 the export must load in transformers with our logits, pass verify_correctness_dlm, and convert
@@ -7,9 +7,6 @@ exactly like the original.
 """
 
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +15,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 from tools.weights_conversion import checkpoint_io, hf_to_megatron, megatron_to_hf  # noqa: E402
 from tools.weights_conversion import verify_correctness_dlm  # noqa: E402
+from tests.distributed.parity import run_entry_point  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 SPM = str(ROOT / "examples" / "data" / "tokenizer" / "spm_8k.model")
-FIRST_LOSS = re.compile(r"iteration +1/ +\d+ \|.*?lm loss: ([0-9.E+-]+)")
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
          "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
          "--qk-layernorm", "--disable-bias-linear", "--seq-length", "32", "--rotary-base", "50000",
@@ -34,23 +31,14 @@ RUN = ["--micro-batch-size", "2", "--lr", "1e-2", "--lr-decay-style", "constant"
        "--log-interval", "1"]
 
 
-def start(nproc: int, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "pretrain_difflm.py", *MODEL, *RUN, *flags]
-    return subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen) -> str:
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    return stdout
+def train(nproc: int, *flags: str) -> dict:
+    return run_entry_point(nproc, [*MODEL, *RUN, *flags])
 
 
 def test_tp2_checkpoint_to_hf_and_back(tmp_path):
     original, hf_dir, back = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "back"
-    finish(start(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "100",
-                 "--train-iters", "2", "--save", str(original)))
+    train(2, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "100",
+          "--train-iters", "2", "--save", str(original))
     assert megatron_to_hf.main(["--load", str(original), "--save", str(hf_dir), "--dtype", "float32",
                                 "--tokenizer-model", SPM, "--no-progress"]) == 0
     ours, metadata, iter_dir = checkpoint_io.load_model(str(original))
@@ -76,6 +64,5 @@ def test_tp2_checkpoint_to_hf_and_back(tmp_path):
         assert torch.equal(tensor[:rows], new[name][:rows]), name
 
     # Training accepts the converted checkpoint and continues exactly as from the original.
-    runs = [start(1, "--train-iters", "1", "--load", str(source), "--finetune") for source in (original, back)]
-    losses = [FIRST_LOSS.search(finish(run)).group(1) for run in runs]
-    assert losses[0] == losses[1]
+    losses = [train(1, "--train-iters", "1", "--load", str(source), "--finetune") for source in (original, back)]
+    assert losses[0] == losses[1] and sorted(losses[0]) == [1]

@@ -359,3 +359,11 @@ def test_exit_signal_chooses_the_signal_the_handler_waits_for():
         assert handler.received
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_pretrain_gpt_says_positions_are_rope_when_a_megatron_script_leaves_them_out(capsys, monkeypatch):
+    monkeypatch.setattr(pretrain_difflm, "main", lambda argv: argv)
+    assert pretrain_gpt.main(["--num-layers", "2"])[:2] == ["--model-running-mode", "vanilla"]
+    assert notes(capsys) == [f"note: {pretrain_gpt.POSITION_NOTE}"]
+    pretrain_gpt.main(["--position-embedding-type", "rope"])
+    assert notes(capsys) == []
