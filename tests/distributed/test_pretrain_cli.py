@@ -30,20 +30,20 @@ def data_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
 def test_two_process_training_lowers_the_loss(mode, tmp_path, data_dir):
-    env = dict(os.environ, MODE=mode, TRAIN_ITERS="30", TENSORBOARD_DIR=str(tmp_path / "tb"),
+    env = dict(os.environ, MODE=mode, TRAIN_ITERS="20", TENSORBOARD_DIR=str(tmp_path / "tb"),
                DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
     result = subprocess.run(["bash", "examples/quickstart.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     console = {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
-    assert sorted(console) == list(range(1, 31)), "one line per iteration with --log-interval 1"
-    first, last = [console[i] for i in range(1, 11)], [console[i] for i in range(21, 31)]
-    assert sum(last) / 10 < 0.9 * sum(first) / 10, f"{mode}: loss did not fall ({first} -> {last})"
+    assert sorted(console) == list(range(1, 21)), "one line per iteration with --log-interval 1"
+    first, last = [console[i] for i in range(1, 6)], [console[i] for i in range(16, 21)]
+    assert sum(last) / 5 < 0.9 * sum(first) / 5, f"{mode}: loss did not fall ({first} -> {last})"
     recorded = tensorboard_scalars(tmp_path / "tb", "lm loss")
     assert sorted(recorded) == sorted(console)
     for step, value in console.items():
         assert recorded[step] == pytest.approx(value, rel=1e-6)
-    assert "validation loss at iteration 30" in result.stdout
+    assert "validation loss at iteration 20" in result.stdout
     assert (data_dir / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
     sample = re.search(r"^generated: (.+)$", result.stdout, re.MULTILINE)
     assert sample and len(sample.group(1).split()) >= 8, "a sample is generated from the saved checkpoint"
@@ -52,7 +52,7 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path, data_dir):
 def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path, data_dir):
     """The README's pipeline command: 2 stages x 2 tensor-parallel ranks train the bundled corpus.
     (TP+SP with ZeRO-1 and every other layout are proven equal to one process in test_layout_matrix.py.)"""
-    env = dict(os.environ, NPROC="4", TRAIN_ITERS="30", TENSORBOARD_DIR=str(tmp_path / "tb"),
+    env = dict(os.environ, NPROC="4", TRAIN_ITERS="20", TENSORBOARD_DIR=str(tmp_path / "tb"),
                DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
     flags = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
     result = subprocess.run(["bash", "examples/quickstart.sh", *flags], cwd=ROOT, env=env, capture_output=True,
@@ -60,5 +60,5 @@ def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path, data_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "> pipeline stages" in result.stdout and "[0,2)" in result.stdout and "[2,4)" in result.stdout
     console = {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
-    first, last = [console[i] for i in range(1, 6)], [console[i] for i in range(26, 31)]
+    first, last = [console[i] for i in range(1, 6)], [console[i] for i in range(16, 21)]
     assert sum(last) / 5 < 0.85 * sum(first) / 5, (first, last)
