@@ -22,9 +22,9 @@ def _writes_scalars(args: argparse.Namespace) -> bool:
 # (flag's dest, what it needs as typed, the test): appended to arguments.FLAG_NEEDS.
 LOGGING_FLAG_NEEDS = tuple(
     [(dest, _OUTPUT, _writes_scalars) for dest in (
+        # (--no-log-loss-scale/learning-rate-to-tensorboard turn off what is on by default: harmless anywhere.)
         "log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard",
-        "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard", "log_batch_size_to_tensorboard",
-        "log_learning_rate_to_tensorboard", "tensorboard_log_interval")]
+        "log_world_size_to_tensorboard", "log_batch_size_to_tensorboard", "tensorboard_log_interval")]
     + [("tensorboard_queue_size", "--tensorboard-dir", lambda a: bool(a.tensorboard_dir))]
     + [(dest, "--wandb-project", lambda a: bool(a.wandb_project)) for dest in (
         "wandb_run_id", "wandb_mode", "wandb_tags", "wandb_group", "wandb_notes", "wandb_resume",

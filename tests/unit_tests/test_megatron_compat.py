@@ -367,3 +367,52 @@ def test_pretrain_gpt_says_positions_are_rope_when_a_megatron_script_leaves_them
     assert notes(capsys) == [f"note: {pretrain_gpt.POSITION_NOTE}"]
     pretrain_gpt.main(["--position-embedding-type", "rope"])
     assert notes(capsys) == []
+
+
+def _profiling(args):
+    from megatron.training.configs import ProfilingConfig
+
+    return ProfilingConfig.from_args(args)
+
+
+# (flags on top of TINY, where their value lands, the value): flags whose behaviour other tests cover by
+# field; this table pins that the command-line spelling reaches that field.
+FLAG_FIELDS = [
+    (["--check-for-large-grads"], lambda a: a.rerun_config.check_for_large_grads, True),
+    (["--no-check-for-nan-in-loss-and-grad"], lambda a: a.rerun_config.check_for_nan_in_loss_and_grad, False),
+    (["--ckpt-assume-constant-structure", "--save", "SAVE"],
+     lambda a: a.checkpoint_config.ckpt_assume_constant_structure, True),
+    (["--override-opt-param-scheduler"], lambda a: a.checkpoint_config.override_opt_param_scheduler, True),
+    (["--no-log-loss-scale-to-tensorboard"], lambda a: a.logging_config.log_loss_scale_to_tensorboard, False),
+    (["--no-log-learning-rate-to-tensorboard"], lambda a: a.logging_config.log_learning_rate_to_tensorboard, False),
+    (["--manual-gc", "--no-manual-gc-eval"], lambda a: a.training_config.manual_gc_eval, False),
+    (["--profile", "--profile-ranks", "0", "1", "--pytorch-profiler-collect-callstack"],
+     lambda a: (tuple(_profiling(a).profile_ranks), _profiling(a).pytorch_profiler_collect_callstack), ((0, 1), True)),
+    (["--fp16", "--loss-scale-window", "7", "--min-loss-scale", "4", "--initial-loss-scale", "64"],
+     lambda a: (a.training_config.loss_scale_window, a.training_config.min_loss_scale,
+                a.training_config.initial_loss_scale), (7, 4.0, 64.0)),
+    (["--use-rope-scaling", "--rope-scaling-low-freq-factor", "2", "--rope-scaling-high-freq-factor", "8"],
+     lambda a: (a.transformer_config.rope_scaling_low_freq_factor, a.transformer_config.rope_scaling_high_freq_factor),
+     (2.0, 8.0)),
+    (["--position-embedding-type", "yarn", "--yarn-beta-slow", "2", "--no-yarn-correction-range-round-to-int"],
+     lambda a: (a.transformer_config.yarn_beta_slow, a.transformer_config.yarn_correction_range_round_to_int),
+     (2.0, False)),
+    (["--deterministic-mode"], lambda a: a.deterministic_mode, True),
+]
+
+
+@pytest.mark.parametrize("argv,field,value", FLAG_FIELDS, ids=[" ".join(f[0][:2]) for f in FLAG_FIELDS])
+def test_the_flag_reaches_its_config_field(argv, field, value, tmp_path):
+    argv = [str(tmp_path / "save") if word == "SAVE" else word for word in argv]
+    assert field(parse_args(TINY + argv, add_difflm_args, world_size=1)) == value
+
+
+def test_wsd_decay_in_samples_reaches_the_scheduler():
+    at = TINY.index("--train-iters")
+    base = TINY[:at] + TINY[at + 2:]
+    args = parse_args(base + ["--train-samples", "40", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "10"],
+                      add_difflm_args, world_size=1)
+    from megatron.training.arguments import schedule_kwargs
+
+    kwargs = schedule_kwargs(args)
+    assert kwargs["wsd_decay_steps"] == 10 and kwargs["unit"] == "samples"
