@@ -24,7 +24,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "transformers>=4.56", "torchao", "ruff"],
+        # lm-eval's [hf] extra brings accelerate, which lm-eval's own `hf` model (a test reference) needs.
+        "dev": ["pytest", "pytest-timeout", "transformers>=4.56", "torchao", "ruff", "lm-eval[hf]>=0.4.5,<0.5"],
         "hf": ["transformers"],
         # Optional kernels; the package imports and runs without them.
         "kernels": ["liger-kernel", "torchao"],

@@ -1,0 +1,180 @@
+"""Batched log-likelihood of many (context, continuation) pairs: what an evaluation harness asks.
+
+`megatron.core.inference.likelihood.log_likelihood` scores one pair per call; a benchmark has
+thousands of them (every choice of every question), so this scorer packs the rows of many pairs
+into fixed-size batches instead. The estimate is the same:
+
+* Autoregressive (``vanilla``) models: exact. One row per pair; the rows, sorted by length
+  (longest first, so the first batch shows the peak memory), go ``batch_size`` to a forward;
+  the continuation's log-probability is summed and ``is_greedy`` says whether every
+  continuation token is the argmax of its position (exact, as lm-eval's own models report it).
+* Diffusion models (``difflm-noshift`` / ``difflm-shift``): LLaDA's Monte Carlo ELBO on the
+  continuation only, ``mc_num`` masked copies per pair, the masked counts stratified over all
+  ``mc_num`` copies with one random offset (likelihood.py with ``batch_size == mc_num``; the
+  draws are those of that function, so a pair scored alone here and there gives the same
+  number). The copies of all pairs form one stream of rows, pairs sorted by length, cut into
+  batches of ``batch_size`` rows (each row doubled under classifier-free guidance ``cfg``).
+  ``is_greedy`` is always False: deciding it needs the argmax decoding of the continuation
+  (one forward per token, LLaDA's slow ``is_check_greedy``), and a masked model's one-shot
+  argmax under a fully masked continuation is not the same question.
+
+Every pair draws its masks from its own CPU generator, seeded by the caller (`pair_seed`:
+the run's seed and the context's tokens), so the choices of one question share their random
+numbers (common random numbers: the score differences between choices have less noise), and
+a result does not depend on the batch it ran in, the batch size, or the other requests.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.inference.generation import ModelFn, _build_layout, resolve_options
+
+__all__ = ["Scorer", "pair_seed"]
+
+Pair = Tuple[Sequence[int], Sequence[int]]
+
+
+def pair_seed(seed: int, context: Sequence[int]) -> int:
+    """The mask seed of a pair: the run's seed mixed with its context's tokens (not its
+    continuation), so every choice of a question draws the same numbers."""
+    digest = zlib.crc32(",".join(map(str, context)).encode())
+    return (seed * 1_000_003 + digest) % (2 ** 63)
+
+
+@dataclass
+class _Row:
+    """One model input row of a pair: its tokens, the slots scored, their targets and weight."""
+
+    pair: int
+    ids: torch.Tensor  # [L] input (masked for DLMs)
+    scored: torch.Tensor  # [L] bool: the slots whose loss counts
+    targets: torch.Tensor  # [L] the token each slot's logits score
+    weight: float  # A / l for DLMs, 1 for AR
+    unconditional: Optional[torch.Tensor] = None  # [L] CFG input: the context masked too
+
+
+class Scorer:
+    """Scores pairs with a model callable (`generation.py`'s ``model_fn``) in its running mode and
+    trained attention pattern; see the module docstring for the estimates."""
+
+    def __init__(self, model_fn: ModelFn, running_mode: str, mask_token_id: Optional[int], device: torch.device,
+                 *, batch_size: int = 32, mc_num: int = 128, cfg: float = 0.0, pattern: Optional[dict] = None):
+        for name, value in (("batch_size", batch_size), ("mc_num", mc_num)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if cfg < 0:
+            raise ValueError(f"cfg={cfg!r} must be >= 0 (0 disables guidance)")
+        if running_mode != "vanilla" and not isinstance(mask_token_id, int):
+            raise ValueError(f"running_mode={running_mode!r} needs a mask token id; the checkpoint records none")
+        self.model_fn, self.running_mode, self.mask_token_id = model_fn, running_mode, mask_token_id
+        self.device = device
+        self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
+        self.opts = resolve_options(running_mode, gen_length=1, **(pattern or {}))
+
+    @torch.no_grad()
+    def score(self, pairs: Sequence[Pair], seeds: Sequence[int]) -> List[Tuple[float, bool]]:
+        """(log-likelihood in nats, is_greedy) of each continuation given its context."""
+        for context, continuation in pairs:
+            if not continuation:
+                raise ValueError("a continuation is empty: there is nothing to score")
+            if self.running_mode != "difflm-noshift" and not context:
+                raise ValueError(f"running_mode={self.running_mode!r} scores token i with the logits at i - 1: "
+                                 "every context needs at least one token")
+        order = sorted(range(len(pairs)), key=lambda index: -(len(pairs[index][0]) + len(pairs[index][1])))
+        totals = torch.zeros(len(pairs), dtype=torch.float64)
+        greedy = torch.ones(len(pairs), dtype=torch.bool)
+        batch: List[_Row] = []
+        for row in self._rows(pairs, seeds, order):
+            batch.append(row)
+            if len(batch) == self.batch_size:
+                self._run(batch, totals, greedy)
+                batch = []
+        if batch:
+            self._run(batch, totals, greedy)
+        if self.running_mode != "vanilla":
+            return [(-(total / self.mc_num), False) for total in totals.tolist()]
+        return list(zip(totals.tolist(), greedy.tolist()))
+
+    def _rows(self, pairs: Sequence[Pair], seeds: Sequence[int], order: Sequence[int]) -> Iterator[_Row]:
+        """Rows pair by pair in `order`, made lazily: a benchmark's masked copies never all sit in memory."""
+        for index in order:
+            context, continuation = pairs[index]
+            sequence = torch.tensor(list(context) + list(continuation), dtype=torch.long)
+            prompt, length = len(context), len(continuation)
+            if self.running_mode == "vanilla":  # slot i's logits score token i + 1: the last token is no input
+                scored = torch.zeros(sequence.numel() - 1, dtype=torch.bool)
+                scored[prompt - 1:] = True
+                yield _Row(index, sequence[:-1], scored, sequence[1:], 1.0)
+                continue
+            # The shift mode's slot i reads the logits at i - 1 (_run moves them), so targets stay in place.
+            counts, masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
+            for sample in range(self.mc_num):
+                scored = torch.cat([torch.zeros(prompt, dtype=torch.bool), masked[sample]])
+                noisy = sequence.masked_fill(scored, self.mask_token_id)
+                unconditional = None
+                if self.cfg > 0:
+                    unconditional = noisy.clone()
+                    unconditional[:prompt] = self.mask_token_id
+                yield _Row(index, noisy, scored, sequence, length / counts[sample].item(), unconditional)
+
+    def _draws(self, length: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(masked counts l_i [M], masked slots [M, A]): likelihood.py's draws for one batch of M = mc_num."""
+        batch = self.mc_num
+        offset = torch.randint(1, length + 1, (), generator=generator).item()
+        counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
+        counts = ((counts - 1) % length) + 1
+        ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
+        return counts, ranks < counts[:, None]
+
+    def _run(self, rows: List[_Row], totals: torch.Tensor, greedy: torch.Tensor) -> None:
+        """One forward over `rows` (left-padded to the longest); adds each row's score to its pair."""
+        width = max(row.ids.numel() for row in rows)
+        ids, scored, real = self._padded([row.ids for row in rows], width), [], []
+        for row in rows:
+            pad = width - row.ids.numel()
+            scored.append(F.pad(row.scored, (pad, 0)))
+            real.append(F.pad(torch.ones_like(row.scored), (pad, 0)))
+        scored, real = torch.stack(scored).to(self.device), torch.stack(real).to(self.device)
+        if self.cfg > 0 and self.running_mode != "vanilla":
+            ids = torch.cat([ids, self._padded([row.unconditional for row in rows], width)])
+            real = real.repeat(2, 1)
+        layout = _build_layout(real, 0, self.opts)
+        logits = self.model_fn(ids, layout.positions, layout.attention_mask(0, width, width), None, 0)
+        if self.running_mode == "difflm-shift":  # the logits at i score token i + 1
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        targets = self._padded([row.targets for row in rows], width)
+        if self.running_mode == "vanilla":
+            self._add_exact(rows, logits, scored, targets, totals, greedy)
+            return
+        picked = logits[scored.repeat(2, 1)].float() if self.cfg > 0 else logits[scored].float()
+        if self.cfg > 0:
+            conditional, unconditional = picked.chunk(2)
+            picked = unconditional + (self.cfg + 1) * (conditional - unconditional)
+        loss = F.cross_entropy(picked, targets[scored], reduction="none").double()
+        row_of = torch.arange(len(rows), device=self.device)[:, None].expand_as(scored)[scored]
+        per_row = torch.zeros(len(rows), dtype=torch.float64, device=self.device).index_add_(0, row_of, loss)
+        weights = torch.tensor([row.weight for row in rows], dtype=torch.float64)
+        totals.index_add_(0, torch.tensor([row.pair for row in rows]), per_row.cpu() * weights)
+
+    def _add_exact(self, rows: List[_Row], logits: torch.Tensor, scored: torch.Tensor, targets: torch.Tensor,
+                   totals: torch.Tensor, greedy: torch.Tensor) -> None:
+        picked = logits[scored].float().log_softmax(dim=-1)
+        wanted = targets[scored]
+        logprob = picked.gather(1, wanted[:, None])[:, 0].double()
+        hit = picked.argmax(dim=-1) == wanted
+        row_of = torch.arange(len(rows), device=self.device)[:, None].expand_as(scored)[scored]
+        per_row = torch.zeros(len(rows), dtype=torch.float64, device=self.device).index_add_(0, row_of, logprob)
+        misses = torch.zeros(len(rows), dtype=torch.long, device=self.device).index_add_(0, row_of, (~hit).long())
+        index = torch.tensor([row.pair for row in rows])
+        totals.index_add_(0, index, per_row.cpu())
+        greedy[index] &= misses.cpu() == 0
+
+    def _padded(self, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
+        """[n, width] on the device, left-padded with token 0 (padding is never attended)."""
+        return torch.stack([F.pad(ids, (width - ids.numel(), 0)) for ids in sequences]).to(self.device)
