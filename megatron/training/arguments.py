@@ -8,7 +8,6 @@ includes a flag that would change nothing (only the DLM flags in vanilla mode me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -33,6 +32,7 @@ from megatron.training.rope_args import (ROPE_FIELD_FLAGS, ROPE_FLAG_NEEDS, add_
 from megatron.training.checkpoint_flags import (CHECKPOINT_FLAG_NEEDS, CKPT_FORMATS, add_checkpoint_flags,
                                                validate_checkpoint_flags)
 from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
+from megatron.training.data_args import validate_data_args
 from megatron.training.tokenizer import add_tokenizer_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -408,7 +408,7 @@ def _validate_flag_dependencies(args: argparse.Namespace, given: Collection[str]
         if dest in given and not holds(args):
             raise ValueError(f"{_flag(dest)} has no effect without {needed}; add that or drop {_flag(dest)}")
     readers = TOKENIZER_INPUT_FLAGS.get(args.tokenizer_type, ())
-    # --vocab-size is also checked against a file tokenizer's size (_validate_data), as Megatron's scripts pass both.
+    # --vocab-size is also checked against a file tokenizer's size (data_args.py), as Megatron's scripts pass both.
     for dest in ("tokenizer_model", "vocab_file", "merge_file"):
         if dest in given and dest not in readers:
             types = [name for name, reads in TOKENIZER_INPUT_FLAGS.items() if dest in reads]
@@ -472,7 +472,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
     for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
         _check_writable_dir(_flag(dest), getattr(args, dest))
-    _validate_data(args)
+    validate_data_args(args)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; choose one")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
@@ -512,69 +512,6 @@ def _validate_batch_and_schedule(args: argparse.Namespace) -> None:
     args.training_config = TrainingConfig.from_args(args)
     args.checkpoint_config = CheckpointConfig.from_args(args)
     args.logging_config = LoggingConfig.from_args(args)
-
-
-def _read_data_args(args: argparse.Namespace) -> None:
-    """--data-args-path / --per-split-data-args-path: the data paths from a file (Megatron's long blends)."""
-    if args.data_args_path:
-        if args.data_path:
-            raise ValueError("give --data-path or --data-args-path, not both")
-        with open(args.data_args_path) as handle:
-            args.data_path = handle.read().split()
-    if args.per_split_data_args_path:
-        if any([args.train_data_path, args.valid_data_path, args.test_data_path]):
-            raise ValueError("give --train/valid/test-data-path or --per-split-data-args-path, not both")
-        with open(args.per_split_data_args_path) as handle:
-            try:
-                splits = json.load(handle)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path} is not JSON "
-                                 f"({error})") from None
-        if not isinstance(splits, dict) or "train" not in splits:
-            raise ValueError(f"--per-split-data-args-path {args.per_split_data_args_path} must hold a JSON object "
-                             'with a "train" key (and optional "valid", "test")')
-        for split in ("train", "valid", "test"):
-            value = splits.get(split)
-            setattr(args, f"{split}_data_path", value.split() if isinstance(value, str) else value)
-
-
-def _validate_data(args: argparse.Namespace) -> None:
-    from megatron.core.datasets.dataset_builder import check_prefixes_exist, parse_data_paths
-    from megatron.core.datasets.gpt_dataset import split_weights
-    from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
-
-    _read_data_args(args)
-    split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    if args.mock_data and (args.data_path or any(split_paths)):
-        raise ValueError("--mock-data and --data-path/--train-data-path are exclusive; choose one")
-    if not args.mock_data:
-        if args.data_path and any(split_paths):
-            raise ValueError("give either --data-path (with --split) or --train/valid/test-data-path, not both")
-        if not args.data_path and not args.train_data_path:
-            raise ValueError("no training data: pass --data-path PREFIX (from tools/preprocess_data.py) or --mock-data")
-        if args.data_path and split_weights(args.split)[0] == 0:
-            raise ValueError(f"--split {args.split} gives the train split no documents; give its first (train) "
-                             "weight a positive value")
-        for flag, values in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
-                             ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
-            if values:
-                check_prefixes_exist(parse_data_paths(values, flag)[0], flag)
-    elif args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ValueError("--mock-data with the NullTokenizer needs --vocab-size")
-    args.tokenizer = build_tokenizer(args)
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer" \
-            and args.vocab_size != args.tokenizer.vocab_size:
-        raise ValueError(f"--vocab-size {args.vocab_size} is not the size of --tokenizer-type {args.tokenizer_type}'s "
-                         f"vocabulary ({args.tokenizer.vocab_size}); drop --vocab-size (padding is "
-                         "--make-vocab-size-divisible-by) or fix it")
-    args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                                     args.tensor_model_parallel_size)
-    requested_mask, args.mask_token = args.mask_token, args.tokenizer.mask
-    if getattr(args, "model_running_mode", "vanilla") != "vanilla" and args.mask_token == args.tokenizer.eod:
-        source, fix = (("the tokenizer's mask token", "pass --mask-token with another id") if requested_mask is None
-                       else ("--mask-token", "pass another id, or drop it and append one with --add-mask-token"))
-        raise ValueError(f"{source} {args.mask_token} is the EOD token: masked positions would read as document "
-                         f"ends and the sampler could never emit EOD; {fix}")
 
 
 def schedule_kwargs(args: argparse.Namespace) -> dict:
