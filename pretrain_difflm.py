@@ -24,7 +24,8 @@ from torch import nn
 from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.dataset_builder import DatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-from megatron.core.datasets.mock_dataset import MockGPTDataset
+from megatron.core.datasets.mock_dataset import MockGPTDataset, mock_sft_examples
+from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig
 from megatron.core.models.difflm import diffusion, objective
 from megatron.core.models.difflm.batch import check_token_ids, document_ids_from_eod, positions_from_documents
 from megatron.core.models.difflm.gpt_model import GPTModel
@@ -45,17 +46,24 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
 
 
 def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
-    """Train, valid and test datasets of num_samples[i] samples each (None where 0)."""
+    """Train, valid and test datasets of num_samples[i] samples each (None where 0); with --sft,
+    rows of chat examples (megatron/core/datasets/sft_dataset.py)."""
+    eod = args.tokenizer.eod
+    sft = SFTDatasetConfig(args.seq_length, eod, args.sft_padding, args.seed) if args.sft else None
     if args.mock_data:
-        eod = args.tokenizer.eod
-        return tuple(MockGPTDataset(count, args.seq_length, text_vocab_size=eod, eod=eod, seed=args.seed, split=split)
-                     if count else None for count, split in zip(num_samples, ("train", "valid", "test")))
+        def mock(count: int, split: str):
+            if sft is not None:
+                examples = mock_sft_examples(args.seq_length, eod, eod, args.seed, split)
+                return SFTDataset(*examples, count, sft, name=f"mock {split}")
+            return MockGPTDataset(count, args.seq_length, text_vocab_size=eod, eod=eod, seed=args.seed, split=split)
+        return tuple(mock(count, split) if count else None
+                     for count, split in zip(num_samples, ("train", "valid", "test")))
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Rank 0 builds the index files; the others wait at the barrier and read them.
     builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path,
                                                mmap_bin_files=not args.no_mmap_bin_files),
                              barrier=dist.barrier if distributed else None,
-                             is_builder=not distributed or dist.get_rank() == 0)
+                             is_builder=not distributed or dist.get_rank() == 0, sft=sft)
     if args.data_path:
         return tuple(builder.from_split(args.data_path, args.split, num_samples))
     paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
@@ -86,11 +94,32 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
     labels = inputs if dlm.is_diffusion else tokens[:, 1:length + 1]
     eod = args.tokenizer.eod
     loss_mask = (labels != eod) if args.eod_mask_loss else torch.ones_like(labels, dtype=torch.bool)
+    if args.sft:
+        return _sft_batch(sample, args, inputs, labels, loss_mask, device)
     documents = document_ids_from_eod(inputs, eod) if (args.reset_attention_mask or args.reset_position_ids) else None
     position_ids = positions_from_documents(documents) if args.reset_position_ids else None
     return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
             "document_ids": documents if args.reset_attention_mask else None,
             "index": sample["index"].to(device)}
+
+
+def _sft_batch(sample: Dict[str, torch.Tensor], args: argparse.Namespace, inputs: torch.Tensor,
+               labels: torch.Tensor, loss_mask: torch.Tensor, device: torch.device) -> Dict[str, torch.Tensor]:
+    """get_batch with --sft: only answer positions carry a loss (in the DLM modes only they are
+    maskable: the prompt stays clean), and packed rows attend inside each example."""
+    length = inputs.shape[1]
+    answer = sample["answer"].to(device, non_blocking=True)
+    if args.dlm_config.is_diffusion:
+        loss_mask = loss_mask & answer[:, :length]
+    else:  # the label at i is token i + 1; AR fine-tuning leaves the EOD padding out
+        padding = sample["padding"].to(device, non_blocking=True)
+        loss_mask = loss_mask & (answer & ~padding)[:, 1:length + 1]
+    documents = position_ids = None
+    if args.sft_padding == "pack":
+        documents = sample["document_ids"].to(device, non_blocking=True)[:, :length]
+        position_ids = positions_from_documents(documents)
+    return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+            "document_ids": documents, "index": sample["index"].to(device)}
 
 
 def loss_func(normalizer: torch.Tensor, loss_sum: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,9 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--difflm-eps", type=float, default=1e-3, help="Lowest mask probability: p = (1-eps)t + eps.")
     g.add_argument("--difflm-t-sampling", default="uniform", choices=T_SAMPLINGS,
                    help="t per sequence: uniform, or antithetic (stratified over the global batch).")
+    g.add_argument("--difflm-t-min", type=float, default=0.0,
+                   help="Noise levels t are drawn in [t-min, t-max) (dFactory's SFT: 0.3 to 0.8).")
+    g.add_argument("--difflm-t-max", type=float, default=1.0, help="See --difflm-t-min.")
     g.add_argument("--difflm-loss-weight", default="inverse_p", choices=LOSS_WEIGHTS,
                    help="Weight of masked tokens: 1/p (LLaDA), 1/realised fraction (MegaDLMs) or none.")
     g.add_argument("--difflm-loss-normalizer", default="tokens", choices=LOSS_NORMALIZERS,

@@ -23,6 +23,7 @@ from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_comp
 from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
+from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
 from megatron.training.data_parallel_args import (DATA_PARALLEL_FLAG_NEEDS, add_data_parallel_args,
                                                   validate_data_parallel_args)
 from megatron.training.parallel_args import validate_parallel, validate_parallel_shapes, validate_pipeline
@@ -92,7 +93,7 @@ FLAG_NEEDS = (
      lambda a: a.pipeline_model_parallel_size > 1),
 ) + ROPE_FLAG_NEEDS + CHECKPOINT_FLAG_NEEDS + DATA_PARALLEL_FLAG_NEEDS + LOGGING_FLAG_NEEDS
 FLAG_NEEDS += schedule_args.SCHEDULE_FLAG_NEEDS
-FLAG_NEEDS += RERUN_FLAG_NEEDS
+FLAG_NEEDS += RERUN_FLAG_NEEDS + SFT_FLAG_NEEDS
 # Like FLAG_NEEDS, but only a note: Megatron-LM's own scripts pass these with --mock-data.
 FLAG_NOTES = (
     ("split", "--data-path (it splits those documents)", lambda a: bool(a.data_path)),
@@ -105,6 +106,7 @@ FLAG_NOTES = (
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
 DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
+                  "difflm_t_min", "difflm_t_max",
                   "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_varilen_multiple",
                   "difflm_per_document_t")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
@@ -319,6 +321,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     _add_data_and_logging_args(parser)
     add_logging_args(parser)
     add_rerun_args(parser)
+    add_sft_args(parser)
     _add_checkpoint_args(parser)
     _add_distributed_args(parser)
     add_data_parallel_args(parser)
@@ -463,7 +466,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     _validate_flag_dependencies(args, given)
     validate_logging_args(args, given)
     validate_rerun_args(args, given)
-    notes = _flag_notes(args, given)
+    notes = _flag_notes(args, given) + validate_sft_args(args, given)
     validate_checkpoint_flags(args, given)
     validate_rope_args(args)
     validate_parallel(args)
@@ -552,7 +555,8 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
     return DLMConfig(
         model_running_mode=args.model_running_mode, attention_mask_type=args.attention_mask_type,
         mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
-        t_sampling=args.difflm_t_sampling, loss_weight=args.difflm_loss_weight,
+        t_sampling=args.difflm_t_sampling, t_min=args.difflm_t_min, t_max=args.difflm_t_max,
+        loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
         varilen_multiple=args.difflm_varilen_multiple,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,

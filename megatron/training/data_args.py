@@ -53,7 +53,7 @@ def validate_data_args(args: argparse.Namespace) -> None:
         for flag, values in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
                              ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
             if values:
-                check_prefixes_exist(parse_data_paths(values, flag)[0], flag)
+                check_prefixes_exist(parse_data_paths(values, flag)[0], flag, sft=getattr(args, "sft", False))
     elif args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--mock-data with the NullTokenizer needs --vocab-size")
     args.tokenizer = build_tokenizer(args)

@@ -14,7 +14,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, split_document_ranges
-from megatron.core.datasets.indexed_dataset import IndexedDataset, check_indexed_dataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, check_indexed_dataset, get_answer_prefix
+from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, check_answer_pair, indexed_examples
 from megatron.core.errors import InputError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -47,8 +48,9 @@ def parse_data_paths(values: Sequence[str], flag: str = "--data-path") -> Tuple[
     return values[1::2], [w / total for w in weights]
 
 
-def check_prefixes_exist(prefixes: Sequence[str], flag: str) -> None:
-    """Every prefix is a present, undamaged, non-empty pair; InputError naming `flag` otherwise.
+def check_prefixes_exist(prefixes: Sequence[str], flag: str, sft: bool = False) -> None:
+    """Every prefix is a present, undamaged, non-empty pair (with `sft`, its answer pair too, with
+    as many documents); InputError naming `flag` otherwise.
 
     Called when the flags are parsed, so a bad corpus stops the run before a model is built;
     the check reads headers and sizes only (see check_indexed_dataset).
@@ -64,12 +66,30 @@ def check_prefixes_exist(prefixes: Sequence[str], flag: str) -> None:
         if documents == 0:
             raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx holds no documents; re-run "
                              "tools/preprocess_data.py on an input with at least one document")
+        if sft:
+            _check_answer_header(prefix, flag)
+
+
+def _check_answer_header(prefix: str, flag: str) -> None:
+    answers = get_answer_prefix(prefix)
+    if not IndexedDataset.exists(answers):
+        raise InputError(f"{flag}: {answers}.bin / .idx not found beside {prefix}, and --sft needs it; build the "
+                         "data with tools/preprocess_data.py --chat (it writes both pairs)")
+    try:
+        count = check_indexed_dataset(answers)
+    except InputError as error:
+        raise InputError(f"{flag}: {error}") from None
+    if count != check_indexed_dataset(prefix):
+        raise InputError(f"{flag}: {answers} holds {count} documents but {prefix} does not: the pairs come from "
+                         "different runs; rebuild both with tools/preprocess_data.py --chat")
 
 
 class DatasetBuilder:
+    """Datasets of GPTDataset samples, or with `sft` of SFTDataset rows (chat examples)."""
+
     def __init__(self, config: GPTDatasetConfig, barrier: Optional[Callable[[], None]] = None,
-                 is_builder: bool = True) -> None:
-        self.config, self.barrier, self.is_builder = config, barrier, is_builder
+                 is_builder: bool = True, sft: Optional[SFTDatasetConfig] = None) -> None:
+        self.config, self.barrier, self.is_builder, self.sft = config, barrier, is_builder, sft
         self._indexed = {}
 
     def indexed(self, prefix: str) -> IndexedDataset:
@@ -77,7 +97,12 @@ class DatasetBuilder:
             self._indexed[prefix] = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
         return self._indexed[prefix]
 
-    def gpt(self, prefix: str, document_range: Tuple[int, int], num_samples: int, split: str) -> GPTDataset:
+    def gpt(self, prefix: str, document_range: Tuple[int, int], num_samples: int, split: str):
+        if self.sft is not None:
+            tokens, answers = check_answer_pair(prefix, mmap=self.config.mmap_bin_files)
+            lengths, get = indexed_examples(tokens, answers, document_range)
+            return SFTDataset(lengths, get, num_samples, self.sft, name=f"{prefix} ({split})",
+                              source={"prefix": prefix, "range": list(document_range), "split": split})
         return GPTDataset(self.indexed(prefix), prefix, document_range, num_samples, self.config, split,
                           barrier=self.barrier, is_builder=self.is_builder)
 

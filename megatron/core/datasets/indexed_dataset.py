@@ -55,6 +55,17 @@ def get_idx_path(path_prefix: str) -> str:
     return path_prefix + ".idx"
 
 
+ANSWER_SUFFIX = ".answer"
+ANSWER_DTYPE = np.uint8
+
+
+def get_answer_prefix(path_prefix: str) -> str:
+    """Prefix of the answer-mask pair beside an SFT corpus (`tools/preprocess_data.py --chat`):
+    one uint8 per token, 1 where the token is an answer (maskable, a target), 0 in the prompt;
+    the same sequence lengths and document index as the token pair."""
+    return path_prefix + ANSWER_SUFFIX
+
+
 def dtype_code(dtype) -> int:
     """The `.idx` code of `dtype`; ValueError for dtypes the format cannot describe."""
     for code, candidate in DTYPE_CODES.items():

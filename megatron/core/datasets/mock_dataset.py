@@ -44,3 +44,30 @@ class MockGPTDataset(torch.utils.data.Dataset):
             tokens[filled: filled + piece.size] = piece
             filled += piece.size
         return {"tokens": torch.from_numpy(tokens), "index": torch.tensor(index, dtype=torch.int64)}
+
+
+MOCK_SFT_EXAMPLES = 1024
+
+
+def mock_sft_examples(seq_length: int, text_vocab_size: int, eod: int, seed: int = 1234, split: str = "train",
+                      num_examples: int = MOCK_SFT_EXAMPLES):
+    """(lengths, get) of synthetic chat examples for `--mock-data --sft` (SFTDataset's source).
+
+    Example j: a prompt counting from a random start with a random stride, then the answer: the
+    count continued, ended by EOD. Lengths are drawn up front (packing needs them), contents per
+    example from (seed, split, j), so every rank and layout sees the same examples.
+    """
+    rng = np.random.default_rng([seed, SPLITS[split], 0])
+    low = max(2, seq_length // 8)
+    prompts = rng.integers(1, low + 1, num_examples)
+    answers = rng.integers(1, max(2, seq_length // 2), num_examples)
+
+    def get(example: int):
+        draw = np.random.default_rng([seed, SPLITS[split], 1, example])
+        start, stride = int(draw.integers(0, text_vocab_size)), int(draw.integers(1, 8))
+        prompt, answer = int(prompts[example]), int(answers[example])
+        ids = np.append((start + stride * np.arange(prompt + answer)) % text_vocab_size, eod).astype(np.int64)
+        flags = np.zeros(ids.size, dtype=np.uint8)
+        flags[prompt:] = 1
+        return ids, flags
+    return prompts + answers + 1, get

@@ -314,6 +314,10 @@ class DLMConfig:
     t_sampling: str = "uniform"
     """How t is drawn: uniform (independent per sequence) or antithetic (stratified across the
     global batch: t_i = frac(u + i / n))."""
+    t_min: float = 0.0
+    """Lowest noise level: t is drawn in [t_min, t_max) (dFactory's SFT uses [0.3, 0.8])."""
+    t_max: float = 1.0
+    """Highest noise level (see t_min); the default range [0, 1) is LLaDA's."""
     loss_weight: str = "inverse_p"
     """Per-token weight of masked positions: inverse_p (1/p, LLaDA/MDLM), inverse_empirical
     (1 / realised masked fraction of the sequence, MegaDLMs) or none."""
@@ -368,6 +372,8 @@ class DLMConfig:
         _check_choice(owner, "loss_normalizer", self.loss_normalizer, LOSS_NORMALIZERS)
         if not 0.0 <= self.eps < 1.0:
             raise ValueError(f"{owner}.eps={self.eps} must be in [0, 1)")
+        if not 0.0 <= self.t_min < self.t_max <= 1.0:
+            raise ValueError(f"{owner}.t_min={self.t_min} and t_max={self.t_max} must satisfy 0 <= t_min < t_max <= 1")
         if not 0.0 <= self.varilen_prob <= 1.0:
             raise ValueError(f"{owner}.varilen_prob={self.varilen_prob} must be in [0, 1]")
         _check_positive(owner, "loss_chunk_size", self.loss_chunk_size)

@@ -150,8 +150,15 @@ class CorruptionKey:
                              self.global_batch_size, self.iteration, self.stream)
 
 
+def _t_range(cfg: DLMConfig, u: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) -> t in [t_min, t_max): the identity (no op at all) for the default range."""
+    if cfg.t_min == 0.0 and cfg.t_max == 1.0:
+        return u
+    return u * (cfg.t_max - cfg.t_min) + cfg.t_min
+
+
 def sample_t(cfg: DLMConfig, key: CorruptionKey, device=None) -> torch.Tensor:
-    """Noise level per row, float64 [b] in [0, 1).
+    """Noise level per row, float64 [b] in [t_min, t_max) (default [0, 1)).
 
     uniform: t keyed by (key.seed, stream, sample_index), independent of the batch layout.
     antithetic: t_i = frac(u0 + batch_position_i / n), u0 keyed by (seed, stream, iteration),
@@ -162,13 +169,13 @@ def sample_t(cfg: DLMConfig, key: CorruptionKey, device=None) -> torch.Tensor:
     """
     if cfg.t_sampling == "uniform":
         index = key.sample_index.to(device)
-        return keyed_uniform(key.seed, key.stream, _TAG_ROW_T, index).to(torch.float64)
+        return _t_range(cfg, keyed_uniform(key.seed, key.stream, _TAG_ROW_T, index).to(torch.float64))
     if cfg.t_sampling == "antithetic":
         n = key.global_batch_size
         k0 = keyed_bits(key.seed, key.stream, _TAG_ANTITHETIC, int(key.iteration)) >> 8
         denom = n << 24
         numer = torch.remainder(key.batch_position.to(device) * (1 << 24) + k0 * n, denom)
-        return numer.to(torch.float64) / float(denom)
+        return _t_range(cfg, numer.to(torch.float64) / float(denom))
     raise ValueError(f"DLMConfig.t_sampling={cfg.t_sampling!r} is not one of ['uniform', 'antithetic']")
 
 
@@ -251,7 +258,7 @@ def corrupt(input_ids: torch.Tensor, cfg: DLMConfig, key: CorruptionKey,
         t_tok = t.to(device=device, dtype=torch.float64)[:, None].expand(batch, seq)
     elif cfg.per_document_t and document_ids is not None:
         doc = document_ids.to(device=device, dtype=torch.int64)
-        t_tok = keyed_uniform(key.seed, key.stream, _TAG_DOC_T, sample_index, doc).to(torch.float64)
+        t_tok = _t_range(cfg, keyed_uniform(key.seed, key.stream, _TAG_DOC_T, sample_index, doc).to(torch.float64))
     else:
         t_tok = sample_t(cfg, key, device)[:, None].expand(batch, seq)
     p = mask_probability(cfg, t_tok)
