@@ -4,8 +4,11 @@
         --tokenizer-type SentencePieceTokenizer --tokenizer-model spm.model --append-eod --workers 8
 
 writes `data/corpus_text_document.bin/.idx` (one file pair per --json-keys entry), byte-
-compatible with Megatron-LM. With --partitions K the input is cut into K contiguous line
-ranges tokenized in parallel and merged in order, so the output is the same as with K=1.
+compatible with Megatron-LM. With --chat the lines are conversations or prompt/response records
+(SFT data, megatron/training/tokenizer/chat_template.py): one document per example, plus the answer
+mask `data/corpus_text_document.answer.bin/.idx` (uint8, 1 = answer token, 0 = prompt).
+With --partitions K the input is cut into K contiguous line ranges tokenized in parallel and
+merged in order, so the output is the same as with K=1.
 A malformed line is reported with its number and skipped (counted at the end), or stops
 the run with --strict. Light on purpose: no torch, no distributed stack, no training code.
 
@@ -37,12 +40,16 @@ from typing import Dict, Iterator, List, NoReturn, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.datasets.indexed_dataset import (IndexedDatasetBuilder, get_bin_path, get_idx_path,  # noqa: E402
-                                                    optimal_dtype)
+from megatron.core.datasets.indexed_dataset import (ANSWER_DTYPE, IndexedDatasetBuilder,  # noqa: E402
+                                                    get_answer_prefix, get_bin_path, get_idx_path, optimal_dtype)
 from megatron.core.errors import InputError  # noqa: E402
-from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer  # noqa: E402
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer, chat_template  # noqa: E402
 
 _TOKENIZER = None  # one per worker process, built by the pool initializer
+_CHAT = None  # the worker's chat_template.ChatEncoder with --chat
+ANSWER_KEY = "answer"  # the output of the answer flags (--chat forces --json-keys text, so no clash)
+_CHAT_DEFAULTS = {"chat_template": "auto", "chat_turns": "all", "seed": 1234, "prompt_key": "prompt",
+                  "response_key": list(chat_template.DEFAULT_RESPONSE_KEYS)}
 _BATCH = 32  # lines per task sent to a tokenizer worker
 _POLL_S = 0.2  # how often the parent looks for a partition process that died
 
@@ -66,6 +73,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--append-eod", action="store_true", help="End every document with the EOD token.")
     group.add_argument("--strict", action="store_true", help="Stop at the first malformed line.")
     add_tokenizer_args(parser.add_argument_group("tokenizer"))
+    _add_chat_args(parser.add_argument_group("chat (SFT) data"))
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="Tokenizer processes in all.")
     group.add_argument("--partitions", type=int, default=1, help="Contiguous input ranges processed in parallel.")
@@ -82,7 +90,42 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.tokenizer = build_tokenizer(args)  # fail here, once, on a bad tokenizer file
     except (ValueError, FileNotFoundError, OSError) as error:
         _usage_error(str(error))
+    _check_chat_args(args)
     return args
+
+
+def _add_chat_args(group) -> None:
+    group.add_argument("--chat", action="store_true",
+                       help="Lines are conversations {\"messages\": [{\"role\", \"content\"}, ...]} or prompt/"
+                            "response records; also writes {prefix}_text_document.answer.bin/.idx (1 = answer token).")
+    group.add_argument("--chat-template", help="auto (default: the HF tokenizer's chat_template, else builtin), "
+                                               "builtin, none (plain concatenation) or a .jinja file.")
+    group.add_argument("--chat-turns", choices=chat_template.TURN_CHOICES,
+                       help="all (default): every assistant turn is an answer; sampled: one drawn per conversation "
+                            "(LLaDA), history as prompt; each: one example per assistant turn.")
+    group.add_argument("--seed", type=int, help="Seed of the --chat-turns sampled draw (default 1234).")
+    group.add_argument("--prompt-key", help="Prompt field of prompt/response records (default prompt).")
+    group.add_argument("--response-key", nargs="+", help="Response fields, the first present is used "
+                                                         "(default response completion answer).")
+
+
+def _check_chat_args(args: argparse.Namespace) -> None:
+    """Fills the chat defaults; a chat flag without --chat would change nothing, so it is refused."""
+    for dest, default in _CHAT_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif not args.chat:
+            _usage_error(f"--{dest.replace('_', '-')} needs --chat; add --chat or drop it")
+    if not args.chat:
+        return
+    if args.json_keys != ["text"]:
+        _usage_error("--json-keys does not apply with --chat (examples go to {prefix}_text_document); drop it")
+    try:
+        args.chat_template_source, name = chat_template.resolve_template(args.chat_template, args.tokenizer)
+    except ValueError as error:
+        _usage_error(str(error))
+    if args.chat_template == "auto":
+        print(f"--chat-template auto: using {name}", file=sys.stderr)
 
 
 def open_lines(path: str) -> Iterator[Tuple[int, str]]:
@@ -117,12 +160,14 @@ def _first_non_utf8(path: str, opener) -> str:
 
 
 def _init_worker(args: argparse.Namespace) -> None:
-    global _TOKENIZER
+    global _TOKENIZER, _CHAT
     _TOKENIZER = build_tokenizer(args)
+    _CHAT = (chat_template.ChatEncoder(_TOKENIZER, args.chat_template_source, args.chat_turns, args.seed,
+                                       args.prompt_key, args.response_key) if args.chat else None)
 
 
 def encode_line(item: Tuple[int, str, Tuple[str, ...], bool]):
-    """-> (line number, {key: token ids} or None, error or None, characters read)."""
+    """-> (line number, [{key: token ids} per document] or None, error or None, characters read)."""
     number, line, keys, append_eod = item
     if not line.strip():
         return number, None, "empty line", len(line)
@@ -132,6 +177,12 @@ def encode_line(item: Tuple[int, str, Tuple[str, ...], bool]):
         return number, None, f"not valid JSON ({error.msg})", len(line)
     if not isinstance(record, dict):
         return number, None, "not a JSON object", len(line)
+    if _CHAT is not None:
+        try:
+            examples = _CHAT.encode_record(record, number)
+        except ValueError as error:  # a malformed conversation, or text the tokenizer cannot read
+            return number, None, str(error), len(line)
+        return number, [{"text": ids, ANSWER_KEY: flags} for ids, flags in examples], None, len(line)
     missing = [key for key in keys if not isinstance(record.get(key), str)]
     if missing:
         return number, None, f"no string field {missing[0]!r}", len(line)
@@ -144,7 +195,7 @@ def encode_line(item: Tuple[int, str, Tuple[str, ...], bool]):
         if append_eod and ids:
             ids = ids + [_TOKENIZER.eod]
         encoded[key] = ids
-    return number, encoded, None, len(line)
+    return number, [encoded], None, len(line)
 
 
 def encode_batch(items: list) -> list:
@@ -195,6 +246,18 @@ def output_prefix(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
 
 
+def output_prefixes(args: argparse.Namespace) -> Dict[str, str]:
+    """Every output pair's prefix by key: one per --json-keys entry, and the answer mask with --chat."""
+    prefixes = {key: output_prefix(args.output_prefix, key) for key in args.json_keys}
+    if args.chat:
+        prefixes[ANSWER_KEY] = get_answer_prefix(prefixes["text"])
+    return prefixes
+
+
+def output_dtype(args: argparse.Namespace, key: str):
+    return ANSWER_DTYPE if args.chat and key == ANSWER_KEY else optimal_dtype(args.tokenizer.vocab_size)
+
+
 class Progress:
     """docs/s and tokens/s: a tqdm bar on a terminal, periodic lines otherwise (logs)."""
 
@@ -240,8 +303,8 @@ def tokenize_range(args: argparse.Namespace, lines: Tuple[int, int], paths: Dict
                    workers: int, label: str = "", position: int = 0) -> Dict[str, int]:
     """Tokenize input lines [first, last) into each key's (.bin, .idx) `paths`; returns counts."""
     first, last = lines
-    dtype = optimal_dtype(args.tokenizer.vocab_size)
-    builders = {key: IndexedDatasetBuilder(paths[key][0], dtype=dtype) for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(bin_path, dtype=output_dtype(args, key))
+                for key, (bin_path, _) in paths.items()}
     items = ((n, line, tuple(args.json_keys), args.append_eod)
              for n, line in itertools.islice(open_lines(args.input), first - 1, last - 1))
     progress, skipped = Progress(args.log_interval, position, label), 0
@@ -256,10 +319,11 @@ def tokenize_range(args: argparse.Namespace, lines: Tuple[int, int], paths: Dict
                     if skipped <= 10:
                         print(f"warning: skipping {message}", file=sys.stderr)
                     continue
-                for key, ids in encoded.items():
-                    builders[key].add_item(ids)
-                    builders[key].end_document()
-                progress.update(sum(len(ids) for ids in encoded.values()))
+                for document in encoded:
+                    for key, ids in document.items():
+                        builders[key].add_item(ids)
+                        builders[key].end_document()
+                    progress.update(sum(len(document[key]) for key in args.json_keys))
         finally:
             progress.close()
     for key, builder in builders.items():
@@ -350,13 +414,13 @@ def tokenize_partitions(args: argparse.Namespace, paths: Dict[str, Tuple[str, st
     total_lines = sum(1 for _ in open_lines(args.input))
     bounds = [1 + round(k * total_lines / args.partitions) for k in range(args.partitions + 1)]
     ranges = [(bounds[k], bounds[k + 1]) for k in range(args.partitions)]
-    part_prefixes = [{key: f"{_temporary(output_prefix(args.output_prefix, key))}-part{k}" for key in args.json_keys}
+    part_prefixes = [{key: f"{_temporary(prefix)}-part{k}" for key, prefix in output_prefixes(args).items()}
                      for k in range(args.partitions)]
     part_paths = [{key: (get_bin_path(p), get_idx_path(p)) for key, p in parts.items()} for parts in part_prefixes]
     try:
         results = _run_partitions(args, ranges, part_paths, max(1, args.workers // args.partitions))
-        for key in args.json_keys:
-            merged = IndexedDatasetBuilder(paths[key][0], dtype=optimal_dtype(args.tokenizer.vocab_size))
+        for key in paths:
+            merged = IndexedDatasetBuilder(paths[key][0], dtype=output_dtype(args, key))
             for parts in part_prefixes:
                 merged.add_index(parts[key])
             merged.finalize(paths[key][1])
@@ -392,8 +456,7 @@ def staged_outputs(args: argparse.Namespace):
     Nothing is overwritten in place (DESIGN.md section 5): a failed run removes its temporary
     files and leaves an earlier pair byte-for-byte as it was.
     """
-    finals = {key: (get_bin_path(output_prefix(args.output_prefix, key)),
-                    get_idx_path(output_prefix(args.output_prefix, key))) for key in args.json_keys}
+    finals = {key: (get_bin_path(prefix), get_idx_path(prefix)) for key, prefix in output_prefixes(args).items()}
     temps = {key: (_temporary(bin_path), _temporary(idx_path)) for key, (bin_path, idx_path) in finals.items()}
     try:
         yield temps
@@ -403,11 +466,16 @@ def staged_outputs(args: argparse.Namespace):
     except BaseException:
         _remove_files(path for pair in temps.values() for path in pair)
         raise
-    # Every pair is complete before the first rename; .bin before .idx, since readers open the
-    # .idx first and check it against the .bin's size.
-    for key, pair in finals.items():
-        for temp, final in zip(temps[key], pair):
-            os.replace(temp, final)
+    # Every pair is complete before the first rename; all .bin before the .idx, since readers open
+    # the .idx first and check it against the .bin's size; the answer .idx before the tokens' one,
+    # so a reader that finds the new token pair finds its answer pair complete.
+    order = sorted(finals, key=lambda key: key != ANSWER_KEY)
+    if not args.chat:  # an answer pair left by an earlier --chat run would be read as this pair's
+        stale = [get_answer_prefix(prefix) for prefix in output_prefixes(args).values()]
+        _remove_files(path for prefix in stale for path in (get_bin_path(prefix), get_idx_path(prefix)))
+    for position in (0, 1):
+        for key in order:
+            os.replace(temps[key][position], finals[key][position])
     _fsync(os.path.dirname(os.path.abspath(args.output_prefix)))
 
 
@@ -417,9 +485,10 @@ def _tokenize_into(args: argparse.Namespace, paths: Dict[str, Tuple[str, str]]) 
     else:
         counts = tokenize_partitions(args, paths)
     if counts["documents"] == 0:
+        wanted = ("conversations ({\"messages\": [...]}) or prompt/response records" if args.chat
+                  else f"JSON objects with a string under --json-keys {' '.join(args.json_keys)}")
         raise InputError(f"--input {args.input}: no documents to write ({counts['skipped']} malformed lines "
-                         f"skipped); give lines that are JSON objects with a string under --json-keys "
-                         f"{' '.join(args.json_keys)}")
+                         f"skipped); give lines that are {wanted}")
     return counts
 
 
@@ -439,7 +508,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, int]:
         raise SystemExit(f"error: {error}; nothing was replaced: check that --output-prefix "
                          f"{args.output_prefix} is writable with space left, and re-run") from None
     elapsed = max(time.time() - start, 1e-9)
-    outputs = ", ".join(output_prefix(args.output_prefix, key) + ".{bin,idx}" for key in args.json_keys)
+    outputs = ", ".join(prefix + ".{bin,idx}" for prefix in output_prefixes(args).values())
     print(f"wrote {outputs}: {counts['documents']} documents, {counts['tokens']} tokens in {elapsed:.1f} s "
           f"({counts['documents'] / elapsed:,.1f} docs/s, {counts['tokens'] / elapsed:,.0f} tokens/s)"
           + (f"; skipped {counts['skipped']} malformed lines" if counts["skipped"] else ""), file=sys.stderr)
