@@ -25,6 +25,7 @@ SCRIPTS = {
     "examples/dlm_training/dlm_pretrain_1.7b.sh": (1, {"pipeline_model_parallel_size": 1}),
     "examples/dlm_training/dlm_pretrain_125m.sh": (1, {"pipeline_model_parallel_size": 1}),
     "examples/ar_training/ar_pretrain_1.7b.sh": (1, {"model_running_mode": "vanilla"}),
+    "examples/dlm_training/dlm_sft_1.7b.sh": (1, {"sft": True, "difflm_loss_normalizer": "sequence"}),
 }
 
 
