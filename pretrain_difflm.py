@@ -84,7 +84,7 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
         # step: the same cut in every layout, the same on every rank (no stragglers). The multiple
         # is the run's, never the layout's (arguments.py checks that SP can split it).
         multiple = dlm.varilen_multiple
-        if dlm.effective_mask_type == "block_causal":
+        if dlm.effective_mask_type in ("block_causal", "block_diffusion"):
             multiple = math.lcm(multiple, dlm.block_size)
         first_position = int(sample["index"][0]) - ctx.first_sample_index
         length = diffusion.varilen_length(dlm, ctx.iteration, first_position, length,

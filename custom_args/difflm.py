@@ -22,12 +22,20 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Attention in the DLM modes (vanilla: causal, or a causal sliding_window). "
                         "causal_bottom_right = causal.")
     g.add_argument("--mask-token", type=int, help="Id of the mask token (default: the tokenizer's).")
-    g.add_argument("--difflm-block-size", type=int, help="Block length of block_causal attention.")
+    g.add_argument("--difflm-block-size", type=int,
+                   help="Block length of block_causal attention and of --difflm-block-diffusion.")
+    g.add_argument("--difflm-block-diffusion", action="store_true",
+                   help="BD3-LM block diffusion: the model reads [x_t ; x_0] under one mask (each noisy block sees "
+                        "itself and the clean blocks before it), t is drawn per block, the loss is on x_t; sampling "
+                        "goes block by block with an exact KV cache. Needs --difflm-block-size.")
+    g.add_argument("--difflm-ignore-bos", action="store_true",
+                   help="Never mask the first token of a row (BD3-LM's ignore_bos): always clean, no loss.")
     g.add_argument("--difflm-eps", type=float, default=1e-3, help="Lowest mask probability: p = (1-eps)t + eps.")
     g.add_argument("--difflm-t-sampling", default="uniform", choices=T_SAMPLINGS,
                    help="t per sequence: uniform, or antithetic (stratified over the global batch).")
     g.add_argument("--difflm-t-min", type=float, default=0.0,
-                   help="Noise levels t are drawn in [t-min, t-max) (dFactory's SFT: 0.3 to 0.8).")
+                   help="Noise levels t are drawn in [t-min, t-max) (dFactory's SFT: 0.3 to 0.8; BD3-LM's clipped "
+                        "schedule, whose 1/p weight becomes 1 under --difflm-block-diffusion when t-min > 0.5).")
     g.add_argument("--difflm-t-max", type=float, default=1.0, help="See --difflm-t-min.")
     g.add_argument("--difflm-loss-weight", default="inverse_p", choices=LOSS_WEIGHTS,
                    help="Weight of masked tokens: 1/p (LLaDA), 1/realised fraction (MegaDLMs) or none.")
@@ -51,4 +59,9 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="With --difflm-masked-only-loss at tensor-parallel size 1: each chunk's softmax, loss and "
                         "logits gradient as one torch.compile'd kernel (4.7 instead of 16.5 ms a step at Qwen3-1.7B "
                         "on an H200, docs/performance.md).")
+    g.add_argument("--difflm-eval-mc-samples", type=int, default=1,
+                   help="Corruption draws per validation row (K): each draw is fixed across evaluations and "
+                        "independent of the others; the logged validation loss is the K draws' summed token "
+                        "losses over their summed normalizers (with --difflm-loss-normalizer tokens: the mean of "
+                        "the K single-draw losses). 1: today's single draw. Vanilla mode: ignored (exact loss).")
     return parser

@@ -42,6 +42,7 @@ Under torch.distributed each rank evaluates the requests lm-eval gives it and ``
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -73,6 +74,7 @@ class Backend:
     encode: Callable[[str], List[int]]
     decode: Callable[[Sequence[int]], str]
     kv_cache: bool  # whether model_fn takes generation.py's KVCache
+    select: bool = False  # whether model_fn takes select= (logits at those positions only: scoring.py)
 
 
 def _checkpoint_backend(load: str, device: torch.device, tokenizer: Optional[str]) -> Backend:
@@ -88,7 +90,7 @@ def _checkpoint_backend(load: str, device: torch.device, tokenizer: Optional[str
     model, _ = load_inference_model(load, device)
     return Backend(model.inference_forward, model.running_mode, model.dlm_config.mask_token_id,
                    model._trained_pattern(), model.config.max_position_embeddings, text_tokenizer.eod,
-                   text_tokenizer.tokenize, text_tokenizer.detokenize, kv_cache=True)
+                   text_tokenizer.tokenize, text_tokenizer.detokenize, kv_cache=True, select=True)
 
 
 def _hf_backend(pretrained: str, device: torch.device, tokenizer: Optional[str]) -> Backend:
@@ -110,7 +112,8 @@ def _hf_backend(pretrained: str, device: torch.device, tokenizer: Optional[str])
 
     if hasattr(model, "dlm_forward"):  # the remote-code export of ours (every DLM, some AR models)
         return Backend(model.dlm_forward, config.model_running_mode, config.mask_token_id, model._trained_pattern(),
-                       config.max_position_embeddings, eos, encode, decode, kv_cache=True)
+                       config.max_position_embeddings, eos, encode, decode, kv_cache=True,
+                       select="select" in inspect.signature(model.dlm_forward).parameters)
     pattern = {}
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         pattern = dict(attention_mask_type="sliding_window", sliding_window=config.sliding_window)
@@ -180,7 +183,7 @@ class MegaDLMsLM(LM):
                                                           "threshold", "cache")}
         self.scorer = Scorer(self.backend.model_fn, self.backend.running_mode, self.backend.mask_token_id,
                              self._device, batch_size=self.batch_size, mc_num=int(settings["mc_num"]), cfg=self.cfg,
-                             pattern=self.backend.pattern)
+                             pattern=self.backend.pattern, select=self.backend.select)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None) -> "MegaDLMsLM":

@@ -18,6 +18,11 @@ into fixed-size batches instead. The estimate is the same:
   (one forward per token, LLaDA's slow ``is_check_greedy``), and a masked model's one-shot
   argmax under a fully masked continuation is not the same question.
 
+Only the scored slots' logits are read: with ``select=True`` the model callable takes
+``select=`` ((rows, positions) index tensors) and applies its output layer at those positions only
+(`GPTModel.inference_forward`, the export's ``dlm_forward``); otherwise it returns the full
+[B, L, V] logits and the scorer picks them (a native transformers model). The numbers agree.
+
 Every pair draws its masks from its own CPU generator, seeded by the caller (`pair_seed`:
 the run's seed and the context's tokens), so the choices of one question share their random
 numbers (common random numbers: the score differences between choices have less noise), and
@@ -64,7 +69,8 @@ class Scorer:
     trained attention pattern; see the module docstring for the estimates."""
 
     def __init__(self, model_fn: ModelFn, running_mode: str, mask_token_id: Optional[int], device: torch.device,
-                 *, batch_size: int = 32, mc_num: int = 128, cfg: float = 0.0, pattern: Optional[dict] = None):
+                 *, batch_size: int = 32, mc_num: int = 128, cfg: float = 0.0, pattern: Optional[dict] = None,
+                 select: bool = False):
         for name, value in (("batch_size", batch_size), ("mc_num", mc_num)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -75,6 +81,7 @@ class Scorer:
         self.model_fn, self.running_mode, self.mask_token_id = model_fn, running_mode, mask_token_id
         self.device = device
         self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
+        self.select = select  # model_fn takes select= (GPTModel.inference_forward, the export's dlm_forward)
         self.opts = resolve_options(running_mode, gen_length=1, **(pattern or {}))
 
     @torch.no_grad()
@@ -87,8 +94,10 @@ class Scorer:
                 raise ValueError(f"running_mode={self.running_mode!r} scores token i with the logits at i - 1: "
                                  "every context needs at least one token")
         order = sorted(range(len(pairs)), key=lambda index: -(len(pairs[index][0]) + len(pairs[index][1])))
-        totals = torch.zeros(len(pairs), dtype=torch.float64)
-        greedy = torch.ones(len(pairs), dtype=torch.bool)
+        # On the device, read once at the end: no batch waits for the last one's numbers, so the
+        # host builds the next batch while the device runs this one.
+        totals = torch.zeros(len(pairs), dtype=torch.float64, device=self.device)
+        greedy = torch.ones(len(pairs), dtype=torch.bool, device=self.device)
         batch: List[_Row] = []
         for row in self._rows(pairs, seeds, order):
             batch.append(row)
@@ -97,6 +106,7 @@ class Scorer:
                 batch = []
         if batch:
             self._run(batch, totals, greedy)
+        totals, greedy = totals.cpu(), greedy.cpu()
         if self.running_mode != "vanilla":
             return [(-(total / self.mc_num), False) for total in totals.tolist()]
         return list(zip(totals.tolist(), greedy.tolist()))
@@ -133,48 +143,68 @@ class Scorer:
         return counts, ranks < counts[:, None]
 
     def _run(self, rows: List[_Row], totals: torch.Tensor, greedy: torch.Tensor) -> None:
-        """One forward over `rows` (left-padded to the longest); adds each row's score to its pair."""
+        """One forward over `rows` (left-padded to the longest); adds each row's score to its pair.
+        Everything is indexed on the host and copied without waiting: no host sync here."""
         width = max(row.ids.numel() for row in rows)
-        ids, scored, real = self._padded([row.ids for row in rows], width), [], []
+        ids, scored, real = self._stacked([row.ids for row in rows], width), [], []
         for row in rows:
             pad = width - row.ids.numel()
             scored.append(F.pad(row.scored, (pad, 0)))
             real.append(F.pad(torch.ones_like(row.scored), (pad, 0)))
-        scored, real = torch.stack(scored).to(self.device), torch.stack(real).to(self.device)
+        scored, real = torch.stack(scored), torch.stack(real)
+        # The positions whose logits score a slot: the slot itself, or (difflm-shift) the one before it.
+        read = F.pad(scored[:, 1:], (0, 1)) if self.running_mode == "difflm-shift" else scored
+        row_of, columns = read.nonzero(as_tuple=True)  # row-major, as scored's: the same rows
+        wanted = self._stacked([row.targets for row in rows], width)[scored]
         if self.cfg > 0 and self.running_mode != "vanilla":
-            ids = torch.cat([ids, self._padded([row.unconditional for row in rows], width)])
-            real = real.repeat(2, 1)
-        layout = _build_layout(real, 0, self.opts)
-        logits = self.model_fn(ids, layout.positions, layout.attention_mask(0, width, width), None, 0)
-        if self.running_mode == "difflm-shift":  # the logits at i score token i + 1
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        targets = self._padded([row.targets for row in rows], width)
+            ids = torch.cat([ids, self._stacked([row.unconditional for row in rows], width)])
+            real, row_of, columns = real.repeat(2, 1), torch.cat([row_of, row_of + len(rows)]), columns.repeat(2)
+        layout = _build_layout(self._to_device(real), 0, self.opts)
+        read = (self._to_device(row_of), self._to_device(columns))
+        picked = self._logits(self._to_device(ids), layout.positions, layout.attention_mask(0, width, width),
+                              read).float()
+        wanted, row_of, pair_of = self._to_device(wanted), read[0][:wanted.numel()], [row.pair for row in rows]
         if self.running_mode == "vanilla":
-            self._add_exact(rows, logits, scored, targets, totals, greedy)
+            self._add_exact(len(rows), picked, wanted, row_of, pair_of, totals, greedy)
             return
-        picked = logits[scored.repeat(2, 1)].float() if self.cfg > 0 else logits[scored].float()
         if self.cfg > 0:
             conditional, unconditional = picked.chunk(2)
             picked = unconditional + (self.cfg + 1) * (conditional - unconditional)
-        loss = F.cross_entropy(picked, targets[scored], reduction="none").double()
-        row_of = torch.arange(len(rows), device=self.device)[:, None].expand_as(scored)[scored]
+            # The vocabulary padding is -inf in both (never predicted): -inf - -inf would be NaN.
+            picked = picked.masked_fill(conditional.isneginf(), float("-inf"))
+        loss = F.cross_entropy(picked, wanted, reduction="none").double()
         per_row = torch.zeros(len(rows), dtype=torch.float64, device=self.device).index_add_(0, row_of, loss)
-        weights = torch.tensor([row.weight for row in rows], dtype=torch.float64)
-        totals.index_add_(0, torch.tensor([row.pair for row in rows]), per_row.cpu() * weights)
+        weights = self._to_device(torch.tensor([row.weight for row in rows], dtype=torch.float64))
+        totals.index_add_(0, self._to_device(torch.tensor(pair_of)), per_row * weights)
 
-    def _add_exact(self, rows: List[_Row], logits: torch.Tensor, scored: torch.Tensor, targets: torch.Tensor,
-                   totals: torch.Tensor, greedy: torch.Tensor) -> None:
-        picked = logits[scored].float().log_softmax(dim=-1)
-        wanted = targets[scored]
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                read: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[n, V] logits at the `read` (rows, positions) slots. With `select` the model applies its
+        output layer there only: the full [B, L, V] logits (tens of GB a batch at a 150k
+        vocabulary, of which a few slots a row are read) are never made."""
+        if self.select:
+            return self.model_fn(ids, positions, mask, None, 0, select=read)
+        return self.model_fn(ids, positions, mask, None, 0)[read]
+
+    def _add_exact(self, rows: int, picked: torch.Tensor, wanted: torch.Tensor, row_of: torch.Tensor,
+                   pair_of: List[int], totals: torch.Tensor, greedy: torch.Tensor) -> None:
+        picked = picked.log_softmax(dim=-1)
         logprob = picked.gather(1, wanted[:, None])[:, 0].double()
         hit = picked.argmax(dim=-1) == wanted
-        row_of = torch.arange(len(rows), device=self.device)[:, None].expand_as(scored)[scored]
-        per_row = torch.zeros(len(rows), dtype=torch.float64, device=self.device).index_add_(0, row_of, logprob)
-        misses = torch.zeros(len(rows), dtype=torch.long, device=self.device).index_add_(0, row_of, (~hit).long())
-        index = torch.tensor([row.pair for row in rows])
-        totals.index_add_(0, index, per_row.cpu())
-        greedy[index] &= misses.cpu() == 0
+        per_row = torch.zeros(rows, dtype=torch.float64, device=self.device).index_add_(0, row_of, logprob)
+        misses = torch.zeros(rows, dtype=torch.long, device=self.device).index_add_(0, row_of, (~hit).long())
+        index = self._to_device(torch.tensor(pair_of))
+        totals.index_add_(0, index, per_row)
+        # A pair's rows may span two batches: AND into its flag (each pair has one row in vanilla).
+        greedy.index_put_((index,), greedy[index] & (misses == 0))
 
-    def _padded(self, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
-        """[n, width] on the device, left-padded with token 0 (padding is never attended)."""
-        return torch.stack([F.pad(ids, (width - ids.numel(), 0)) for ids in sequences]).to(self.device)
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a host sync: through pinned memory on CUDA (a plain
+        copy from pageable memory waits for the device's queue)."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _stacked(self, sequences: List[torch.Tensor], width: int) -> torch.Tensor:
+        """[n, width] on the host, left-padded with token 0 (padding is never attended)."""
+        return torch.stack([F.pad(ids, (width - ids.numel(), 0)) for ids in sequences])

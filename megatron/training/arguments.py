@@ -24,6 +24,7 @@ from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args,
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
 from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
+from megatron.training.lm_eval_args import LM_EVAL_FLAG_NEEDS, add_lm_eval_args, validate_lm_eval_args
 from megatron.training.data_parallel_args import (DATA_PARALLEL_FLAG_NEEDS, add_data_parallel_args,
                                                   validate_data_parallel_args)
 from megatron.training.parallel_args import validate_parallel, validate_parallel_shapes, validate_pipeline
@@ -45,7 +46,7 @@ POSITIVE_INT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_l
                       "global_batch_size", "vocab_size", "ffn_hidden_size", "kv_channels", "num_query_groups",
                       "max_position_embeddings", "train_samples", "exit_interval", "keep_last_checkpoints",
                       "max_consecutive_nan_iterations", "distributed_timeout_minutes", "loss_scale_window",
-                      "hysteresis", "difflm_block_size", "difflm_loss_chunk_size",
+                      "hysteresis", "difflm_block_size", "difflm_loss_chunk_size", "difflm_eval_mc_samples",
                       "num_layers_per_virtual_pipeline_stage",
                       "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
                       "decoder_last_pipeline_num_layers")
@@ -75,7 +76,8 @@ FLOAT_FLAG_RANGES = {
 FLAG_NEEDS = (
     ("sliding_window", "--attention-mask-type sliding_window",
      lambda a: getattr(a, "attention_mask_type", None) == "sliding_window"),
-    ("difflm_block_size", "--attention-mask-type block_causal", lambda a: a.attention_mask_type == "block_causal"),
+    ("difflm_block_size", "--attention-mask-type block_causal or --difflm-block-diffusion",
+     lambda a: a.attention_mask_type == "block_causal" or a.difflm_block_diffusion),
     ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
     ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
     ("difflm_varilen_multiple", "--difflm-varilen-prob > 0", lambda a: a.difflm_varilen_prob > 0),
@@ -94,6 +96,7 @@ FLAG_NEEDS = (
 ) + ROPE_FLAG_NEEDS + CHECKPOINT_FLAG_NEEDS + DATA_PARALLEL_FLAG_NEEDS + LOGGING_FLAG_NEEDS
 FLAG_NEEDS += schedule_args.SCHEDULE_FLAG_NEEDS
 FLAG_NEEDS += RERUN_FLAG_NEEDS + SFT_FLAG_NEEDS
+FLAG_NEEDS += LM_EVAL_FLAG_NEEDS
 # Like FLAG_NEEDS, but only a note: Megatron-LM's own scripts pass these with --mock-data.
 FLAG_NOTES = (
     ("split", "--data-path (it splits those documents)", lambda a: bool(a.data_path)),
@@ -106,9 +109,9 @@ FLAG_NOTES = (
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
 DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
-                  "difflm_t_min", "difflm_t_max",
+                  "difflm_t_min", "difflm_t_max", "difflm_block_diffusion", "difflm_ignore_bos",
                   "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_varilen_multiple",
-                  "difflm_per_document_t")
+                  "difflm_per_document_t", "difflm_eval_mc_samples")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
 TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
                          "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
@@ -322,6 +325,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     add_logging_args(parser)
     add_rerun_args(parser)
     add_sft_args(parser)
+    add_lm_eval_args(parser)
     _add_checkpoint_args(parser)
     _add_distributed_args(parser)
     add_data_parallel_args(parser)
@@ -471,6 +475,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     validate_rope_args(args)
     validate_parallel(args)
     validate_data_parallel_args(args)
+    validate_lm_eval_args(args, given)  # before the TrainingConfig: it settles the draws
     _validate_batch_and_schedule(args)
     # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
     for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
@@ -555,6 +560,7 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
     return DLMConfig(
         model_running_mode=args.model_running_mode, attention_mask_type=args.attention_mask_type,
         mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
+        block_diffusion=args.difflm_block_diffusion, ignore_bos=args.difflm_ignore_bos,
         t_sampling=args.difflm_t_sampling, t_min=args.difflm_t_min, t_max=args.difflm_t_max,
         loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,

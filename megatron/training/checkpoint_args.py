@@ -59,7 +59,7 @@ FUNCTION_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
 }
 DLM_FUNCTION_FIELDS = {"model_running_mode": "--model-running-mode", "mask_token_id": "--mask-token",
                        "attention_mask_type": "--attention-mask-type", "block_size": "--difflm-block-size",
-                       "sliding_window": "--sliding-window"}
+                       "sliding_window": "--sliding-window", "block_diffusion": "--difflm-block-diffusion"}
 
 
 def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bool) -> InputError:
@@ -80,8 +80,10 @@ def _dlm_function(dlm: dict, window) -> dict:
         return function
     function = {"model_running_mode": dlm["model_running_mode"], "mask_token_id": dlm.get("mask_token_id"),
                 "attention_mask_type": "causal" if mask_type == "causal_bottom_right" else mask_type}
-    if mask_type == "block_causal":
+    if mask_type == "block_causal" or dlm.get("block_diffusion"):
         function["block_size"] = dlm.get("block_size")
+    if dlm.get("block_diffusion"):
+        function["block_diffusion"] = True
     if mask_type == "sliding_window":
         function["sliding_window"] = window
     return function
@@ -203,3 +205,5 @@ def apply_checkpoint_args(args) -> None:
             args.attention_mask_type = dlm.get("attention_mask_type", args.attention_mask_type)
             if dlm.get("attention_mask_type") == "block_causal":
                 args.difflm_block_size = dlm.get("block_size")
+        if dlm.get("block_diffusion") and hasattr(args, "difflm_block_diffusion"):
+            args.difflm_block_diffusion, args.difflm_block_size = True, dlm.get("block_size")

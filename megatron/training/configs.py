@@ -102,6 +102,8 @@ class TrainingConfig(_FromArgs):
     """torch.cuda.empty_cache(): 1 after forward-backward and evaluation, 2 also after the optimizer."""
     skip_train: bool = False
     """Evaluate only, no training step (--skip-train)."""
+    difflm_eval_mc_samples: int = 1
+    """Corruption draws per validation row; the logged loss pools them (--difflm-eval-mc-samples)."""
 
     @functools.cached_property
     def batch_schedule(self) -> BatchSchedule:
@@ -259,6 +261,22 @@ class ProfilingConfig(_FromArgs):
     """Record CUDA allocations and dump snapshots every --log-interval (--record-memory-history)."""
     memory_snapshot_path: str = "snapshot.pickle"
     """Snapshot path; the rank goes before the extension (--memory-snapshot-path)."""
+
+
+@dataclass
+class LMEvalConfig(_FromArgs):
+    """lm-eval tasks run on the live model during training (megatron/evaluation/in_loop.py)."""
+
+    lm_eval_tasks: Optional[list] = None
+    """Task or group names; None: no in-loop lm-eval (--lm-eval-tasks)."""
+    lm_eval_interval: Optional[int] = None
+    """Run them every N iterations and after the last (--lm-eval-interval, default --eval-interval)."""
+    lm_eval_include_path: Optional[str] = None
+    """A folder of task YAML files besides lm-eval's own (--lm-eval-include-path)."""
+    lm_eval_limit: Optional[int] = None
+    """Examples per task; None: all of them (--lm-eval-limit)."""
+    lm_eval_model_args: Optional[str] = None
+    """The megadlms model's options, key=value,... (--lm-eval-model-args)."""
 
 
 @dataclass

@@ -21,6 +21,11 @@ differently (reference/frameworks.md section 4.2), so the convention is fixed he
 * Attention counts the keys the mask lets through: bidirectional (``no_mask``) counts the
   full s keys, causal counts s/2 (Megatron's convention), block_causal and sliding_window
   count their exact mean. This is why a DLM step reports more FLOPs than an AR step.
+* Block diffusion (BD3-LM) runs every sample of L tokens as [x_t ; x_0], 2L tokens: everything
+  but the output layer is counted for 2L tokens, the output layer for the L noisy ones (the only
+  logits the loss needs), and a query sees (L + B) / 2 keys on average (the mask's exact density:
+  a noisy query in block b sees its own block and the b clean blocks before it, a clean query the
+  b + 1 clean blocks up to its own), the same mean as block_causal over L.
 * Training is 3 x forward (backward = 2 x forward: activation and weight gradients). These
   are *model* FLOPs: activation recompute is deliberately NOT counted, so MFU does not rise
   when a run recomputes more (the MFU convention of the PaLM paper and Megatron).
@@ -63,7 +68,7 @@ def attention_keys_per_query(mask_type: str, seq_length: int, block_size: Option
         return float(seq_length)
     if mask_type == "causal":
         return seq_length / 2.0
-    if mask_type == "block_causal":
+    if mask_type in ("block_causal", "block_diffusion"):  # block_diffusion: seq_length is the noisy L
         if not block_size or block_size <= 0 or seq_length % block_size:
             raise ValueError(f"block_size={block_size!r} must be a positive divisor of seq_length="
                              f"{seq_length} for block_causal; pass the --block-size of the run")
@@ -79,7 +84,7 @@ def attention_keys_per_query(mask_type: str, seq_length: int, block_size: Option
         total = ramp * (ramp + 1) / 2.0 + (seq_length - ramp) * window
         return total / seq_length
     raise ValueError(f"mask_type={mask_type!r} is not one of no_mask, causal, block_causal, "
-                     "sliding_window")
+                     "block_diffusion, sliding_window")
 
 
 def forward_flops_breakdown(config: TransformerConfig, seq_length: int, mask_type: str = "no_mask",
@@ -124,8 +129,12 @@ def _mlp_flops(config: TransformerConfig, ffn: int) -> float:
 
 def forward_flops_per_token(config: TransformerConfig, seq_length: int, mask_type: str = "no_mask",
                             block_size: Optional[int] = None, window: Optional[int] = None) -> float:
-    """Forward matmul FLOPs for one token of a `seq_length` sequence (see the module doc)."""
-    return sum(forward_flops_breakdown(config, seq_length, mask_type, block_size, window).values())
+    """Forward matmul FLOPs for one token of a `seq_length` sequence (see the module doc); under
+    block_diffusion, per token of the L-token sample (its forward runs 2L tokens)."""
+    terms = forward_flops_breakdown(config, seq_length, mask_type, block_size, window)
+    if mask_type == "block_diffusion":
+        return 2.0 * (sum(terms.values()) - terms["output_layer"]) + terms["output_layer"]
+    return sum(terms.values())
 
 
 def training_flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,

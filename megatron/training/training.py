@@ -36,6 +36,7 @@ from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer,
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.fp8 import enable_fp8_training
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
+from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.configs import TrainingConfig
@@ -61,10 +62,17 @@ class StepContext:
     microbatch: int
     training: bool = True
     stream: int = 0
-    """0 for training batches, 1 for validation (fixed draws at every evaluation)."""
+    """0 for training batches, validation_stream(draw) for validation (fixed draws at every evaluation)."""
     loss_scale: Optional[torch.Tensor] = None
     """fp16's current loss scale (None otherwise): forward steps multiply the MoE balancing losses'
     scale by it, as the schedule multiplies the loss (moe/aux_losses.py)."""
+
+
+def validation_stream(draw: int) -> int:
+    """The corruption stream of the validation set's draw `draw` (--difflm-eval-mc-samples): draw 0 is
+    stream 1, the single draw of every evaluation so far; draw k > 0 puts k in the high 32-bit word, so
+    no draw meets training's stream 0 or any other split's small stream number."""
+    return 1 | (draw << 32)
 
 
 # forward_step(data_iterator, model, ctx, args) -> (output tensor, loss_func); loss_func(output)
@@ -140,6 +148,8 @@ class Trainer:
         self.history: List[StepResult] = []
         self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
+        self.lm_eval: Optional[InLoopEvaluation] = None
+        """--lm-eval-tasks on the live model (megatron/evaluation/in_loop.py); None without them."""
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.loss_scale
                                                 or config.initial_loss_scale, enabled=config.fp16)
         self.loss_scale = LossScale(self.grad_scaler, config.loss_scale, config.min_loss_scale,
@@ -273,6 +283,7 @@ class Trainer:
         if config.skip_train:  # --skip-train: the validation loss of the loaded weights, no step
             if self._evaluates():
                 self.evaluate_and_log()
+            self._lm_eval(final=True)
             return state
         self.model.train()
         self.hooks.train_start(state, config.train_iters)
@@ -288,6 +299,7 @@ class Trainer:
                                     if config.fp16 else 1.0)
             if self._evaluates() and state.iteration % config.eval_interval == 0:
                 self.evaluate_and_log()
+            self._lm_eval()
             if self.checkpointer is not None:
                 self.checkpointer.finalize(blocking=False, iteration=state.iteration)
                 if self.checkpointer.due(state.iteration):
@@ -299,6 +311,7 @@ class Trainer:
                 break
         if self._evaluates() and state.iteration % config.eval_interval != 0:
             self.evaluate_and_log()
+        self._lm_eval(final=True)
         if self.checkpointer is not None:
             if not self.checkpointer.due(state.iteration):
                 self.hooks.save(self)  # the end of training is always saved
@@ -308,6 +321,11 @@ class Trainer:
 
     def _evaluates(self) -> bool:
         return self.valid_loader is not None and self.config.eval_iters > 0
+
+    def _lm_eval(self, final: bool = False) -> None:
+        """--lm-eval-tasks every --lm-eval-interval iterations and after the last one."""
+        if self.lm_eval is not None and self.lm_eval.due(self.state.iteration, final):
+            self.lm_eval.run(self.model, self.state.iteration)
 
     def _should_exit(self, start_time: float) -> bool:
         config = self.config
@@ -329,14 +347,17 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss over the first --eval-iters global batches of the validation set,
-        with fixed corruption draws (stream 1, keyed by validation sample index)."""
+        with fixed corruption draws (keyed by validation sample index): --difflm-eval-mc-samples
+        draws per row, their loss sums pooled over their normalizers (validation_stream)."""
         self.model.eval()
-        data_iterator = self.valid_loader()
         loss_sum = normalizer = 0.0
-        for step in range(self.config.eval_iters):
-            first = step * self.config.global_batch_size
-            batch_loss = self._forward_backward(data_iterator, False, 0, first, stream=1)
-            loss_sum, normalizer = loss_sum + float(batch_loss.loss_sum), normalizer + float(batch_loss.normalizer)
+        for draw in range(self.config.difflm_eval_mc_samples):
+            data_iterator = self.valid_loader()
+            for step in range(self.config.eval_iters):
+                first = step * self.config.global_batch_size
+                batch_loss = self._forward_backward(data_iterator, False, 0, first, stream=validation_stream(draw))
+                loss_sum = loss_sum + float(batch_loss.loss_sum)
+                normalizer = normalizer + float(batch_loss.normalizer)
         self.model.train()
         return loss_sum / max(normalizer, 1.0)
 
@@ -457,12 +478,15 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)
-    return Trainer(
+    trainer = Trainer(
         training, model, optimizer, scheduler, partial(forward_step_func, args=args),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
         runtime=runtime, logger=logger, groups=layout.groups, links=links,
         hooks=LoopHooks.from_args(args, logger, runtime), rerun_config=args.rerun_config)
+    trainer.lm_eval = build_in_loop_evaluation(getattr(args, "lm_eval_config", None), model, args.tokenizer,
+                                               runtime.device, logger)
+    return trainer
 
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,

@@ -102,8 +102,10 @@ class TrainingLogger:
         training, record = self.training, self.record
         stages = pipeline_stages(model, state)
         params = sum(stage["params"] for stage in stages)
+        bd3 = (" over [x_t ; x_0]: a 2L-token forward, its mask's density counted"
+               if record.dlm_config.block_diffusion else "")
         self.print(f"> MegaDLMs: {record.dlm_config.model_running_mode} "
-                   f"(attention {record.dlm_config.effective_mask_type}), {params / 1e6:.2f}M parameters, "
+                   f"(attention {record.dlm_config.effective_mask_type}{bd3}), {params / 1e6:.2f}M parameters, "
                    f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
         self.print("> parallel layout\n" + (state.layout_table() + "\n" if state is not None else "") +
                    f"  sequence parallel: {record.sequence_parallel}, data-parallel sharding: "
@@ -224,6 +226,10 @@ class TrainingLogger:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(f"{name} vs samples", value, state.consumed_train_samples)
+
+    def on_scalars(self, values: Dict[str, float], iteration: int) -> None:
+        """Scalars another part of the run computed at `iteration` (the in-loop lm-eval metrics)."""
+        self._scalars(values, iteration)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -199,3 +199,10 @@ class LayoutCases:
             except AssertionError as error:
                 raise AssertionError(f"{name} {case[:2]} {case[2]}: {error}") from None
         return by_layout
+
+
+def tp_sp_and_dp(cases: list, argv_of) -> LayoutCases:
+    """The two layouts every feature proves itself under: TP=2 with sequence parallelism, and DP=2
+    (gradients compared by name), each case against one process."""
+    return LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], cases, False),
+                        "dp2": (2, [], cases, True)}, argv_of)

@@ -5,7 +5,7 @@ DLM recipe (--sft-normalizer)."""
 
 import pytest
 
-from tests.distributed.parity import LayoutCases
+from tests.distributed.parity import tp_sp_and_dp
 
 pytestmark = pytest.mark.distributed
 
@@ -30,9 +30,7 @@ MODES = {
 }
 CASES = [("megatron", "dlm_llada_eos", ()), ("megatron", "ar_pack", ()), ("megatron", "dlm_dllm_shift_pack", ()),
          ("llama", "dlm_dfactory_pack", ()), ("llama", "ar_eos", ())]
-SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
-                     "dp2": (2, [], CASES, True)},
-                    lambda config, mode, extra: SHAPE + CONFIGS[config] + MODES[mode])
+SUITE = tp_sp_and_dp(CASES, lambda config, mode, extra: SHAPE + CONFIGS[config] + MODES[mode])
 
 references = SUITE.references_fixture()
 

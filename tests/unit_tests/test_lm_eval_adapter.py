@@ -116,6 +116,52 @@ def test_batched_elbo_equals_one_pair_at_a_time_likelihood(dlm, cfg):
     assert pair_seed(5, pairs[0][0]) == pair_seed(5, pairs[1][0]) != pair_seed(5, pairs[2][0])  # common numbers
 
 
+@pytest.mark.parametrize("running_mode, cfg", [("difflm-noshift", 0.5), ("difflm-shift", 0.5), ("vanilla", 0.0)])
+def test_output_layer_at_the_scored_slots_only_equals_the_full_logits(running_mode, cfg):
+    """Scorer(select=True) asks the model for the scored slots' logits only (2-D, never [B, L, V]),
+    and every score and greedy flag equals the full-logits path's."""
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.evaluation.scoring import Scorer
+    from tests.unit_tests.test_hf_conversion import perturb, tiny_config
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(), DLMConfig(model_running_mode=running_mode, mask_token_id=89)).eval()
+    perturb(model)
+    shapes = []
+
+    def model_fn(*args, **kwargs):
+        logits = model.inference_forward(*args, **kwargs)
+        shapes.append(tuple(logits.shape))
+        return logits
+
+    pairs = [([3, 4, 5, 6], [7, 8]), ([3, 4, 5, 6], [9]), ([10, 11], [12, 13, 14, 15, 16])]
+    seeds = [pair_seed(1, context) for context, _ in pairs]
+    results = {select: Scorer(model_fn, running_mode, 89, CPU, batch_size=5, mc_num=4, cfg=cfg,
+                              pattern=model._trained_pattern(), select=select).score(pairs, seeds)
+               for select in (False, True)}
+    selected = shapes[len(shapes) // 2:]
+    assert all(len(shape) == 3 for shape in shapes[:len(shapes) // 2]) and all(len(shape) == 2 for shape in selected)
+    assert sum(shape[0] for shape in selected) < sum(len(c) + len(a) for c, a in pairs) * (1 if running_mode ==
+                                                                                            "vanilla" else 4)
+    assert [score for score, _ in results[True]] == pytest.approx([score for score, _ in results[False]], rel=1e-5)
+    assert [greedy for _, greedy in results[True]] == [greedy for _, greedy in results[False]]
+    assert len({score for score, _ in results[True]}) == len(pairs)
+
+
+def test_the_exports_dlm_forward_selects_the_same_logits(dlm):
+    """The remote-code export's dlm_forward(select=) equals its full logits at those slots."""
+    from tests.unit_tests.test_hf_conversion import load_hf
+
+    model = load_hf(dlm[1])
+    ids = torch.randint(0, 8000, (2, 9), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9).expand(2, 9)
+    mask = torch.ones(2, 9, 9, dtype=torch.bool)
+    read = (torch.tensor([0, 0, 1]), torch.tensor([2, 8, 5]))
+    selected = model.dlm_forward(ids, positions, mask, select=read)
+    assert selected.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(selected, model.dlm_forward(ids, positions, mask)[read], rtol=1e-5, atol=1e-5)
+
+
 def _exact(model, context, continuation):
     """log p(continuation | context) and greedy-ness from one causal forward of the unpadded sequence."""
     sequence = torch.tensor([context + continuation])

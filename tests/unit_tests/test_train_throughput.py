@@ -300,7 +300,7 @@ def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
     # forward_step on the same rows, placed in the stream where the benchmark's key puts them.
     train_args = SimpleNamespace(padded_vocab_size=spec.vocab_size, seq_length=args.seq_length,
                                  dlm_config=model.dlm_config, tokenizer=SimpleNamespace(eod=tt.mask_token_id(spec) - 1),
-                                 eod_mask_loss=False, reset_attention_mask=False, reset_position_ids=False)
+                                 eod_mask_loss=False, reset_attention_mask=False, reset_position_ids=False, sft=False)
     ctx = SimpleNamespace(iteration=index, first_sample_index=index * batch, global_batch_size=batch,
                           microbatch=0, training=True, stream=0, loss_scale=None)  # no fp16 loss scale
     sample = {"tokens": tokens, "index": torch.arange(batch) + index * batch}

@@ -53,12 +53,14 @@ finished when it emits EOS. The result always has the full shape
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from .generation_options import (ALIASES, CACHE_MODES, MASK_TYPES, REMASKING, RUNNING_MODES,  # noqa: F401
+                                 GenerationOptions, resolve_options)
 
 __all__ = ["KVCache", "GenerationOptions", "generate", "resolve_options", "RUNNING_MODES"]
 
@@ -78,18 +80,6 @@ def compiler_disabled(fn: Callable) -> Callable:
 
     return call
 
-# Copies of transformer_config.py's lists: this file ships inside Hugging Face exports and imports
-# torch only (tests/unit_tests/test_copies_agree.py keeps the copies equal).
-RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
-MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
-REMASKING = ("low_confidence", "random")
-CACHE_MODES = (None, "prefix", "dual")
-
-# MegaDLMs' generation-config names -> LLaDA's names (the canonical ones here).
-ALIASES = {"max_new_tokens": "gen_length", "sample_steps": "steps", "inference_block_size": "block_length",
-           "cfg": "cfg_scale"}
-_DLM_ONLY = ("steps", "block_length", "remasking", "cfg_scale", "threshold", "cache")
-_AR_ONLY = ("use_cache",)
 
 
 class KVCache:
@@ -171,140 +161,6 @@ class LayerCache:
         return self.cache.update(self.layer, start, key, value)
 
 
-# ---------------------------------------------------------------------------- options
-@dataclass(frozen=True)
-class GenerationOptions:
-    """Resolved generation options (LLaDA's names; MegaDLMs' names are aliases)."""
-
-    gen_length: int = 128
-    """Tokens to generate (alias ``max_new_tokens``)."""
-    steps: Optional[int] = None
-    """DLM: denoising steps over all blocks, a multiple of the number of blocks; None means
-    gen_length, one token per step (alias ``sample_steps``)."""
-    block_length: Optional[int] = None
-    """DLM: semi-autoregressive block length dividing gen_length; None means gen_length, pure
-    diffusion (alias ``inference_block_size``)."""
-    temperature: float = 0.0
-    """0 is greedy; otherwise Gumbel-max sampling from softmax(logits / temperature)."""
-    top_k: Optional[int] = None
-    """Keep only the k most likely tokens before sampling (and for confidences)."""
-    top_p: Optional[float] = None
-    """Keep the smallest set of tokens whose probability reaches top_p (nucleus)."""
-    remasking: str = "low_confidence"
-    """DLM: which predictions to commit: low_confidence (most probable first) or random."""
-    cfg_scale: float = 0.0
-    """DLM: classifier-free guidance w; logits = un + (w + 1)(cond - un) (alias ``cfg``)."""
-    threshold: Optional[float] = None
-    """DLM: commit every masked token of the block with confidence above it (at least one)."""
-    cache: Optional[str] = None
-    """DLM: block KV cache, None, "prefix" or "dual" (Fast-dLLM; approximate unless the
-    attention keeps finished blocks from seeing later ones)."""
-    use_cache: bool = True
-    """AR: decode with a KV cache (prefill, then one token per step)."""
-    attention_mask_type: Optional[str] = None
-    """The attention the model was trained with: no_mask, causal, block_causal or
-    sliding_window; None means no_mask for DLMs and causal for AR."""
-    attention_block_size: Optional[int] = None
-    """Block size of block_causal attention (not the sampler's block_length)."""
-    sliding_window: Optional[int] = None
-    """Window of sliding_window attention."""
-    generator: Optional[torch.Generator] = None
-    """Random source of Gumbel noise and random remasking, for reproducible samples."""
-
-
-def _label(name: str) -> str:
-    aliases = [alias for alias, canonical in ALIASES.items() if canonical == name]
-    return f"{name} ({aliases[0]})" if aliases else name
-
-
-def _canonical_options(running_mode: str, options: dict) -> dict:
-    """Map aliases to LLaDA's names, rejecting unknown names, conflicts and wrong-mode options."""
-    known = {field.name for field in dataclasses.fields(GenerationOptions)}
-    values: dict = {}
-    for name, value in options.items():
-        canonical = ALIASES.get(name, name)
-        if canonical not in known:
-            raise ValueError(f"unknown generation option {name!r}; known options: "
-                             f"{', '.join(sorted(known | set(ALIASES)))}")
-        if canonical in values and values[canonical] != value:
-            raise ValueError(f"generation option {_label(canonical)} is given twice with different values "
-                             f"({values[canonical]!r} and {value!r}); pass only one spelling")
-        values[canonical] = value
-    wrong = _DLM_ONLY if running_mode == "vanilla" else _AR_ONLY
-    for name in wrong:
-        if name in values:
-            kind = "diffusion (difflm-*)" if running_mode == "vanilla" else "autoregressive (vanilla)"
-            raise ValueError(f"generation option {_label(name)} applies to {kind} running modes only, "
-                             f"not {running_mode!r}; drop it")
-    return values
-
-
-def resolve_options(running_mode: str, **options) -> GenerationOptions:
-    """Validated `GenerationOptions`; one ValueError naming the option and the fix."""
-    if running_mode not in RUNNING_MODES:
-        raise ValueError(f"running_mode={running_mode!r} is not one of {RUNNING_MODES}")
-    opts = GenerationOptions(**_canonical_options(running_mode, options))
-    _check_int("gen_length (max_new_tokens)", opts.gen_length)
-    if running_mode != "vanilla":
-        opts = _resolve_dlm(opts)
-    if opts.temperature is None or opts.temperature < 0:
-        raise ValueError(f"temperature={opts.temperature!r} must be >= 0 (0 is greedy)")
-    if opts.top_k is not None:
-        _check_int("top_k", opts.top_k)
-    if opts.top_p is not None and not 0.0 < opts.top_p <= 1.0:
-        raise ValueError(f"top_p={opts.top_p!r} must be in (0, 1]; use 1.0 or None to disable it")
-    default_type = "causal" if running_mode == "vanilla" else "no_mask"
-    opts = dataclasses.replace(opts, attention_mask_type=opts.attention_mask_type or default_type)
-    _check_attention(running_mode, opts)
-    if opts.generator is not None and not isinstance(opts.generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(opts.generator).__name__}")
-    return opts
-
-
-def _check_int(label: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{label}={value!r} must be a positive integer")
-
-
-def _resolve_dlm(opts: GenerationOptions) -> GenerationOptions:
-    block_length = opts.block_length if opts.block_length is not None else opts.gen_length
-    steps = opts.steps if opts.steps is not None else opts.gen_length
-    _check_int("block_length (inference_block_size)", block_length)
-    _check_int("steps (sample_steps)", steps)
-    if opts.gen_length % block_length:
-        raise ValueError(f"gen_length (max_new_tokens)={opts.gen_length} is not a multiple of block_length "
-                         f"(inference_block_size)={block_length}; choose a block length that divides it")
-    blocks = opts.gen_length // block_length
-    if opts.threshold is None and steps % blocks:
-        raise ValueError(f"steps (sample_steps)={steps} is not divisible by the {blocks} blocks "
-                         f"(gen_length / block_length); use a multiple of {blocks}")
-    if opts.remasking not in REMASKING:
-        raise ValueError(f"remasking={opts.remasking!r} is not one of {REMASKING}")
-    if opts.cfg_scale is None or opts.cfg_scale < 0:
-        raise ValueError(f"cfg_scale (cfg)={opts.cfg_scale!r} must be >= 0 (0 disables guidance)")
-    if opts.cache not in CACHE_MODES:
-        raise ValueError(f"cache={opts.cache!r} is not one of {CACHE_MODES}")
-    if opts.threshold is not None:
-        if not 0.0 <= opts.threshold <= 1.0:
-            raise ValueError(f"threshold={opts.threshold!r} must be in [0, 1] (a token probability)")
-        if opts.remasking != "low_confidence":
-            raise ValueError("threshold decoding compares model confidences; use remasking='low_confidence'")
-    return dataclasses.replace(opts, block_length=block_length, steps=steps)
-
-
-def _check_attention(running_mode: str, opts: GenerationOptions) -> None:
-    mask_type = opts.attention_mask_type
-    if mask_type not in MASK_TYPES:
-        raise ValueError(f"attention_mask_type={mask_type!r} is not one of {MASK_TYPES}")
-    if running_mode == "vanilla" and mask_type not in ("causal", "sliding_window"):
-        raise ValueError(f"attention_mask_type={mask_type!r} cannot decode autoregressively; "
-                         "vanilla models use 'causal' (or 'sliding_window')")
-    if mask_type == "block_causal":
-        _check_int("attention_block_size (needed by attention_mask_type='block_causal')", opts.attention_block_size)
-    if mask_type == "sliding_window":
-        _check_int("sliding_window (needed by attention_mask_type='sliding_window')", opts.sliding_window)
-
-
 # ---------------------------------------------------------------------------- canvas and masks
 @dataclass
 class _Layout:
@@ -328,7 +184,7 @@ class _Layout:
             allowed = torch.ones_like(query == key)
         elif mask_type == "causal":
             allowed = key <= query
-        elif mask_type == "block_causal":
+        elif mask_type in ("block_causal", "block_diffusion"):  # a block diffusion canvas holds clean blocks
             block = self.opts.attention_block_size
             allowed = (key // block) <= (query // block)
         else:
@@ -462,19 +318,42 @@ class _DiffusionSampler:
         # CFG runs the conditional and the unconditional rows as one doubled batch.
         self.run_layout = layout.repeat(2) if self.opts.cfg_scale > 0 else layout
         self.cache = KVCache(None, canvas.shape[1]) if self.opts.cache else None
+        self.block_diffusion = self.opts.attention_mask_type == "block_diffusion"
+        # Block diffusion: the model's blocks start at positions k * B; the prompt's last, partial one
+        # (its `prompt_offset` tokens) is denoised with the generated slots that complete it.
+        prompt_tokens = int(layout.real[0, :prompt_length].sum()) if prompt_length else 0
+        self.prompt_offset = prompt_tokens % self.opts.attention_block_size if self.block_diffusion else 0
+        self.committed_start = 0
+        """Block diffusion: the first slot of the last committed block (its clean k/v are not cached yet)."""
 
     def run(self) -> torch.Tensor:
-        opts = self.opts
-        for block in range(opts.gen_length // opts.block_length):
-            start = self.prompt_length + block * opts.block_length
-            self._denoise_block(start, start + opts.block_length)
+        for start, end in self._blocks():
+            self._denoise_block(start, end)
+            self.committed_start = start - (self.prompt_offset if start == self.prompt_length else 0)
             if self.finished.all():
                 break
         return self.canvas
 
+    def _blocks(self):
+        """The [start, end) canvas slots denoised together: LLaDA's semi-autoregressive blocks of
+        block_length, or under block diffusion the model's own blocks (the last one may be cut)."""
+        opts, total = self.opts, self.canvas.shape[1]
+        if not self.block_diffusion:
+            for block in range(opts.gen_length // opts.block_length):
+                start = self.prompt_length + block * opts.block_length
+                yield start, start + opts.block_length
+            return
+        start, end = self.prompt_length, self.prompt_length + opts.attention_block_size - self.prompt_offset
+        while start < total:
+            yield start, min(end, total)
+            start, end = end, end + opts.attention_block_size
+
     def _denoise_block(self, start: int, end: int) -> None:
         opts = self.opts
-        steps = opts.steps // (opts.gen_length // opts.block_length)
+        if self.block_diffusion:  # the steps spread over the generated tokens, at least one a block
+            steps = max(1, -(-opts.steps * (end - start) // opts.gen_length))
+        else:
+            steps = opts.steps // (opts.gen_length // opts.block_length)
         schedule = transfer_schedule(self.canvas[:, start:end] == self.mask_token_id, steps)
         step = 0
         # Steps that would commit nothing (schedule 0 once the block is full) are skipped.
@@ -506,7 +385,9 @@ class _DiffusionSampler:
         in the shift mode.
         """
         first_needed = start - self.shift
-        if self.cache is None or first_step:
+        if self.block_diffusion:
+            q0, q1 = self._block_diffusion_window(start, first_step), end
+        elif self.cache is None or first_step:
             q0, q1 = 0, self.canvas.shape[1]
         else:
             q0 = first_needed
@@ -524,6 +405,17 @@ class _DiffusionSampler:
         # Committing the mask token would leave the slot masked forever; a trained model
         # gives it ~0 probability, so ruling it out changes nothing there.
         return logits.index_fill(-1, self.mask_column, float("-inf"))
+
+
+    def _block_diffusion_window(self, start: int, first_step: bool) -> int:
+        """First slot a block-diffusion step runs (to the block's end): without a cache the clean
+        prefix and the block; with one, the block, plus at its first step the block committed last,
+        whose clean k/v (block-causal, as training's clean half) go into the cache once and exactly.
+        Later blocks are never attended (block-causal mask), so what is beyond `end` does not matter."""
+        block_start = start - (self.prompt_offset if start == self.prompt_length else 0)
+        if self.cache is None:
+            return 0
+        return self.committed_start if first_step else block_start
 
 
 def _select(confidence: torch.Tensor, masked: torch.Tensor, count: Optional[torch.Tensor],
@@ -595,6 +487,15 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     canvas = torch.cat([input_ids.long(), generated], dim=1)
     if running_mode == "vanilla":
         return _decode_autoregressive(model_fn, canvas, layout, prompt_length, eos_token_id, fill_id)
-    sampler = _DiffusionSampler(model_fn, canvas, layout, prompt_length, running_mode == "difflm-shift",
-                                mask_token_id, eos_token_id, fill_id)
-    return sampler.run()
+    if opts.attention_mask_type != "block_diffusion":
+        return _DiffusionSampler(model_fn, canvas, layout, prompt_length, running_mode == "difflm-shift",
+                                 mask_token_id, eos_token_id, fill_id).run()
+    # The model's blocks start at multiples of B from each row's first token: rows whose prompts
+    # differ in length modulo B have their block boundaries at other slots, so they run apart.
+    offsets = prompt_real.sum(dim=1) % opts.attention_block_size
+    for offset in offsets.unique().tolist():
+        rows = (offsets == offset).nonzero()[:, 0].to(canvas.device)
+        part = _Layout(layout.real[rows], layout.positions[rows], opts)
+        canvas[rows] = _DiffusionSampler(model_fn, canvas[rows], part, prompt_length, False, mask_token_id,
+                                         eos_token_id, fill_id).run()
+    return canvas

@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
 from megatron.core.inference.generation import compiler_disabled
-from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.attention_mask import AttentionMask, block_diffusion_allowed
 
 AttentionFn = Callable[..., torch.Tensor]
 """``fn(q, k, v, mask, softmax_scale, dropout_p) -> [b, hq, s, d]``; inputs already validated,
@@ -212,6 +212,9 @@ def _structure_mask_mod(mask: AttentionMask):
     if mask.mask_type == "sliding_window":
         window = mask.window
         return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx >= 0) & (q_idx - kv_idx < window)
+    if mask.mask_type == "block_diffusion":
+        noisy, block = mask.noisy_length, mask.block_size
+        return lambda b, h, q_idx, kv_idx: block_diffusion_allowed(q_idx, kv_idx, noisy, block)
     return None
 
 

@@ -22,8 +22,10 @@ import torch
 
 from megatron.core.transformer.transformer_config import ATTENTION_MASK_TYPES, DLMConfig, TransformerConfig
 
-# The mask types a model trains with (one list: transformer_config.py), plus an explicit bool tensor.
-MASK_TYPES = ATTENTION_MASK_TYPES + ("explicit",)
+# The mask types a model trains with (one list: transformer_config.py), block diffusion's mask over
+# [x_t ; x_0] (--difflm-block-diffusion builds it, no --attention-mask-type names it), and an explicit
+# bool tensor.
+MASK_TYPES = ATTENTION_MASK_TYPES + ("block_diffusion", "explicit")
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,10 +39,14 @@ class AttentionMask:
     mask_type: str
     """One of ``MASK_TYPES``: ``no_mask`` (bidirectional), ``causal``, ``block_causal``
     (query i sees key j iff ``j // block_size <= i // block_size``), ``sliding_window``
-    (query i sees key j iff ``0 <= i - j < window``), ``explicit`` (the ``allowed`` tensor)."""
+    (query i sees key j iff ``0 <= i - j < window``), ``block_diffusion`` (BD3-LM's mask over
+    ``[x_t ; x_0]``, see ``block_diffusion_allowed``), ``explicit`` (the ``allowed`` tensor)."""
 
     block_size: Optional[int] = None
-    """Block length for ``block_causal``; must divide the sequence length."""
+    """Block length for ``block_causal`` and ``block_diffusion``; must divide the sequence length."""
+
+    noisy_length: Optional[int] = None
+    """``block_diffusion`` only: L, the length of the noisy half; the sequence is 2L tokens."""
 
     window: Optional[int] = None
     """Number of visible keys (including the query's own position) for ``sliding_window``."""
@@ -68,12 +74,14 @@ class AttentionMask:
             raise ValueError(
                 f"AttentionMask.mask_type={self.mask_type!r} is not one of {MASK_TYPES}"
             )
-        if self.mask_type == "block_causal":
+        if self.mask_type in ("block_causal", "block_diffusion"):
             if self.block_size is None or self.block_size < 1:
                 raise ValueError(
-                    "AttentionMask.block_size must be a positive int for mask_type='block_causal'"
+                    f"AttentionMask.block_size must be a positive int for mask_type={self.mask_type!r}"
                     f" (got {self.block_size!r}); set the block size of block diffusion"
                 )
+        if (self.mask_type == "block_diffusion") != (self.noisy_length is not None):
+            raise ValueError("AttentionMask.noisy_length must be given exactly when mask_type='block_diffusion'")
         if (self.mask_type == "explicit") != (self.allowed is not None):
             raise ValueError("AttentionMask.allowed must be given exactly when mask_type='explicit'")
         if self.mask_type == "explicit" and (self.document_ids is not None or self.has_positions):
@@ -124,6 +132,8 @@ class AttentionMask:
         """
         if self.mask_type == "block_causal":
             return (self.mask_type, self.block_size)
+        if self.mask_type == "block_diffusion":
+            return (self.mask_type, self.block_size, self.noisy_length)
         if self.mask_type == "sliding_window":
             return (self.mask_type, self.window)
         return (self.mask_type,)
@@ -151,6 +161,12 @@ class AttentionMask:
                 f"AttentionMask.block_size={self.block_size} does not divide the sequence"
                 f" length {seq_len}; pad sequences to a multiple of the block size"
             )
+        if self.mask_type == "block_diffusion" and self.noisy_length % self.block_size != 0:
+            raise ValueError(f"AttentionMask.block_size={self.block_size} does not divide the noisy length "
+                             f"{self.noisy_length}; pad sequences to a multiple of the block size")
+        if self.mask_type == "block_diffusion" and not self.has_positions and seq_len != 2 * self.noisy_length:
+            raise ValueError(f"a block_diffusion mask over [x_t ; x_0] needs {2 * self.noisy_length} tokens "
+                             f"(twice noisy_length), got {seq_len}")
         if self.document_ids is not None:
             self._validate_documents(seq_len, batch_size, keys)
 
@@ -198,6 +214,8 @@ class AttentionMask:
             allowed = k_pos <= q_pos
         elif self.mask_type == "block_causal":
             allowed = (k_pos // self.block_size) <= (q_pos // self.block_size)
+        elif self.mask_type == "block_diffusion":
+            allowed = block_diffusion_allowed(q_pos, k_pos, self.noisy_length, self.block_size)
         else:  # sliding_window
             distance = q_pos - k_pos
             allowed = (distance >= 0) & (distance < self.window)
@@ -231,6 +249,19 @@ class AttentionMask:
                      self.key_positions is not None))
 
 
+def block_diffusion_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, noisy_length: int, block_size: int):
+    """BD3-LM's vectorised training mask over [x_t ; x_0] (positions < noisy_length are noisy):
+    a noisy block sees itself (block-diagonal) and the clean blocks before it (offset block-causal);
+    a clean block sees the clean blocks up to itself (block-causal) and no noisy token. So one
+    forward gives every block's denoiser conditioned on the clean prefix, as sampling sees it.
+    Works on broadcastable integer tensors (the dense mask, FlexAttention's mask_mod)."""
+    q_noisy, k_noisy = q_pos < noisy_length, k_pos < noisy_length
+    q_block = torch.where(q_noisy, q_pos, q_pos - noisy_length) // block_size
+    k_block = torch.where(k_noisy, k_pos, k_pos - noisy_length) // block_size
+    return ((q_noisy & k_noisy & (q_block == k_block)) | (q_noisy & ~k_noisy & (k_block < q_block))
+            | (~q_noisy & ~k_noisy & (k_block <= q_block)))
+
+
 def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -240,11 +271,14 @@ def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
 def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
                          document_ids: Optional[torch.Tensor] = None,
                          mask_type: Optional[str] = None, query_positions: Optional[torch.Tensor] = None,
-                         key_positions: Optional[torch.Tensor] = None) -> AttentionMask:
+                         key_positions: Optional[torch.Tensor] = None,
+                         noisy_length: Optional[int] = None) -> AttentionMask:
     """The mask of a running mode: the DLM mask type, or causal for the vanilla (AR) mode; with
-    positions, for the queries and keys a rank holds of the sequence (context parallelism)."""
+    positions, for the queries and keys a rank holds of the sequence (context parallelism).
+    Block diffusion's mask needs `noisy_length`, the L of its [x_t ; x_0] input."""
     mask_type = mask_type or dlm_config.effective_mask_type
     return AttentionMask(mask_type=mask_type,
-                         block_size=dlm_config.block_size if mask_type == "block_causal" else None,
+                         block_size=dlm_config.block_size if mask_type in ("block_causal", "block_diffusion") else None,
+                         noisy_length=noisy_length if mask_type == "block_diffusion" else None,
                          window=config.sliding_window if mask_type == "sliding_window" else None,
                          document_ids=document_ids, query_positions=query_positions, key_positions=key_positions)

@@ -308,7 +308,13 @@ class DLMConfig:
     mask_token_id: Optional[int] = None
     """Token id written into corrupted positions. Required in the DLM modes."""
     block_size: Optional[int] = None
-    """Block length for block_causal attention; must divide the sequence length."""
+    """Block length for block_causal attention and block diffusion; must divide the sequence length."""
+    block_diffusion: bool = False
+    """BD3-LM: the model reads [x_t ; x_0] (2L tokens, positions repeated) under the block_diffusion
+    mask (attention_mask.block_diffusion_allowed), t is drawn per block, the loss is on x_t only.
+    Sampling goes block by block with an exact KV cache of the clean blocks."""
+    ignore_bos: bool = False
+    """Never mask the first token of a row (BD3-LM's ignore_bos): it is always clean and has no loss."""
     eps: float = 1e-3
     """Lowest mask probability: p = (1 - eps) * t + eps (LLaDA uses 1e-3)."""
     t_sampling: str = "uniform"
@@ -358,6 +364,8 @@ class DLMConfig:
 
     @property
     def effective_mask_type(self) -> str:
+        if self.block_diffusion:
+            return "block_diffusion"
         if self.is_diffusion or self.attention_mask_type == "sliding_window":
             return self.attention_mask_type
         return "causal"
@@ -390,7 +398,9 @@ class DLMConfig:
             if vocab_size is not None and not 0 <= self.mask_token_id < vocab_size:
                 raise ValueError(f"{owner}.mask_token_id={self.mask_token_id} is outside the vocabulary "
                                  f"[0, {vocab_size}); use an id of the tokenizer or add a mask token")
-        if self.effective_mask_type == "block_causal":
+        if self.block_diffusion:
+            self._validate_block_diffusion(owner)
+        if self.effective_mask_type in ("block_causal", "block_diffusion"):
             _check_positive(owner, "block_size", self.block_size)
             if seq_length is not None and seq_length % self.block_size:
                 raise ValueError(f"{owner}.block_size={self.block_size} does not divide the sequence length "
@@ -399,3 +409,14 @@ class DLMConfig:
             raise ValueError(f"{owner}.attention_mask_type='sliding_window' needs "
                              "TransformerConfig.sliding_window; pass --sliding-window <tokens>")
         return self
+
+    def _validate_block_diffusion(self, owner: str) -> None:
+        if not self.is_diffusion:
+            raise ValueError(f"{owner}.block_diffusion needs a difflm running mode, not {self.model_running_mode!r}")
+        if self.model_running_mode == "difflm-shift":
+            raise ValueError(f"{owner}.block_diffusion predicts each block's own tokens; use difflm-noshift")
+        if self.attention_mask_type != "no_mask":
+            raise ValueError(f"{owner}.block_diffusion brings its own mask over [x_t ; x_0]; leave "
+                             f"attention_mask_type at no_mask, not {self.attention_mask_type!r}")
+        if self.per_document_t:
+            raise ValueError(f"{owner}.block_diffusion draws t per block; it cannot also draw it per document")

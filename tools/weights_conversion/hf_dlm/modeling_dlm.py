@@ -382,9 +382,10 @@ class DLMForCausalLM(DLMPreTrainedModel):
         return CausalLMOutput(loss=loss, logits=logits)
 
     @torch.no_grad()
-    def dlm_forward(self, input_ids, position_ids, attention_mask=None, kv_cache=None, cache_start=0):
+    def dlm_forward(self, input_ids, position_ids, attention_mask=None, kv_cache=None, cache_start=0, select=None):
         """The sampler's model_fn: fp32 logits [B, q, V]. `attention_mask` [B, q, K] bool is used as
-        given (None: the trained pattern over the q tokens, no cache)."""
+        given (None: the trained pattern over the q tokens, no cache). `select` ([B, q] bool, or
+        (rows, positions) index tensors): only those positions' logits, [n, V] as ``logits[select]``."""
         if attention_mask is None:
             if kv_cache is not None:
                 raise ValueError("dlm_forward with a kv_cache needs an explicit [B, q, K] attention_mask")
@@ -396,7 +397,8 @@ class DLMForCausalLM(DLMPreTrainedModel):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
                                  f"{(input_ids.shape[0], input_ids.shape[1], key_length)} [B, q, K]")
             mask = _no_empty_rows(attention_mask.to(torch.bool)).unsqueeze(1)
-        return self._logits(self.model.run(input_ids, position_ids, mask, kv_cache, cache_start)).float()
+        hidden = self.model.run(input_ids, position_ids, mask, kv_cache, cache_start)
+        return self._logits(hidden if select is None else hidden[select]).float()
 
     def _trained_pattern(self):
         config = self.config

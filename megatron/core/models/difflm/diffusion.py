@@ -26,7 +26,7 @@ import torch
 
 from megatron.core.transformer.transformer_config import DLMConfig
 
-__all__ = ["CorruptionKey", "Corruption", "keyed_bits", "keyed_uniform", "sample_t",
+__all__ = ["CorruptionKey", "Corruption", "keyed_bits", "keyed_uniform", "sample_t", "sample_block_t",
            "mask_probability", "corrupt", "loss_weights", "varilen_length"]
 
 _M32 = 0xFFFFFFFF
@@ -35,7 +35,7 @@ _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
 _U24 = 2.0 ** -24
 
 # Purpose tags (first index of every internal draw).
-_TAG_MASK, _TAG_ROW_T, _TAG_DOC_T, _TAG_ANTITHETIC, _TAG_VARILEN_COIN, _TAG_VARILEN_LEN = range(1, 7)
+_TAG_MASK, _TAG_ROW_T, _TAG_DOC_T, _TAG_ANTITHETIC, _TAG_VARILEN_COIN, _TAG_VARILEN_LEN, _TAG_BLOCK_T = range(1, 8)
 
 IntOrTensor = Union[int, torch.Tensor]
 
@@ -179,6 +179,27 @@ def sample_t(cfg: DLMConfig, key: CorruptionKey, device=None) -> torch.Tensor:
     raise ValueError(f"DLMConfig.t_sampling={cfg.t_sampling!r} is not one of ['uniform', 'antithetic']")
 
 
+def sample_block_t(cfg: DLMConfig, key: CorruptionKey, seq_length: int, device=None) -> torch.Tensor:
+    """Block diffusion's noise level per (row, block), float64 [b, seq_length // block_size].
+
+    uniform: keyed by (seed, stream, sample_index, block). antithetic: stratified over the grid of
+    the global batch's rows x blocks (BD3-LM): cell c = batch_position * blocks + block gets
+    frac(u0 + c / (n * blocks)), computed as an exact integer fraction like sample_t.
+    """
+    blocks = seq_length // cfg.block_size
+    block = torch.arange(blocks, dtype=torch.int64, device=device)[None, :]
+    if cfg.t_sampling == "uniform":
+        index = key.sample_index.to(device)[:, None]
+        return _t_range(cfg, keyed_uniform(key.seed, key.stream, _TAG_BLOCK_T, index, block).to(torch.float64))
+    if cfg.t_sampling == "antithetic":
+        cells = key.global_batch_size * blocks
+        k0 = keyed_bits(key.seed, key.stream, _TAG_ANTITHETIC, int(key.iteration)) >> 8
+        cell = key.batch_position.to(device)[:, None] * blocks + block
+        numer = torch.remainder(cell * (1 << 24) + k0 * cells, cells << 24)
+        return _t_range(cfg, numer.to(torch.float64) / float(cells << 24))
+    raise ValueError(f"DLMConfig.t_sampling={cfg.t_sampling!r} is not one of ['uniform', 'antithetic']")
+
+
 def mask_probability(cfg: DLMConfig, t: torch.Tensor) -> torch.Tensor:
     """p = (1 - eps) * t + eps (LLaDA), in t's dtype; eps keeps every sequence trainable.
 
@@ -243,7 +264,8 @@ def corrupt(input_ids: torch.Tensor, cfg: DLMConfig, key: CorruptionKey,
             *, t: Optional[torch.Tensor] = None) -> Corruption:
     """Mask tokens i.i.d.: position j of row i is masked iff u(seed, stream, i's sample index, j) < p.
 
-    p comes from t per row (sample_t), or per (row, document) with cfg.per_document_t and
+    p comes from t per row (sample_t), per (row, block) with cfg.block_diffusion (sample_block_t;
+    the sequence length must be a multiple of the block size), or per (row, document) with cfg.per_document_t and
     document_ids (keyed by the document id; antithetic stratification then does not apply to the
     documents). `t` ([b], keyword only) overrides the sampled per-row t, e.g. for evaluation at
     fixed noise levels. Positions with maskable False (padding, prompt) are never masked.
@@ -256,6 +278,8 @@ def corrupt(input_ids: torch.Tensor, cfg: DLMConfig, key: CorruptionKey,
     sample_index = key.sample_index.to(device)[:, None]
     if t is not None:
         t_tok = t.to(device=device, dtype=torch.float64)[:, None].expand(batch, seq)
+    elif cfg.block_diffusion:
+        t_tok = sample_block_t(cfg, key, seq, device).repeat_interleave(cfg.block_size, dim=1)
     elif cfg.per_document_t and document_ids is not None:
         doc = document_ids.to(device=device, dtype=torch.int64)
         t_tok = _t_range(cfg, keyed_uniform(key.seed, key.stream, _TAG_DOC_T, sample_index, doc).to(torch.float64))
@@ -276,7 +300,8 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
                  clamp_normalizer: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Token weights [b, s] float32 and a normalizer (0-dim float32): loss = (ce * w).sum() / norm.
 
-    Weights (zero at unmasked positions): inverse_p 1/p; inverse_empirical n_maskable / n_masked
+    Weights (zero at unmasked positions): inverse_p 1/p (1 under block diffusion with t_min > 0.5,
+    as BD3-LM's clipped schedule does); inverse_empirical n_maskable / n_masked
     of the row (per row even with per-document t); none 1. Normalizers: tokens = maskable tokens
     (B*L without padding, LLaDA); masked = masked tokens; sequence = weights divided by each
     row's maskable count, normalizer = rows with a maskable token (mean over sequences).
@@ -297,7 +322,9 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
     masked = masked & maskable
     zeros = torch.zeros(masked.shape, dtype=torch.float32, device=masked.device)
     n_maskable = maskable.sum(dim=1, keepdim=True).to(torch.float32)
-    if cfg.loss_weight == "inverse_p":
+    if cfg.loss_weight == "inverse_p" and cfg.block_diffusion and cfg.t_min > 0.5:
+        weights = masked.to(torch.float32)  # BD3-LM's clipped schedule: a constant weight above 0.5
+    elif cfg.loss_weight == "inverse_p":
         weights = torch.where(masked, 1.0 / corruption.p_mask.to(torch.float32), zeros)
     elif cfg.loss_weight == "inverse_empirical":
         n_masked = masked.sum(dim=1, keepdim=True).to(torch.float32).clamp(min=1.0)

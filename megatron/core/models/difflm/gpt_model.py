@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron.core.inference import generation, likelihood
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
-from megatron.core.models.difflm import objective
+from megatron.core.models.difflm import block_diffusion, objective
 from megatron.core.models.difflm.batch import (POSITION_FIX, VOCAB_FIX, check_id_ranges, context_parallel_inputs,
                                                positions_from_documents)
 from megatron.core.models.difflm.output_layer import OutputLayer
@@ -168,19 +168,25 @@ class GPTModel(MegatronModule):
         if not checked:
             self.check_inputs(input_ids, position_ids, labels)
         shift = not causal and self.running_mode == "difflm-shift"
-        positions = {}
+        positions, noisy_length = {}, None
+        if self.dlm_config.block_diffusion and not causal:  # [x_t ; x_0]: 2L tokens, loss on x_t
+            noisy_length = block_diffusion.noisy_length(input_ids, labels)
+            input_ids, position_ids, labels, loss_weights, document_ids = block_diffusion.model_inputs(
+                input_ids, position_ids, labels, loss_weights, document_ids)
         if self.context.active:  # whole sequences in, this rank's positions out (shift folded into labels)
             input_ids, position_ids, labels, loss_weights, *held = context_parallel_inputs(
                 self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
             positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
-        mask = build_attention_mask(self.config, self.dlm_config, document_ids,
+        mask = build_attention_mask(self.config, self.dlm_config, document_ids, noisy_length=noisy_length,
                                     mask_type=self.dlm_config.effective_mask_type if causal else None, **positions)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
-        return self.head.loss(hidden, self._output_weight(), labels, loss_weights, loss_normalizer, shift=shift)
+        per_token, loss = self.head.loss(hidden, self._output_weight(), labels, loss_weights, loss_normalizer,
+                                         shift=shift)
+        return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
 
     def _output_weight(self) -> torch.Tensor:
         """This rank's [V / tp, h] slice of the output layer (the word embedding when tied), read at
@@ -211,8 +217,10 @@ class GPTModel(MegatronModule):
             # The global length: under sequence parallelism the stage receives its s / tp slice.
             seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
             batch, device = hidden.shape[1], hidden.device
-        if seq * self.context.size > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {seq * self.context.size} exceeds max_position_embeddings="
+        # Block diffusion's [x_t ; x_0] repeats the positions of its L tokens.
+        span = mask.noisy_length if mask.mask_type == "block_diffusion" else seq * self.context.size
+        if span > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {span} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; raise --max-position-embeddings")
         mask.validate(seq, batch, key_len=seq * self.context.size)
         if position_ids is None:
@@ -226,7 +234,8 @@ class GPTModel(MegatronModule):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def inference_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          kv_cache=None, cache_start: int = 0) -> torch.Tensor:
+                          kv_cache=None, cache_start: int = 0,
+                          select: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None) -> torch.Tensor:
         """The `model_fn` of megatron.core.inference.generation: logits [b, q, V] in the compute
         dtype (bf16 under --bf16; the sampler casts only the positions it reads to fp32).
 
@@ -235,6 +244,10 @@ class GPTModel(MegatronModule):
         its business, not the model's. With `kv_cache` every layer writes its k/v at
         [cache_start, cache_start + q) and attends the whole buffer (k == its max_length);
         without, k == q. Dropout is assumed off (call `.eval()`).
+
+        `select`, a [b, q] bool mask or (rows, positions) index tensors: only those positions'
+        logits, [n, V] as ``logits[select]``; the output layer then runs on n rows, not b * q (a
+        scorer reads a few slots a row; index tensors need no host sync).
         """
         if not (self.pre_process and self.post_process) or self.context.active:
             raise ValueError("inference_forward needs the whole model and sequence on one rank; build the model "
@@ -255,6 +268,9 @@ class GPTModel(MegatronModule):
         with self._autocast(input_ids.device):
             hidden = self.embedding(input_ids)
             hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
+            if select is not None:  # [n, h]: the selected positions, row-major as logits[select]
+                return self.head.full_vocabulary(self.head.local_logits(hidden.transpose(0, 1)[select],
+                                                                        self._output_weight()))
             logits = self.head.local_logits(hidden, self._output_weight())
         return self.head.full_vocabulary(logits.transpose(0, 1))
 

@@ -74,9 +74,9 @@ class LossInputs(NamedTuple):
 def maskable_positions(input_ids: torch.Tensor, dlm: DLMConfig,
                        loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Positions the corruption may touch: the loss mask, minus position 0 in the shift
-    mode (nothing predicts it)."""
+    mode (nothing predicts it) and with ignore_bos (BD3-LM: the first token stays clean)."""
     maskable = (torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool().clone())
-    if dlm.model_running_mode == "difflm-shift":
+    if dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos:
         maskable[:, 0] = False
     return maskable
 

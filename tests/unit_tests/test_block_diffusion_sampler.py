@@ -1,0 +1,71 @@
+"""The block-diffusion sampler: block by block over the model's own blocks, the clean blocks in an
+exact KV cache. Sampling with the cache equals sampling without it token for token (greedy), with
+a partial prompt block, a cut last block, thresholds, CFG and prompts of other lengths; and what a
+block is denoised from is what training's noisy half sees for it."""
+
+import pytest
+import torch
+
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from tests.unit_tests.test_generation import EOS_ID, MASK_ID, VOCAB, left_pad, prompts
+
+B = 4
+
+
+def build(seed=0) -> GPTModel:
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, vocab_size=VOCAB, max_position_embeddings=64, qk_layernorm=True,
+                               attention_backend="math", init_method_std=0.5)
+    dlm = DLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B, mask_token_id=MASK_ID)
+    torch.manual_seed(seed)
+    return GPTModel(config, dlm).eval()
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("extra", [{}, {"threshold": 0.3}, {"cfg": 1.0}, {"steps": 6}])
+def test_the_exact_cache_gives_the_tokens_of_no_cache(cache, extra):
+    model = build()
+    prompt = torch.stack(prompts([6, 6]))       # the prompt ends inside a block: 2 of its 4 slots
+    options = dict(gen_length=13, **extra)     # and the last block is cut
+    expected = model.generate(prompt, **options)
+    assert (expected[:, 6:] != MASK_ID).all()
+    assert torch.equal(model.generate(prompt, cache=cache, **options), expected)
+
+
+def test_prompts_of_other_lengths_give_what_each_gives_alone():
+    model = build()
+    rows = prompts([3, 6, 8])
+    ids, mask = left_pad(rows)
+    together = model.generate(ids, attention_mask=mask, gen_length=9, cache="prefix")
+    for index, row in enumerate(rows):
+        alone = model.generate(row[None], gen_length=9)
+        assert torch.equal(together[index, ids.shape[1]:], alone[0, len(row):]), index
+
+
+def test_a_block_is_denoised_from_what_training_shows_its_noisy_half():
+    """At a sampling state (blocks < k committed, block k partly masked), the logits the sampler reads
+    for block k equal those of the training forward over [x_t ; x_0] under the block-diffusion mask."""
+    model = build()
+    length, k = 12, 2
+    clean = torch.randint(0, EOS_ID, (1, length), generator=torch.Generator().manual_seed(3))
+    noisy = clean.clone()
+    noisy[0, k * B + 1:] = MASK_ID                      # block k half denoised, later blocks untouched
+    # The sampler's view (no cache): the committed prefix and block k, block-causal.
+    view = noisy[:, :(k + 1) * B]
+    positions = torch.arange(view.shape[1])[None]
+    causal_blocks = (positions[0, None, :] // B <= positions[0, :, None] // B)[None]
+    sampled = model.inference_forward(view, positions, causal_blocks)[:, k * B:(k + 1) * B]
+    # Training's view: [x_t ; x_0] of the whole row, x_0 the committed clean tokens.
+    x_t = torch.full_like(clean, MASK_ID)
+    x_t[0, :(k + 1) * B] = noisy[0, :(k + 1) * B]
+    both = torch.cat([x_t, clean], dim=1)
+    mask = AttentionMask("block_diffusion", block_size=B, noisy_length=length).dense(2 * length)[:, 0]
+    trained = model.inference_forward(both, torch.arange(length).repeat(2)[None], mask)[:, k * B:(k + 1) * B]
+    torch.testing.assert_close(sampled, trained, rtol=1e-5, atol=1e-5)
+
+
+def test_block_length_other_than_the_models_blocks_is_refused():
+    with pytest.raises(ValueError, match="block size 4 the block-diffusion model was trained with"):
+        build().generate(torch.stack(prompts([4])), gen_length=8, block_length=8)
