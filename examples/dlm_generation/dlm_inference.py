@@ -38,6 +38,8 @@ from tools.weights_conversion import checkpoint_io
 
 BUNDLED_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "data", "tokenizer", "spm_8k.model")
 
+DEFAULT_BLOCK = 8  # --inference-block-size of the semi-autoregressive sampler
+
 
 def load_checkpoint_model(root: str, device: torch.device) -> GPTModel:
     """GPTModel in eval mode of the latest checkpoint under `root`."""
@@ -111,8 +113,9 @@ def prompt_ids(args, tokenizer, identity: dict, vocab: int) -> List[int]:
     return ids
 
 
-def check_request(args, prompt_length: int, running_mode: str, positions: int) -> None:
-    """The length flags against the model, in this tool's flag names, before its weights are loaded."""
+def check_request(args, prompt_length: int, running_mode: str, positions: int, block_diffusion: bool = False) -> None:
+    """The length flags against the model, in this tool's flag names, before its weights are loaded.
+    A block-diffusion model goes by its own blocks: any --max-new-tokens, no --inference-block-size."""
     new = args.max_new_tokens
     if new < 1:
         raise InputError(f"--max-new-tokens {new} must be at least 1")
@@ -120,9 +123,12 @@ def check_request(args, prompt_length: int, running_mode: str, positions: int) -
         raise InputError(f"--prompt ({prompt_length} tokens) plus --max-new-tokens {new} needs "
                          f"{prompt_length + new} positions, more than the model's {positions}; shorten --prompt "
                          "or lower --max-new-tokens")
-    if running_mode == "vanilla":
+    if block_diffusion and args.inference_block_size is not None:
+        raise InputError("--inference-block-size: a block-diffusion model samples by the blocks it was trained with; "
+                         "drop the flag")
+    if running_mode == "vanilla" or block_diffusion:
         return
-    block = args.inference_block_size
+    block = args.inference_block_size = args.inference_block_size or DEFAULT_BLOCK
     if block < 1:
         raise InputError(f"--inference-block-size {block} must be at least 1")
     if new % block:
@@ -135,13 +141,14 @@ def check_request(args, prompt_length: int, running_mode: str, positions: int) -
                          f"{max(1, args.sample_steps // blocks) * blocks}")
 
 
-def generation_options(args, running_mode: str, device: torch.device) -> dict:
+def generation_options(args, running_mode: str, device: torch.device, pattern: Optional[dict] = None) -> dict:
+    """The sampler's options; `pattern`: the checkpoint's attention (checked together, before loading)."""
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    generator=torch.Generator(device).manual_seed(args.seed))
     if running_mode != "vanilla":
         options.update(sample_steps=args.sample_steps, inference_block_size=args.inference_block_size, cfg=args.cfg,
                        remasking=args.remasking, threshold=args.threshold, cache=args.cache)
-    resolve_options(running_mode, **options)  # the library's own checks, before any weight is loaded
+    resolve_options(running_mode, **options, **(pattern or {}))  # the library's checks, before any weight loads
     return options
 
 
@@ -156,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Text, or whitespace-separated token ids without a tokenizer.")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sample-steps", type=int, default=32, help="Diffusion steps (DLMs only).")
-    parser.add_argument("--inference-block-size", type=int, default=8, help="Semi-AR block length (DLMs only).")
+    parser.add_argument("--inference-block-size", type=int,
+                        help=f"Semi-AR block length (DLMs only; default {DEFAULT_BLOCK}; a block-diffusion model uses "
+                             "its own).")
     parser.add_argument("--cfg", type=float, default=0.0, help="Classifier-free guidance (DLMs only).")
     parser.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
     parser.add_argument("--threshold", type=float, help="Fast-dLLM parallel decoding threshold (DLMs only).")
@@ -187,9 +196,11 @@ def run(args, device: torch.device) -> None:
     else:
         config, dlm = checkpoint_io.configs_from_metadata(metadata)
         running_mode = dlm.model_running_mode
+    bd3 = metadata is not None and dlm.block_diffusion
     ids = prompt_ids(args, tokenizer, identity, config.unpadded_vocab_size or config.vocab_size)
-    check_request(args, len(ids), running_mode, config.max_position_embeddings)
-    options = generation_options(args, running_mode, device)
+    check_request(args, len(ids), running_mode, config.max_position_embeddings, bd3)
+    pattern = dict(attention_mask_type="block_diffusion", attention_block_size=dlm.block_size) if bd3 else None
+    options = generation_options(args, running_mode, device, pattern)
     if model is None:
         model = load_checkpoint_model(args.load, device)
     if args.torch_compile:  # dynamic shapes: the canvas, block and cache offsets change between forwards

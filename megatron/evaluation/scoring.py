@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.inference.generation import ModelFn, _build_layout, resolve_options
+from megatron.core.inference.likelihood import BLOCK_DIFFUSION_SCORING
 
 __all__ = ["Scorer", "pair_seed"]
 
@@ -82,6 +83,8 @@ class Scorer:
         self.device = device
         self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
         self.select = select  # model_fn takes select= (GPTModel.inference_forward, the export's dlm_forward)
+        if (pattern or {}).get("attention_mask_type") == "block_diffusion":
+            raise ValueError(BLOCK_DIFFUSION_SCORING)
         self.opts = resolve_options(running_mode, gen_length=1, **(pattern or {}))
 
     @torch.no_grad()

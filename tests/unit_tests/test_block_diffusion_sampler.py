@@ -69,3 +69,55 @@ def test_a_block_is_denoised_from_what_training_shows_its_noisy_half():
 def test_block_length_other_than_the_models_blocks_is_refused():
     with pytest.raises(ValueError, match="block size 4 the block-diffusion model was trained with"):
         build().generate(torch.stack(prompts([4])), gen_length=8, block_length=8)
+
+
+def test_scoring_a_block_diffusion_model_is_one_clear_error():
+    with pytest.raises(ValueError, match="block-diffusion checkpoint needs its"):
+        build().log_likelihood(torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
+
+
+def test_the_hf_export_generates_like_our_model_and_imports_back(tmp_path):
+    pytest.importorskip("transformers")
+    from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
+    from tests.unit_tests.test_hf_conversion import VOCAB as HF_VOCAB, export, load_hf, save_checkpoint, tiny_config
+    from tools.weights_conversion import checkpoint_io, hf_to_megatron
+
+    dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
+                       mask_token_id=HF_VOCAB - 1)
+    model = save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True, init_method_std=0.5), dlm)
+    config = export(tmp_path / "ckpt", tmp_path / "hf")
+    assert config["attention_mask_type"] == "block_diffusion" and config["attention_block_size"] == B
+    hf = load_hf(tmp_path / "hf")
+    prompt = torch.randint(0, HF_VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(2))
+    for cache in (None, "prefix"):
+        ours = model.generate(prompt, gen_length=9, cache=cache)
+        assert torch.equal(hf.generate(prompt, gen_length=9, cache=cache), ours), cache
+    assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
+                                "--no-progress"]) == 0
+    _, back = checkpoint_io.configs_from_metadata(checkpoint_io.inference_metadata(str(tmp_path / "back")))
+    assert back.block_diffusion and back.block_size == B
+
+
+def test_dlm_inference_with_the_cache_prints_what_it_prints_without(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
+    from tests.unit_tests.test_hf_conversion import VOCAB as HF_VOCAB, save_checkpoint, tiny_config
+
+    dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
+                       mask_token_id=HF_VOCAB - 1)
+    save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True, init_method_std=0.5), dlm)
+    script = Path(__file__).resolve().parents[2] / "examples" / "dlm_generation" / "dlm_inference.py"
+    spec = importlib.util.spec_from_file_location("dlm_inference", script)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    printed = []
+    for cache in ([], ["--cache", "prefix"]):
+        argv = ["--load", str(tmp_path / "ckpt"), "--prompt", "5 6 7 8 9 10", "--max-new-tokens", "11",
+                "--device", "cpu", *cache]
+        assert tool.main(argv) == 0
+        printed.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("generated:")])
+    assert printed[0] == printed[1] and len(printed[0]) == 1
+    assert tool.main(["--load", str(tmp_path / "ckpt"), "--prompt", "5 6", "--inference-block-size", "8"]) != 0
+    assert "block-diffusion model samples by the blocks" in capsys.readouterr().err

@@ -35,6 +35,7 @@ def test_running_modes_and_mask_types_are_listed_alike():
     modes, masks = transformer_config.RUNNING_MODES, transformer_config.ATTENTION_MASK_TYPES
     assert generation.RUNNING_MODES == exported.RUNNING_MODES == modes
     assert generation.MASK_TYPES == exported.ATTENTION_MASK_TYPES == masks == tuple(MASKS)
+    assert generation.SAMPLER_MASK_TYPES == exported.SAMPLER_MASK_TYPES == masks + ("block_diffusion",)
 
 
 def _reference(mask_type: str) -> torch.Tensor:

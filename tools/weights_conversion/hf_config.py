@@ -181,7 +181,8 @@ def _dlm_fields(config: TransformerConfig, dlm: DLMConfig, special_ids: Dict[str
             "o_proj_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
             "rotary_percent": config.rotary_percent, "model_running_mode": dlm.model_running_mode,
             "attention_mask_type": dlm.effective_mask_type,
-            "attention_block_size": dlm.block_size if dlm.effective_mask_type == "block_causal" else None,
+            "attention_block_size": (dlm.block_size if dlm.effective_mask_type in ("block_causal", "block_diffusion")
+                                     else None),
             "sliding_window": config.sliding_window if dlm.effective_mask_type == "sliding_window" else None,
             "mask_token_id": dlm.mask_token_id if dlm.is_diffusion else special_ids.get("mask_token_id"),
             "auto_map": {"AutoConfig": "configuration_dlm.DLMConfig",
@@ -317,6 +318,8 @@ def _dlm_import(hf: dict, fields: dict) -> dict:
         mask_type = "no_mask"
     dlm_fields = {"model_running_mode": mode, "attention_mask_type": mask_type,
                   "mask_token_id": hf.get("mask_token_id"), "block_size": hf.get("attention_block_size")}
+    if mask_type == "block_diffusion":  # its own mask over [x_t ; x_0]; the flag carries it
+        dlm_fields.update(attention_mask_type="no_mask", block_diffusion=True)
     dlm_fields.update((hf.get("megadlms") or {}).get("dlm_config") or {})
     return dlm_fields
 

@@ -60,7 +60,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .generation_options import (ALIASES, CACHE_MODES, MASK_TYPES, REMASKING, RUNNING_MODES,  # noqa: F401
-                                 GenerationOptions, resolve_options)
+                                 SAMPLER_MASK_TYPES, GenerationOptions, resolve_options)
 
 __all__ = ["KVCache", "GenerationOptions", "generate", "resolve_options", "RUNNING_MODES"]
 

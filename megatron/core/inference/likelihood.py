@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 from .generation import ModelFn, _build_layout, resolve_options
 
+BLOCK_DIFFUSION_SCORING = ("the Monte Carlo ELBO of a block-diffusion checkpoint needs its [x_t ; x_0] forward, "
+                           "which scoring does not run yet; its generation works")
+
 __all__ = ["log_likelihood"]
 
 
@@ -50,6 +53,8 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
             raise ValueError(f"{name} must be a 1-D tensor of token ids, got {tuple(ids.shape)} {ids.dtype}")
     if answer.numel() == 0:
         raise ValueError("answer is empty: there is nothing to score")
+    if attention_mask_type == "block_diffusion":
+        raise ValueError(BLOCK_DIFFUSION_SCORING)
     opts = resolve_options(running_mode, gen_length=answer.numel(), attention_mask_type=attention_mask_type,
                            attention_block_size=attention_block_size, sliding_window=sliding_window)
     sequence = torch.cat([prompt, answer]).long()[None]

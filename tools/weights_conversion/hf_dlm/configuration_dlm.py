@@ -11,6 +11,8 @@ from transformers import PretrainedConfig
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
 ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+# Block diffusion (BD3-LM) checkpoints: generate() goes block by block; a plain forward attends block-causally.
+SAMPLER_MASK_TYPES = ATTENTION_MASK_TYPES + ("block_diffusion",)
 QK_NORM_SCOPES = ("head", "all")
 ROUTER_TYPES = ("token_choice", "expert_choice")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -23,7 +25,9 @@ class DLMConfig(PretrainedConfig):
         difflm-shift (position i predicts token i+1, AR-initialised DLMs) or vanilla (causal AR).
     attention_mask_type: the trained pattern, in MegaDLMs' names: no_mask (bidirectional),
         causal, block_causal (with attention_block_size) or sliding_window (with sliding_window: key
-        j visible from query i when 0 <= i - j < sliding_window; vanilla may use it too).
+        j visible from query i when 0 <= i - j < sliding_window; vanilla may use it too), or
+        block_diffusion (BD3-LM, with attention_block_size: generate() denoises block by block over
+        an exact cache of the clean blocks; a plain forward reads its input as clean blocks).
     rope_scaling_type: none, llama3 or yarn, with that type's settings under MegaDLMs'
         TransformerConfig names (rope_scaling_factor, ..., yarn_rotary_scaling_factor, ...); their
         formulas are rope_scaling.py, the file training uses.
@@ -96,15 +100,15 @@ class DLMConfig(PretrainedConfig):
     def _check(self):
         if self.model_running_mode not in RUNNING_MODES:
             raise ValueError(f"model_running_mode={self.model_running_mode!r} is not one of {RUNNING_MODES}")
-        if self.attention_mask_type not in ATTENTION_MASK_TYPES:
-            raise ValueError(f"attention_mask_type={self.attention_mask_type!r} is not one of {ATTENTION_MASK_TYPES}")
+        if self.attention_mask_type not in SAMPLER_MASK_TYPES:
+            raise ValueError(f"attention_mask_type={self.attention_mask_type!r} is not one of {SAMPLER_MASK_TYPES}")
         if self.model_running_mode == "vanilla" and self.attention_mask_type not in ("causal", "sliding_window"):
             raise ValueError("model_running_mode='vanilla' attends causally; set attention_mask_type='causal' "
                              "(or 'sliding_window')")
         if self.rope_scaling_type not in ("none", "llama3", "yarn"):
             raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r} is not one of none, llama3, yarn")
-        if self.attention_mask_type == "block_causal" and not self.attention_block_size:
-            raise ValueError("attention_mask_type='block_causal' needs attention_block_size")
+        if self.attention_mask_type in ("block_causal", "block_diffusion") and not self.attention_block_size:
+            raise ValueError(f"attention_mask_type={self.attention_mask_type!r} needs attention_block_size")
         if self.attention_mask_type == "sliding_window" and not self.sliding_window:
             raise ValueError("attention_mask_type='sliding_window' needs sliding_window")
         if self.normalization not in ("RMSNorm", "LayerNorm"):

@@ -256,7 +256,7 @@ def pattern_mask(config, length, device):
     key = torch.arange(length, device=device).unsqueeze(0)
     if kind == "causal":
         return key <= query
-    if kind == "block_causal":
+    if kind in ("block_causal", "block_diffusion"):  # block diffusion: the input read as clean blocks
         size = config.attention_block_size
         return key // size <= query // size
     return (query - key >= 0) & (query - key < config.sliding_window)
