@@ -20,7 +20,9 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--attention-mask-type", default="no_mask",
                    choices=list(ATTENTION_MASK_TYPES) + list(MASK_TYPE_ALIASES),
                    help="Attention in the DLM modes (vanilla: causal, or a causal sliding_window). "
-                        "causal_bottom_right = causal.")
+                        "causal_bottom_right = causal; sliding_window (= sliding_window_causal) sees the "
+                        "--sliding-window keys up to the query, sliding_window_two_sided (DLMs) those within that "
+                        "distance on both sides.")
     g.add_argument("--mask-token", type=int, help="Id of the mask token (default: the tokenizer's).")
     g.add_argument("--difflm-block-size", type=int,
                    help="Block length of block_causal attention and of --difflm-block-diffusion.")

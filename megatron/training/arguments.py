@@ -74,8 +74,9 @@ FLOAT_FLAG_RANGES = {
 # These are flag rules, not config rules: core configs legitimately carry unused fields (tests and
 # converters build one config for several mask types).
 FLAG_NEEDS = (
-    ("sliding_window", "--attention-mask-type sliding_window",
-     lambda a: getattr(a, "attention_mask_type", None) == "sliding_window"),
+    ("sliding_window", "--attention-mask-type sliding_window or sliding_window_two_sided",
+     lambda a: getattr(a, "attention_mask_type", None) in ("sliding_window", "sliding_window_causal",
+                                                           "sliding_window_two_sided")),
     ("difflm_block_size", "--attention-mask-type block_causal or --difflm-block-diffusion",
      lambda a: a.attention_mask_type == "block_causal" or a.difflm_block_diffusion),
     ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
@@ -401,7 +402,7 @@ def _validate_flag_dependencies(args: argparse.Namespace, given: Collection[str]
     if getattr(args, "model_running_mode", "vanilla") == "vanilla":
         # A causal sliding window is an autoregressive pattern: vanilla reads it.
         window = (("attention_mask_type", "sliding_window") if getattr(args, "attention_mask_type", None)
-                  == "sliding_window" else ())
+                  in ("sliding_window", "sliding_window_causal") else ())
         ignored = [dest for dest in DLM_ONLY_FLAGS if dest in given and dest not in window]
         if ignored:
             # Only a warning: one launch script serving both modes (examples/quickstart.sh with

@@ -84,7 +84,7 @@ def _dlm_function(dlm: dict, window) -> dict:
         function["block_size"] = dlm.get("block_size")
     if dlm.get("block_diffusion"):
         function["block_diffusion"] = True
-    if mask_type == "sliding_window":
+    if mask_type in ("sliding_window", "sliding_window_two_sided"):
         function["sliding_window"] = window
     return function
 

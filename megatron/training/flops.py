@@ -75,16 +75,21 @@ def attention_keys_per_query(mask_type: str, seq_length: int, block_size: Option
         # Query in block b (0-based) sees (b + 1) * B keys; averaging over n = s/B blocks
         # gives B * (n + 1) / 2 = (s + B) / 2.
         return (seq_length + block_size) / 2.0
+    if mask_type in ("sliding_window", "sliding_window_two_sided") and (not window or window <= 0):
+        raise ValueError(f"window={window!r} must be a positive integer for {mask_type}; "
+                         "pass --sliding-window <tokens>")
+    if mask_type == "sliding_window_two_sided":
+        # Query i sees the keys within distance m = min(window, s) - 1 on each side, cut at the ends:
+        # s keys at distance 0, plus 2 (s - d) pairs at each distance d = 1..m.
+        reach = min(window, seq_length) - 1
+        return (seq_length + 2 * (reach * seq_length - reach * (reach + 1) / 2)) / seq_length
     if mask_type == "sliding_window":
-        if not window or window <= 0:
-            raise ValueError(f"window={window!r} must be a positive integer for sliding_window; "
-                             "pass --sliding-window <tokens>")
         # Query i sees min(i + 1, window) keys: a triangle for the first positions, then flat.
         ramp = min(window, seq_length)
         total = ramp * (ramp + 1) / 2.0 + (seq_length - ramp) * window
         return total / seq_length
     raise ValueError(f"mask_type={mask_type!r} is not one of no_mask, causal, block_causal, "
-                     "block_diffusion, sliding_window")
+                     "block_diffusion, sliding_window, sliding_window_two_sided")
 
 
 def forward_flops_breakdown(config: TransformerConfig, seq_length: int, mask_type: str = "no_mask",

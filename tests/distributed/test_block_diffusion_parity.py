@@ -1,6 +1,7 @@
-"""Block diffusion (--difflm-block-diffusion) under TP=2 with sequence parallelism and under DP=2
-equals one process: losses and step-1 gradients to 1e-5, with Megatron's default configuration
-(biases on, LayerNorm) and the Llama style, per-block t uniform and antithetic, cut lengths."""
+"""Block diffusion (--difflm-block-diffusion) and the two-sided sliding window under TP=2 with
+sequence parallelism and under DP=2 equal one process: losses and step-1 gradients to 1e-5, with
+Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t uniform
+and antithetic, cut lengths."""
 
 import pytest
 
@@ -9,15 +10,18 @@ from tests.distributed.test_sft_parity import CONFIGS, SHAPE
 
 pytestmark = pytest.mark.distributed
 
-BD3 = [flag for flag in SHAPE if flag != "--sft"] + ["--difflm-block-diffusion", "--difflm-block-size", "8"]
+BASE = [flag for flag in SHAPE if flag != "--sft"]
+BD3 = ["--difflm-block-diffusion", "--difflm-block-size", "8"]
 MODES = {
-    "uniform": [],
-    "antithetic_bos_varilen": ["--difflm-t-sampling", "antithetic", "--difflm-ignore-bos",
-                               "--difflm-varilen-prob", "0.5"],
+    "uniform": BD3,
+    "antithetic_bos_varilen": BD3 + ["--difflm-t-sampling", "antithetic", "--difflm-ignore-bos",
+                                     "--difflm-varilen-prob", "0.5"],
+    "two_sided_window": ["--attention-mask-type", "sliding_window_two_sided", "--sliding-window", "5",
+                         "--reset-attention-mask", "--reset-position-ids"],
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
-         ("llama", "antithetic_bos_varilen", ())]
-SUITE = tp_sp_and_dp(CASES, lambda config, mode, extra: BD3 + CONFIGS[config] + MODES[mode])
+         ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
+SUITE = tp_sp_and_dp(CASES, lambda config, mode, extra: BASE + CONFIGS[config] + MODES[mode])
 
 references = SUITE.references_fixture()
 

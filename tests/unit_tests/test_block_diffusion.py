@@ -107,6 +107,9 @@ def test_flops_count_the_2l_forward_at_the_mask_density():
     (["--difflm-block-diffusion", "--difflm-block-size", "5"], "does not divide"),
     (["--difflm-block-diffusion", "--difflm-block-size", "4", "--model-running-mode", "difflm-shift"], "noshift"),
     (["--difflm-block-diffusion", "--difflm-block-size", "4", "--attention-mask-type", "causal"], "no_mask"),
+    (["--model-running-mode", "vanilla", "--attention-mask-type", "sliding_window_two_sided", "--sliding-window", "4"],
+     "sees later tokens"),
+    (["--attention-mask-type", "sliding_window_two_sided"], "needs TransformerConfig.sliding_window"),
 ])
 def test_bad_block_diffusion_flags_are_one_line(extra, message, capsys):
     assert message in parse_error(TINY + extra, capsys)

@@ -19,7 +19,8 @@ from megatron.core.transformer.attention_mask import AttentionMask
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 12
-MASKS = {"no_mask": {}, "causal": {}, "block_causal": {"block_size": 4}, "sliding_window": {"window": 3}}
+MASKS = {"no_mask": {}, "causal": {}, "block_causal": {"block_size": 4}, "sliding_window": {"window": 3},
+         "sliding_window_two_sided": {"window": 3}}
 
 
 def _load(path: Path):

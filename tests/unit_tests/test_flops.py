@@ -83,9 +83,10 @@ def test_block_causal_mean_matches_dense_mask(seq_length, block_size):
 
 
 @pytest.mark.parametrize("seq_length,window", [(32, 1), (32, 5), (32, 16), (32, 32), (32, 100), (7, 3)])
-def test_sliding_window_mean_matches_dense_mask(seq_length, window):
-    dense = brute_force_keys_per_query(AttentionMask("sliding_window", window=window), seq_length)
-    assert attention_keys_per_query("sliding_window", seq_length, window=window) == pytest.approx(dense)
+@pytest.mark.parametrize("mask_type", ["sliding_window", "sliding_window_two_sided"])
+def test_sliding_window_mean_matches_dense_mask(seq_length, window, mask_type):
+    dense = brute_force_keys_per_query(AttentionMask(mask_type, window=window), seq_length)
+    assert attention_keys_per_query(mask_type, seq_length, window=window) == pytest.approx(dense)
 
 
 def test_sliding_window_defaults_to_config_window():

@@ -44,6 +44,7 @@ def visibility(mask_type: str, seq: int, block=4, window=3, documents=None) -> t
         "causal": j <= i,
         "block_causal": (j // block) <= (i // block),
         "sliding_window": (i - j >= 0) & (i - j < window),
+        "sliding_window_two_sided": (i - j < window) & (j - i < window),
     }[mask_type]
     if documents is not None:
         allowed = allowed & (documents[:, None] == documents[None, :])
@@ -59,7 +60,8 @@ def reach(one_layer: torch.Tensor, layers: int) -> torch.Tensor:
 
 
 MASK_CASES = [("difflm-noshift", "no_mask"), ("difflm-noshift", "causal"), ("difflm-noshift", "block_causal"),
-              ("difflm-noshift", "sliding_window"), ("vanilla", "no_mask")]
+              ("difflm-noshift", "sliding_window"), ("difflm-noshift", "sliding_window_two_sided"),
+              ("vanilla", "no_mask")]
 
 
 @pytest.mark.parametrize("mode,mask_type", MASK_CASES)

@@ -24,15 +24,17 @@ TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
 MOE_TINY = ["--model", "olmoe-tiny", "--steps", "2", "--warmup", "1"]
 
 
-def expected_flops(config: dict, mode: str) -> float:
-    """The project's formula for the shape the JSON says was run, built here independently."""
+def expected_flops(config: dict, mode: str, block_size=None) -> float:
+    """The project's formula for the shape the JSON says was run, built here independently
+    (`block_size`: block diffusion's count, a 2L-token forward)."""
     transformer = TransformerConfig(
         num_layers=config["num_layers"], hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"], num_query_groups=config["num_query_groups"],
         kv_channels=config["kv_channels"], ffn_hidden_size=config["ffn_hidden_size"],
         vocab_size=config["vocab_size"], gated_linear_unit=True)
+    mask_type = "block_diffusion" if block_size else ("no_mask" if mode == "dlm" else "causal")
     return training_flops_per_iteration(transformer, config["seq_length"], config["micro_batch_size"],
-                                        mask_type="no_mask" if mode == "dlm" else "causal")
+                                        mask_type=mask_type, block_size=block_size)
 
 
 def check_result(result: dict, mode: str) -> None:
@@ -78,6 +80,31 @@ def test_ar_in_process_and_dlm_counts_more_flops(tmp_path):
     assert result["rows"][1]["attention"] == "causal"
     dlm_flops = expected_flops(result["config"], "dlm")
     assert dlm_flops > result["flops_per_step"]  # bidirectional counts s keys, causal s/2
+
+
+def test_block_diffusion_times_the_bd3_step_and_counts_its_flops(monkeypatch):
+    """--block-diffusion B: the step runs [x_t ; x_0] (2L tokens) and is counted as such, with tokens/s
+    over the L tokens of x_0."""
+    from megatron.core.models.difflm import block_diffusion
+
+    doubled = []
+    real = block_diffusion.model_inputs
+
+    def recording(*args):
+        out = real(*args)
+        doubled.append((tuple(args[0].shape), tuple(out[0].shape)))
+        return out
+
+    monkeypatch.setattr(block_diffusion, "model_inputs", recording)
+    result = tt.main([*TINY, "--seq-length", "64", "--block-diffusion", "16", "--masked-only-loss"])
+    row, config = result["rows"][0], result["config"]
+    assert result["attention_mask_type"] == "block_diffusion" and config["block_diffusion"] == 16
+    assert row["name"] == "MegaDLMs masked-only block-diffusion-16"
+    assert doubled and all(inner == (2, 64) and outer == (2, 128) for inner, outer in doubled)
+    assert result["flops_per_step"] == pytest.approx(expected_flops(config, "dlm", block_size=16), rel=1e-12)
+    assert result["flops_per_step"] > 1.5 * expected_flops(config, "dlm")  # the decoder runs twice the tokens
+    assert result["tokens_per_step"] == 2 * 64 and math.isfinite(row["final_loss"]) and row["final_loss"] > 0
+    assert row["tokens_per_sec_per_gpu"] == pytest.approx(2 * 64 / (row["median_step_ms"] / 1e3))
 
 
 def tiny_hf(family: str):
@@ -229,6 +256,9 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
     (["--model", "tiny", "--compile-loss"], "--compile-loss needs --masked-only-loss"),
     (["--model", "tiny", "--num-layers", "0"], "--num-layers 0 must be at least 1"),
+    (["--model", "tiny", "--mode", "ar", "--block-diffusion", "16"], "--block-diffusion needs --mode dlm"),
+    (["--model", "tiny", "--block-diffusion", "48"], "--block-diffusion 48 must be a positive divisor of"),
+    (["--model", "tiny", "--block-diffusion", "16", "--baseline", "hf"], "--block-diffusion has no Hugging Face"),
     (["--model", "tiny", "--compare-grouped-gemm"], "--compare-grouped-gemm needs an MoE --model"),
     (["--model", "olmoe-tiny", "--compare-grouped-gemm", "--no-moe-grouped-gemm"],
      "--compare-grouped-gemm times both our variants"),

@@ -3,7 +3,7 @@
     python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
         [--masked-only-loss] [--compile-loss] [--recompute {none,selective,full}] [--attention-backend auto]
-        [--num-layers N] [--profile DIR] [--json OUT]
+        [--num-layers N] [--block-diffusion B] [--profile DIR] [--json OUT]
 
     # OLMoE-1B-7B on one H200: ours grouped GEMM, ours per-expert loop, HF. 8 of its 16 layers peak at
     # 72 GB (12: 104 GB); all 6.9B parameters with AdamW need ~110 GB before any activation.
@@ -20,6 +20,11 @@ pretrain_difflm.forward_step trains with, so the step timed is the step trained.
 library are flags here as in pretrain_difflm.py: `--masked-only-loss` (DLMConfig.masked_only_loss:
 output layer and cross-entropy at the loss positions only, chunked) and `--torch-compile`
 (megatron.core.transformer.compilation, every transformer layer compiled in place).
+
+`--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective instead
+(DLMConfig.block_diffusion, block_size B): the model reads [x_t ; x_0], 2L tokens under the
+block_diffusion mask, with the loss on x_t; FLOPs are counted with mask_type "block_diffusion"
+and tokens/s counts the L tokens of x_0 per sample.
 
 `--baseline hf` builds the equivalent transformers model (Qwen3ForCausalLM or LlamaForCausalLM,
 random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager) and runs the step a
@@ -154,15 +159,24 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
 
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
-               compile_loss: bool = False) -> DLMConfig:
-    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normalizer), fixed length."""
+               compile_loss: bool = False, block_diffusion: Optional[int] = None) -> DLMConfig:
+    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normalizer), fixed length;
+    with `block_diffusion` B, BD3-LM's (t per block of B, [x_t ; x_0] under its mask)."""
     if mode == "ar":
         return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss,
                          compile_loss=compile_loss)
     return DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask",
                      mask_token_id=mask_token_id(spec), eps=DLM_EPS, t_sampling="antithetic",
                      loss_weight="inverse_p", loss_normalizer="tokens", seed=seed,
-                     masked_only_loss=masked_only_loss, compile_loss=compile_loss)
+                     masked_only_loss=masked_only_loss, compile_loss=compile_loss,
+                     block_diffusion=block_diffusion is not None, block_size=block_diffusion)
+
+
+def attention_mask_type(mode: str, block_diffusion: Optional[int] = None) -> str:
+    """The mask the timed step runs under, as flops.py names it."""
+    if block_diffusion is not None:
+        return "block_diffusion"
+    return "causal" if mode == "ar" else "no_mask"
 
 
 def mask_token_id(spec: ModelSpec) -> int:
@@ -170,9 +184,12 @@ def mask_token_id(spec: ModelSpec) -> int:
     return spec.vocab_size - 1
 
 
-def flops_per_step(config: TransformerConfig, mode: str, seq_length: int, micro_batch_size: int) -> float:
-    mask_type = "causal" if mode == "ar" else "no_mask"
-    return flops.training_flops_per_iteration(config, seq_length, micro_batch_size, mask_type=mask_type)
+def flops_per_step(config: TransformerConfig, mode: str, seq_length: int, micro_batch_size: int,
+                   block_diffusion: Optional[int] = None) -> float:
+    """Model FLOPs of one step; under block diffusion `seq_length` is L, the forward runs 2L tokens."""
+    return flops.training_flops_per_iteration(config, seq_length, micro_batch_size,
+                                              mask_type=attention_mask_type(mode, block_diffusion),
+                                              block_size=block_diffusion)
 
 
 def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_length: int, seed: int,
@@ -187,7 +204,7 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm)
-    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss)
+    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
@@ -468,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-loss", action="store_true",
                         help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
                              "(DLMConfig.compile_loss).")
+    parser.add_argument("--block-diffusion", type=int, metavar="B",
+                        help="With --mode dlm: BD3-LM's objective with blocks of B tokens ([x_t ; x_0] under the "
+                             "block_diffusion mask, DLMConfig.block_diffusion); B must divide --seq-length.")
     parser.add_argument("--profile", metavar="DIR",
                         help=f"After timing, profile {PROFILED_STEPS} more steps of each row: print the time "
                              "by attention/gemm/loss/optimizer/other, write Chrome traces to DIR.")
@@ -497,6 +517,9 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"of {args.model}; pass a shorter --seq-length")
     if args.compile_loss and not args.masked_only_loss:
         raise UsageError("--compile-loss needs --masked-only-loss")
+    block_error = _block_diffusion_error(args)
+    if block_error:
+        raise UsageError(block_error)
     moe_error = moe_models.flag_error(args, spec)
     if moe_error:
         raise UsageError(moe_error)
@@ -518,6 +541,20 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
+def _block_diffusion_error(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with --block-diffusion in this combination, or None."""
+    block = args.block_diffusion
+    if block is None:
+        return None
+    if args.mode != "dlm":
+        return f"--block-diffusion needs --mode dlm (got --mode {args.mode})"
+    if block < 1 or args.seq_length % block:
+        return f"--block-diffusion {block} must be a positive divisor of --seq-length {args.seq_length}"
+    if args.baseline == "hf":
+        return "--block-diffusion has no Hugging Face equivalent; drop --baseline hf"
+    return None
+
+
 def ratios(rows: List[dict], baseline: bool, fp8: bool, variants: int) -> dict:
     """Our first row over the baseline, fp8 over our bf16 row (the first fp8 row follows our
     `variants` bf16 rows) and, with both expert paths, the grouped-GEMM row over the per-expert loop."""
@@ -537,7 +574,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
     grouped_variants = moe_models.grouped_variants(args, spec)
     config = transformer_config(spec, device, args.attention_backend, grouped_gemm=grouped_variants[0])
-    step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size)
+    step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size, args.block_diffusion)
     precision = "bf16" if device.type == "cuda" else "fp32"
     rows = []
     # With --fp8 our step runs without and with fp8, and with --compare-grouped-gemm with both expert
@@ -547,7 +584,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
             levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
                       (args.compile_loss, " compiled-loss"), (args.recompute != "none", f" recompute-{args.recompute}"),
-                      (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop")]
+                      (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
+                      (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
                                 build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
@@ -560,10 +598,11 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "compile_loss": args.compile_loss, "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,
-                   "hf_experts_implementation": args.hf_experts_implementation, "seed": args.seed},
+                   "hf_experts_implementation": args.hf_experts_implementation,
+                   "block_diffusion": args.block_diffusion, "seed": args.seed},
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
                                for name, value in dataclasses.asdict(config).items()},
-        "attention_mask_type": "causal" if args.mode == "ar" else "no_mask",
+        "attention_mask_type": attention_mask_type(args.mode, args.block_diffusion),
         "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
         "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.transformer.moe.config import MoEConfig
-from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.core.transformer.transformer_config import WINDOW_MASK_TYPES, DLMConfig, TransformerConfig
 from tools.weights_conversion import hf_rope
 from tools.weights_conversion.hf_rope import UnsupportedArchitecture
 
@@ -183,7 +183,7 @@ def _dlm_fields(config: TransformerConfig, dlm: DLMConfig, special_ids: Dict[str
             "attention_mask_type": dlm.effective_mask_type,
             "attention_block_size": (dlm.block_size if dlm.effective_mask_type in ("block_causal", "block_diffusion")
                                      else None),
-            "sliding_window": config.sliding_window if dlm.effective_mask_type == "sliding_window" else None,
+            "sliding_window": config.sliding_window if dlm.effective_mask_type in WINDOW_MASK_TYPES else None,
             "mask_token_id": dlm.mask_token_id if dlm.is_diffusion else special_ids.get("mask_token_id"),
             "auto_map": {"AutoConfig": "configuration_dlm.DLMConfig",
                          "AutoModel": "modeling_dlm.DLMModel",
@@ -313,7 +313,7 @@ def _dlm_import(hf: dict, fields: dict) -> dict:
     """A DLM export's objective (DLMConfig fields); sets its sliding window in `fields`."""
     mode = hf.get("model_running_mode", "difflm-noshift")
     mask_type = hf.get("attention_mask_type", "causal" if mode == "vanilla" else "no_mask")
-    fields["sliding_window"] = hf.get("sliding_window") if mask_type == "sliding_window" else None
+    fields["sliding_window"] = hf.get("sliding_window") if mask_type in WINDOW_MASK_TYPES else None
     if mode == "vanilla" and mask_type != "sliding_window":  # vanilla attends causally (or in a window)
         mask_type = "no_mask"
     dlm_fields = {"model_running_mode": mode, "attention_mask_type": mask_type,

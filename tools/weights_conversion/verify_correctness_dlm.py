@@ -93,7 +93,7 @@ def exercised_length(config, dlm) -> Optional[Tuple[int, str]]:
     if config.rope_scaling_type == "yarn":
         original = config.yarn_original_max_position_embeddings
         needs.append((original + 1, f"YaRN past original_max_position_embeddings={original}"))
-    if dlm.effective_mask_type == "sliding_window":
+    if dlm.effective_mask_type in ("sliding_window", "sliding_window_two_sided"):
         needs.append((config.sliding_window + 1, f"the sliding window of {config.sliding_window} tokens"))
     return max(needs) if needs else None
 

@@ -187,6 +187,8 @@ class _Layout:
         elif mask_type in ("block_causal", "block_diffusion"):  # a block diffusion canvas holds clean blocks
             block = self.opts.attention_block_size
             allowed = (key // block) <= (query // block)
+        elif mask_type == "sliding_window_two_sided":
+            allowed = (query - key).abs() < self.opts.sliding_window
         else:
             allowed = (query - key >= 0) & (query - key < self.opts.sliding_window)
         allowed = allowed & self.real[:, None, :key_length]

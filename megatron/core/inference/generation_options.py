@@ -17,7 +17,7 @@ __all__ = ["GenerationOptions", "resolve_options", "RUNNING_MODES", "MASK_TYPES"
 # Copies of transformer_config.py's lists: this file ships inside Hugging Face exports and imports
 # torch only (tests/unit_tests/test_copies_agree.py keeps the copies equal).
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
-MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window", "sliding_window_two_sided")
 # Block diffusion (BD3-LM) checkpoints: the sampler goes block by block over clean blocks.
 SAMPLER_MASK_TYPES = MASK_TYPES + ("block_diffusion",)
 REMASKING = ("low_confidence", "random")
@@ -167,5 +167,5 @@ def _check_attention(running_mode: str, opts: GenerationOptions) -> None:
         _check_int(f"attention_block_size (needed by attention_mask_type={mask_type!r})", opts.attention_block_size)
     if mask_type == "block_diffusion" and running_mode != "difflm-noshift":
         raise ValueError(f"a block-diffusion model samples in difflm-noshift mode, not {running_mode!r}")
-    if mask_type == "sliding_window":
-        _check_int("sliding_window (needed by attention_mask_type='sliding_window')", opts.sliding_window)
+    if mask_type in ("sliding_window", "sliding_window_two_sided"):
+        _check_int(f"sliding_window (needed by attention_mask_type={mask_type!r})", opts.sliding_window)

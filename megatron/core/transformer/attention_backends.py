@@ -212,6 +212,9 @@ def _structure_mask_mod(mask: AttentionMask):
     if mask.mask_type == "sliding_window":
         window = mask.window
         return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx >= 0) & (q_idx - kv_idx < window)
+    if mask.mask_type == "sliding_window_two_sided":
+        window = mask.window
+        return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
     if mask.mask_type == "block_diffusion":
         noisy, block = mask.noisy_length, mask.block_size
         return lambda b, h, q_idx, kv_idx: block_diffusion_allowed(q_idx, kv_idx, noisy, block)

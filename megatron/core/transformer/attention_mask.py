@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from megatron.core.transformer.transformer_config import ATTENTION_MASK_TYPES, DLMConfig, TransformerConfig
+from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, WINDOW_MASK_TYPES, DLMConfig,
+                                                          TransformerConfig)
 
 # The mask types a model trains with (one list: transformer_config.py), block diffusion's mask over
 # [x_t ; x_0] (--difflm-block-diffusion builds it, no --attention-mask-type names it), and an explicit
@@ -39,7 +40,8 @@ class AttentionMask:
     mask_type: str
     """One of ``MASK_TYPES``: ``no_mask`` (bidirectional), ``causal``, ``block_causal``
     (query i sees key j iff ``j // block_size <= i // block_size``), ``sliding_window``
-    (query i sees key j iff ``0 <= i - j < window``), ``block_diffusion`` (BD3-LM's mask over
+    (query i sees key j iff ``0 <= i - j < window``), ``sliding_window_two_sided`` (iff
+    ``|i - j| < window``, for DLMs), ``block_diffusion`` (BD3-LM's mask over
     ``[x_t ; x_0]``, see ``block_diffusion_allowed``), ``explicit`` (the ``allowed`` tensor)."""
 
     block_size: Optional[int] = None
@@ -49,7 +51,8 @@ class AttentionMask:
     """``block_diffusion`` only: L, the length of the noisy half; the sequence is 2L tokens."""
 
     window: Optional[int] = None
-    """Number of visible keys (including the query's own position) for ``sliding_window``."""
+    """``sliding_window``: the keys visible (the query's own included); ``sliding_window_two_sided``:
+    the largest distance seen, plus one, on either side."""
 
     document_ids: Optional[torch.Tensor] = None
     """``[b, s]`` integer ids of packed documents: query i sees key j only if both carry
@@ -87,10 +90,10 @@ class AttentionMask:
         if self.mask_type == "explicit" and (self.document_ids is not None or self.has_positions):
             raise ValueError("AttentionMask(mask_type='explicit') takes no document_ids or positions; fold them "
                              "into allowed")
-        if self.mask_type == "sliding_window":
+        if self.mask_type in WINDOW_MASK_TYPES:
             if self.window is None or self.window < 1:
                 raise ValueError(
-                    "AttentionMask.window must be a positive int for mask_type='sliding_window'"
+                    f"AttentionMask.window must be a positive int for mask_type={self.mask_type!r}"
                     f" (got {self.window!r})"
                 )
 
@@ -134,7 +137,7 @@ class AttentionMask:
             return (self.mask_type, self.block_size)
         if self.mask_type == "block_diffusion":
             return (self.mask_type, self.block_size, self.noisy_length)
-        if self.mask_type == "sliding_window":
+        if self.mask_type in WINDOW_MASK_TYPES:
             return (self.mask_type, self.window)
         return (self.mask_type,)
 
@@ -216,6 +219,8 @@ class AttentionMask:
             allowed = (k_pos // self.block_size) <= (q_pos // self.block_size)
         elif self.mask_type == "block_diffusion":
             allowed = block_diffusion_allowed(q_pos, k_pos, self.noisy_length, self.block_size)
+        elif self.mask_type == "sliding_window_two_sided":
+            allowed = (q_pos - k_pos).abs() < self.window
         else:  # sliding_window
             distance = q_pos - k_pos
             allowed = (distance >= 0) & (distance < self.window)
@@ -280,5 +285,5 @@ def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
     return AttentionMask(mask_type=mask_type,
                          block_size=dlm_config.block_size if mask_type in ("block_causal", "block_diffusion") else None,
                          noisy_length=noisy_length if mask_type == "block_diffusion" else None,
-                         window=config.sliding_window if mask_type == "sliding_window" else None,
+                         window=config.sliding_window if mask_type in WINDOW_MASK_TYPES else None,
                          document_ids=document_ids, query_positions=query_positions, key_positions=key_positions)

@@ -27,9 +27,12 @@ QK_LAYERNORM_SCOPES = ("head", "all")
 ROPE_SCALING_TYPES = SCALING_TYPES
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
-ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
-# Megatron's spelling of the bottom-right causal mask, accepted as an alias of `causal`.
-MASK_TYPE_ALIASES = {"causal_bottom_right": "causal"}
+ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window", "sliding_window_two_sided")
+# Windows of --sliding-window keys: causal (0 <= i - j < w, AR and DLMs) or two-sided (|i - j| < w, DLMs).
+WINDOW_MASK_TYPES = ("sliding_window", "sliding_window_two_sided")
+# Megatron's spelling of the bottom-right causal mask, accepted as an alias of `causal`; the causal
+# window under a name that says so.
+MASK_TYPE_ALIASES = {"causal_bottom_right": "causal", "sliding_window_causal": "sliding_window"}
 T_SAMPLINGS = ("uniform", "antithetic")
 LOSS_WEIGHTS = ("inverse_p", "inverse_empirical", "none")
 LOSS_NORMALIZERS = ("tokens", "masked", "sequence")
@@ -405,9 +408,12 @@ class DLMConfig:
             if seq_length is not None and seq_length % self.block_size:
                 raise ValueError(f"{owner}.block_size={self.block_size} does not divide the sequence length "
                                  f"{seq_length}; choose a block size that divides it")
-        if self.effective_mask_type == "sliding_window" and not sliding_window:
-            raise ValueError(f"{owner}.attention_mask_type='sliding_window' needs "
+        if self.effective_mask_type in WINDOW_MASK_TYPES and not sliding_window:
+            raise ValueError(f"{owner}.attention_mask_type={self.effective_mask_type!r} needs "
                              "TransformerConfig.sliding_window; pass --sliding-window <tokens>")
+        if not self.is_diffusion and self.attention_mask_type == "sliding_window_two_sided":
+            raise ValueError(f"{owner}.attention_mask_type='sliding_window_two_sided' sees later tokens, which an "
+                             "autoregressive (vanilla) model must not; use sliding_window (causal)")
         return self
 
     def _validate_block_diffusion(self, owner: str) -> None:

@@ -10,7 +10,7 @@ their routing, the attention pattern and the running mode.
 from transformers import PretrainedConfig
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
-ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window")
+ATTENTION_MASK_TYPES = ("no_mask", "causal", "block_causal", "sliding_window", "sliding_window_two_sided")
 # Block diffusion (BD3-LM) checkpoints: generate() goes block by block; a plain forward attends block-causally.
 SAMPLER_MASK_TYPES = ATTENTION_MASK_TYPES + ("block_diffusion",)
 QK_NORM_SCOPES = ("head", "all")
@@ -25,7 +25,8 @@ class DLMConfig(PretrainedConfig):
         difflm-shift (position i predicts token i+1, AR-initialised DLMs) or vanilla (causal AR).
     attention_mask_type: the trained pattern, in MegaDLMs' names: no_mask (bidirectional),
         causal, block_causal (with attention_block_size) or sliding_window (with sliding_window: key
-        j visible from query i when 0 <= i - j < sliding_window; vanilla may use it too), or
+        j visible from query i when 0 <= i - j < sliding_window; vanilla may use it too),
+        sliding_window_two_sided (DLMs: key j visible when |i - j| < sliding_window), or
         block_diffusion (BD3-LM, with attention_block_size: generate() denoises block by block over
         an exact cache of the clean blocks; a plain forward reads its input as clean blocks).
     rope_scaling_type: none, llama3 or yarn, with that type's settings under MegaDLMs'
@@ -109,8 +110,8 @@ class DLMConfig(PretrainedConfig):
             raise ValueError(f"rope_scaling_type={self.rope_scaling_type!r} is not one of none, llama3, yarn")
         if self.attention_mask_type in ("block_causal", "block_diffusion") and not self.attention_block_size:
             raise ValueError(f"attention_mask_type={self.attention_mask_type!r} needs attention_block_size")
-        if self.attention_mask_type == "sliding_window" and not self.sliding_window:
-            raise ValueError("attention_mask_type='sliding_window' needs sliding_window")
+        if self.attention_mask_type in ("sliding_window", "sliding_window_two_sided") and not self.sliding_window:
+            raise ValueError(f"attention_mask_type={self.attention_mask_type!r} needs sliding_window")
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"normalization={self.normalization!r} is not RMSNorm or LayerNorm")
         if self.num_attention_heads % self.num_key_value_heads:

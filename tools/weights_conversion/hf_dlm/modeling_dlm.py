@@ -259,6 +259,8 @@ def pattern_mask(config, length, device):
     if kind in ("block_causal", "block_diffusion"):  # block diffusion: the input read as clean blocks
         size = config.attention_block_size
         return key // size <= query // size
+    if kind == "sliding_window_two_sided":
+        return (query - key).abs() < config.sliding_window
     return (query - key >= 0) & (query - key < config.sliding_window)
 
 
