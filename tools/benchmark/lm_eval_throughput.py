@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
 from megatron.evaluation.scoring import Scorer, pair_seed  # noqa: E402
 
@@ -185,6 +186,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="Also time the full-logits scorer and twice the batch size on the first N questions.")
     parser.add_argument("--profile", type=int, default=0, help="Print the N costliest kernels of two questions.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="torch.compile each transformer layer (dynamic shapes), for both scorers.")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args(argv)
     for name in ("questions", "choices", "mc_num", "batch_size", "loop_batch_size", "repeats"):
@@ -197,10 +200,13 @@ def main(argv=None) -> dict:
     args = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.model, device, args.seed)
+    if args.torch_compile:  # row lengths change from batch to batch: dynamic shapes, no recompile per length
+        compile_transformer_layers(model, dynamic=True)
     items = questions(args.questions, args.choices, shapes.MODELS[args.model].vocab_size, tuple(args.context_tokens),
                       tuple(args.answer_tokens), args.seed)
-    time_batched(model, items[:2], args, device)  # warm-up: kernels and allocator
+    time_batched(model, items[:2], args, device)  # warm-up: kernels, allocator and (compiled) shapes
     time_batched(model, items[:2], args, device, select=False)
+    time_loop(model, items[:2], args, device)
     if args.profile:
         print(profile(model, items, args, device))
     ours = timed(lambda part: time_batched(model, part, args, device), items, args.repeats)
@@ -211,6 +217,7 @@ def main(argv=None) -> dict:
     spread = sum(abs(a - b) for a, b in zip(batched, looped)) / max(sum(abs(b) for b in looped), 1e-9)
     result = {"model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "mc_num": args.mc_num, "choices": args.choices,
+              "torch_compile": args.torch_compile,
               "batched": {"batch_size": args.batch_size, **ours}, "loop": {"batch_size": args.loop_batch_size, **loop},
               "speedup": ours["questions_per_s"] / loop["questions_per_s"],
               "median_speedup": ours["median_questions_per_s"] / loop["median_questions_per_s"],
