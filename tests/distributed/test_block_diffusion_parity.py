@@ -1,11 +1,11 @@
 """Block diffusion (--difflm-block-diffusion) and the two-sided sliding window under TP=2 with
-sequence parallelism and under DP=2 equal one process: losses and step-1 gradients to 1e-5, with
-Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t uniform
-and antithetic, cut lengths."""
+sequence parallelism, DP=2, PP=2 and CP=2 equal one process: losses and step-1 gradients to 1e-5,
+with Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t
+uniform and antithetic, cut lengths."""
 
 import pytest
 
-from tests.distributed.parity import tp_sp_and_dp
+from tests.distributed.parity import LayoutCases
 from tests.distributed.test_sft_parity import CONFIGS, SHAPE
 
 pytestmark = pytest.mark.distributed
@@ -21,10 +21,14 @@ MODES = {
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
-SUITE = tp_sp_and_dp(CASES, lambda config, mode, extra: BASE + CONFIGS[config] + MODES[mode])
+SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
+                     "dp2": (2, [], CASES, True),
+                     "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES[:2], False),
+                     "cp2": (2, ["--context-parallel-size", "2"], [CASES[0], CASES[2]], False)},
+                    lambda config, mode, extra: BASE + CONFIGS[config] + MODES[mode])
 
 references = SUITE.references_fixture()
 
 
-def test_block_diffusion_under_tp_sp_and_dp_matches_one_process(references, tmp_path):
+def test_block_diffusion_in_every_layout_matches_one_process(references, tmp_path):
     assert SUITE.check(2, references, tmp_path)

@@ -121,3 +121,19 @@ def test_dlm_inference_with_the_cache_prints_what_it_prints_without(tmp_path, ca
     assert printed[0] == printed[1] and len(printed[0]) == 1
     assert tool.main(["--load", str(tmp_path / "ckpt"), "--prompt", "5 6", "--inference-block-size", "8"]) != 0
     assert "block-diffusion model samples by the blocks" in capsys.readouterr().err
+
+
+def test_generation_of_any_length_stops_at_eos_after_its_block():
+    from megatron.core.inference.generation import generate
+    from tests.unit_tests.test_generation import scripted_model
+
+    prompt = torch.tensor([[5, 6, 7]])
+    targets = torch.full((1, 43), 20)
+    targets[0, 3 + 5] = EOS_ID                 # in the model's second block (positions 4..7 hold 1..4)
+    model_fn, calls = scripted_model(targets, torch.linspace(9.0, 5.0, 43))
+    out = generate(model_fn, prompt, running_mode="difflm-noshift", mask_token_id=MASK_ID, eos_token_id=EOS_ID,
+                   pad_token_id=0, gen_length=40, attention_mask_type="block_diffusion", attention_block_size=B,
+                   cache="prefix")
+    assert out[0, 3:10].tolist() == [20, 20, 20, 20, 20, EOS_ID, 0] and (out[0, 9:] == 0).all()
+    # One token a step: the first block's slot, then the 4 slots of the block holding EOS; no more.
+    assert len(calls) == 1 + 4 + 1 and max(call.shape[1] for call in calls[1:]) <= 2 * B
