@@ -61,6 +61,11 @@ def cuda_memory_scalars(device: torch.device) -> Dict[str, float]:
             "mem-allocated-count": stats.get("allocation.all.current", 0)}
 
 
+def _rate(value: float) -> str:
+    """Megatron's one decimal, or two significant digits below 1 (a CPU run shows 0.0021, not 0.0)."""
+    return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
+
+
 class TrainingLogger:
     """Everything printed or recorded during training; only rank 0 writes."""
 
@@ -171,7 +176,7 @@ class TrainingLogger:
                  f"consumed samples: {state.consumed_train_samples:12d}",
                  f"elapsed time per iteration (ms): {seconds * 1000:.1f}"]
         if self.config.log_throughput:
-            parts.append(f"throughput per GPU (TFLOP/s/GPU): {rates['tflops_per_gpu']:.1f}")
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {_rate(rates['tflops_per_gpu'])}")
             parts.append(f"tokens per second per GPU: {rates['tokens_per_sec_per_gpu']:.1f}")
             if rates["mfu"] is not None:
                 parts.append(f"MFU: {100 * rates['mfu']:.1f}%")

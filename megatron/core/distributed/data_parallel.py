@@ -36,6 +36,7 @@ FSDP2's explicit forward prefetch.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ContextManager, Dict, List, Optional, Tuple
@@ -131,8 +132,13 @@ def _ddp(model: nn.Module, device: torch.device, group, config: DataParallelConf
     if config.bucket_size is not None:  # Megatron counts elements, DDP MiB of gradients (fp32 here)
         grad_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()
         kwargs["bucket_cap_mb"] = config.bucket_size * grad_bytes / 2 ** 20
-    # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step.
-    wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=group, broadcast_buffers=False,
+    # Buffers are derived tables (RoPE), identical everywhere: no broadcast per step. torch 2.13 renamed
+    # the switch (the old name warns there); 2.11 and 2.12 know only the old one.
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs["forward_sync_buffers"] = False
+    else:
+        kwargs["broadcast_buffers"] = False
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                       gradient_as_bucket_view=True, **kwargs)
     if config.grad_reduce_dtype is not None:
         wrapped.register_comm_hook((group, config.grad_reduce_dtype), _compressed_allreduce_hook)
