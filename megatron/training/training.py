@@ -474,6 +474,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     logger.log_start(model, layout)
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
+        logger.count_fp8_peak()
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.

@@ -11,7 +11,7 @@ import math
 import os
 import time
 from datetime import datetime
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,8 @@ class TrainingLogger:
             block_size=dlm.block_size, window=model.sliding_window)
         device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else None
         self.peak = flops.peak_tflops(device_name, "bf16")
+        self.fp8_peak: Optional[float] = None
+        """With fp8 training, the card's fp8 peak: the MFU is then stated against both."""
         self.writer = self.wandb = None
         if runtime.is_main and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -100,6 +102,12 @@ class TrainingLogger:
     def print(self, message: str) -> None:
         if self.runtime.is_main:
             print(message, flush=True)
+
+    def count_fp8_peak(self) -> None:
+        """fp8 training: the MFU on the console is stated against the card's fp8 peak as well (the
+        matmuls the fp8 layers run use it; attention and the output layer stay bf16)."""
+        device = self.runtime.device
+        self.fp8_peak = flops.peak_tflops(torch.cuda.get_device_name(device), "fp8") if device.type == "cuda" else None
 
     def log_start(self, model: nn.Module, state=None) -> None:
         """The run's headline, the parallel layout and, with pipelining, the stage table
@@ -178,7 +186,10 @@ class TrainingLogger:
         if self.config.log_throughput:
             parts.append(f"throughput per GPU (TFLOP/s/GPU): {_rate(rates['tflops_per_gpu'])}")
             parts.append(f"tokens per second per GPU: {rates['tokens_per_sec_per_gpu']:.1f}")
-            if rates["mfu"] is not None:
+            if rates["mfu"] is not None and self.fp8_peak:
+                parts.append(f"MFU: {100 * rates['mfu']:.1f}% of the bf16 peak, "
+                             f"{100 * rates['tflops_per_gpu'] / self.fp8_peak:.1f}% of the fp8 peak")
+            elif rates["mfu"] is not None:
                 parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
         parts += [f"learning rate: {learning_rate:.6E}", f"global batch size: {batch:5d}",
                   f"lm loss: {loss:.6E}", f"loss scale: {loss_scale:.1f}", f"grad norm: {grad_norm:.3f}", *numerics,

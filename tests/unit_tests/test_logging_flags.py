@@ -260,3 +260,16 @@ def test_cuda_memory_statistics_history_and_kernel_trace(runtime, tmp_path):
     with gzip.open(tmp_path / "torch_profile" / "rank-0.json.gz", "rt") as handle:
         events = json.load(handle)["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events), "the GPU's kernels are traced too"
+
+
+def test_the_console_mfu_names_both_peaks_under_fp8(runtime):
+    trainer = tiny_trainer(runtime, "--train-iters", "1", "--log-throughput")
+    logger, state = trainer.logger, trainer.state
+    rates = {"tflops_per_gpu": 500.0, "tokens_per_sec_per_gpu": 1.0, "mfu": 500.0 / 989.0}
+    line = logger._line(state, 0.2, 1e-4, 2.0, 1.0, 1.0, rates, 4)
+    assert "MFU: 50.6% |" in line and "fp8 peak" not in line
+    logger.fp8_peak = 1979.0
+    line = logger._line(state, 0.2, 1e-4, 2.0, 1.0, 1.0, rates, 4)
+    assert "MFU: 50.6% of the bf16 peak, 25.3% of the fp8 peak" in line
+    rates["tflops_per_gpu"] = 0.0021
+    assert "(TFLOP/s/GPU): 0.0021 |" in logger._line(state, 0.2, 1e-4, 2.0, 1.0, 1.0, rates, 4)
