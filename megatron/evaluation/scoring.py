@@ -38,7 +38,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.inference.generation import ModelFn, _build_layout, resolve_options
+from megatron.core.inference.generation import ModelFn, _build_layout, guided, resolve_options
 from megatron.core.inference.likelihood import BLOCK_DIFFUSION_SCORING
 
 __all__ = ["Scorer", "pair_seed"]
@@ -170,11 +170,8 @@ class Scorer:
         if self.running_mode == "vanilla":
             self._add_exact(len(rows), picked, wanted, row_of, pair_of, totals, greedy)
             return
-        if self.cfg > 0:
-            conditional, unconditional = picked.chunk(2)
-            picked = unconditional + (self.cfg + 1) * (conditional - unconditional)
-            # The vocabulary padding is -inf in both (never predicted): -inf - -inf would be NaN.
-            picked = picked.masked_fill(conditional.isneginf(), float("-inf"))
+        if self.cfg > 0:  # the vocabulary padding is -inf in both halves and stays so
+            picked = guided(*picked.chunk(2), self.cfg)
         loss = F.cross_entropy(picked, wanted, reduction="none").double()
         per_row = torch.zeros(len(rows), dtype=torch.float64, device=self.device).index_add_(0, row_of, loss)
         weights = self._to_device(torch.tensor([row.weight for row in rows], dtype=torch.float64))

@@ -480,3 +480,23 @@ def test_select_commits_what_a_per_row_topk_commits(threshold):
         else:
             expected = {slot for slot in slots if confidence[row, slot] > threshold} | set(ranked[:1])
         assert set(got[row].nonzero().flatten().tolist()) == expected, row
+
+
+def test_guidance_keeps_the_vocabulary_padding_ruled_out():
+    """A padded vocabulary's columns are -inf in both halves of CFG: sampling and the likelihood stay
+    finite and never pick them (the plain formula gives -inf - -inf = NaN there)."""
+    from megatron.core.inference.likelihood import log_likelihood
+
+    model = build()
+
+    def padded(ids, positions, mask, cache, start):
+        logits = without_mask_column(model.inference_forward(ids, positions, mask, cache, start))
+        return logits.index_fill(-1, torch.arange(40, VOCAB - 1), float("-inf"))
+
+    prompt = torch.stack(prompts([4, 4]))
+    out = generate(padded, prompt, running_mode="difflm-noshift", mask_token_id=MASK_ID, gen_length=8, steps=8,
+                   block_length=4, cfg_scale=1.0)
+    assert (out[:, 4:] < 40).all()
+    score = log_likelihood(padded, prompt[0], torch.tensor([1, 2, 3]), running_mode="difflm-noshift",
+                           mask_token_id=MASK_ID, mc_num=4, batch_size=4, cfg_scale=0.5)
+    assert torch.isfinite(torch.tensor(score))

@@ -402,8 +402,7 @@ class _DiffusionSampler:
         # Only the block's positions go to fp32: the rest of the canvas is not needed.
         logits = logits[:, first_needed - q0:end - self.shift - q0].float()
         if self.opts.cfg_scale > 0:
-            conditional, unconditional = logits.chunk(2)
-            logits = unconditional + (self.opts.cfg_scale + 1) * (conditional - unconditional)
+            logits = guided(*logits.chunk(2), self.opts.cfg_scale)
         # Committing the mask token would leave the slot masked forever; a trained model
         # gives it ~0 probability, so ruling it out changes nothing there.
         return logits.index_fill(-1, self.mask_column, float("-inf"))
@@ -418,6 +417,13 @@ class _DiffusionSampler:
         if self.cache is None:
             return 0
         return self.committed_start if first_step else block_start
+
+
+def guided(conditional: torch.Tensor, unconditional: torch.Tensor, scale: float) -> torch.Tensor:
+    """LLaDA's classifier-free guidance, un + (w + 1)(cond - un). A token both rows rule out (-inf, as
+    the vocabulary padding is) stays ruled out: the formula alone would make it -inf - -inf = NaN."""
+    logits = unconditional + (scale + 1) * (conditional - unconditional)
+    return logits.masked_fill(conditional.isneginf(), float("-inf"))
 
 
 def _select(confidence: torch.Tensor, masked: torch.Tensor, count: Optional[torch.Tensor],

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .generation import ModelFn, _build_layout, resolve_options
+from .generation import ModelFn, _build_layout, guided, resolve_options
 
 BLOCK_DIFFUSION_SCORING = ("the Monte Carlo ELBO of a block-diffusion checkpoint needs its [x_t ; x_0] forward, "
                            "which scoring does not run yet; its generation works")
@@ -113,8 +113,7 @@ def _elbo_batch(model_fn: ModelFn, sequence: torch.Tensor, positions: torch.Tens
     rows = ids.shape[0]
     logits = model_fn(ids, positions.expand(rows, -1), mask.expand(rows, -1, -1), None, 0).float()
     if cfg_scale > 0:
-        conditional, unconditional = logits.chunk(2)
-        logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
+        logits = guided(*logits.chunk(2), cfg_scale)
     if shift:  # the logits at i score token i + 1
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     cross_entropy = F.cross_entropy(logits[masked], targets[masked], reduction="none")
