@@ -137,3 +137,24 @@ def test_generation_of_any_length_stops_at_eos_after_its_block():
     assert out[0, 3:10].tolist() == [20, 20, 20, 20, 20, EOS_ID, 0] and (out[0, 9:] == 0).all()
     # One token a step: the first block's slot, then the 4 slots of the block holding EOS; no more.
     assert len(calls) == 1 + 4 + 1 and max(call.shape[1] for call in calls[1:]) <= 2 * B
+
+
+def test_a_plain_forward_reads_its_ids_as_clean_blocks_as_the_export_does(tmp_path):
+    pytest.importorskip("transformers")
+    from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
+    from tests.unit_tests.test_hf_conversion import (VOCAB as HF_VOCAB, assert_logits_equal, export, ids, load_hf,
+                                                     save_checkpoint, tiny_config)
+
+    dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
+                       mask_token_id=HF_VOCAB - 1)
+    model = save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True), dlm)
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    batch = ids(batch=2, seq=12)
+    with torch.no_grad():
+        ours = model(batch)
+        theirs = load_hf(tmp_path / "hf")(input_ids=batch).logits
+    assert_logits_equal(ours[..., :HF_VOCAB], theirs)
+    positions = torch.arange(12)
+    blocks = (positions[None, :] // B <= positions[:, None] // B).expand(2, 12, 12)
+    plain = model.inference_forward(batch, positions.expand(2, 12), blocks)
+    assert_logits_equal(ours[..., :HF_VOCAB], plain[..., :HF_VOCAB])

@@ -169,7 +169,10 @@ class GPTModel(MegatronModule):
             self.check_inputs(input_ids, position_ids, labels)
         shift = not causal and self.running_mode == "difflm-shift"
         positions, noisy_length = {}, None
-        if self.dlm_config.block_diffusion and not causal:  # [x_t ; x_0]: 2L tokens, loss on x_t
+        mask_type = self.dlm_config.effective_mask_type if causal else None
+        if self.dlm_config.block_diffusion and not causal and labels is None:
+            mask_type = "block_causal"  # logits of ids read as clean blocks, as the HF export's forward
+        elif self.dlm_config.block_diffusion and not causal:  # [x_t ; x_0]: 2L tokens, loss on x_t
             noisy_length = block_diffusion.noisy_length(input_ids, labels)
             input_ids, position_ids, labels, loss_weights, document_ids = block_diffusion.model_inputs(
                 input_ids, position_ids, labels, loss_weights, document_ids)
@@ -178,7 +181,7 @@ class GPTModel(MegatronModule):
                 self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
             positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
         mask = build_attention_mask(self.config, self.dlm_config, document_ids, noisy_length=noisy_length,
-                                    mask_type=self.dlm_config.effective_mask_type if causal else None, **positions)
+                                    mask_type=mask_type, **positions)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
