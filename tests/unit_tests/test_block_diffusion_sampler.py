@@ -76,7 +76,7 @@ def test_scoring_a_block_diffusion_model_is_one_clear_error():
         build().log_likelihood(torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
 
 
-def test_the_hf_export_generates_like_our_model_and_imports_back(tmp_path):
+def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_path):
     pytest.importorskip("transformers")
     from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
     from tests.unit_tests.test_hf_conversion import VOCAB as HF_VOCAB, export, load_hf, save_checkpoint, tiny_config
@@ -92,6 +92,15 @@ def test_the_hf_export_generates_like_our_model_and_imports_back(tmp_path):
     for cache in (None, "prefix"):
         ours = model.generate(prompt, gen_length=9, cache=cache)
         assert torch.equal(hf.generate(prompt, gen_length=9, cache=cache), ours), cache
+    # A plain forward reads its ids as clean blocks (block-causal), ours and the export's alike.
+    batch = torch.randint(0, HF_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours_logits, theirs_logits = model(batch)[..., :HF_VOCAB], hf(input_ids=batch).logits
+    positions = torch.arange(12)
+    blocks = (positions[None, :] // B <= positions[:, None] // B).expand(2, 12, 12)
+    plain = model.inference_forward(batch, positions.expand(2, 12), blocks)[..., :HF_VOCAB]
+    torch.testing.assert_close(ours_logits, theirs_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours_logits, plain, rtol=0, atol=1e-5)
     assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                                 "--no-progress"]) == 0
     _, back = checkpoint_io.configs_from_metadata(checkpoint_io.inference_metadata(str(tmp_path / "back")))
@@ -137,24 +146,3 @@ def test_generation_of_any_length_stops_at_eos_after_its_block():
     assert out[0, 3:10].tolist() == [20, 20, 20, 20, 20, EOS_ID, 0] and (out[0, 9:] == 0).all()
     # One token a step: the first block's slot, then the 4 slots of the block holding EOS; no more.
     assert len(calls) == 1 + 4 + 1 and max(call.shape[1] for call in calls[1:]) <= 2 * B
-
-
-def test_a_plain_forward_reads_its_ids_as_clean_blocks_as_the_export_does(tmp_path):
-    pytest.importorskip("transformers")
-    from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
-    from tests.unit_tests.test_hf_conversion import (VOCAB as HF_VOCAB, assert_logits_equal, export, ids, load_hf,
-                                                     save_checkpoint, tiny_config)
-
-    dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
-                       mask_token_id=HF_VOCAB - 1)
-    model = save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True), dlm)
-    export(tmp_path / "ckpt", tmp_path / "hf")
-    batch = ids(batch=2, seq=12)
-    with torch.no_grad():
-        ours = model(batch)
-        theirs = load_hf(tmp_path / "hf")(input_ids=batch).logits
-    assert_logits_equal(ours[..., :HF_VOCAB], theirs)
-    positions = torch.arange(12)
-    blocks = (positions[None, :] // B <= positions[:, None] // B).expand(2, 12, 12)
-    plain = model.inference_forward(batch, positions.expand(2, 12), blocks)
-    assert_logits_equal(ours[..., :HF_VOCAB], plain[..., :HF_VOCAB])
