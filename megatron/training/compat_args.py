@@ -83,6 +83,9 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--cut-off-varlen-to-seqlen", "always so: documents packed into a row never attend across rows"),
     NoEffect("--tp-comm-overlap", "it needs Transformer Engine's userbuffers; tensor-parallel collectives are "
              "plain NCCL calls here"),
+    NoEffect("--sft-tokenizer-prompt-format", "the chat template is applied once, when tools/preprocess_data.py "
+             "--chat (--chat-template) tokenizes the data, not at run time",
+             {"type": str, "default": None}),
     NoEffect("--distribute-saved-activations", "full recompute keeps each layer's input whole on every "
              "tensor-parallel rank (with --sequence-parallel it is already split)"),
     NoEffect("--use-cpu-initialization", "weights are initialised on the device, with values that do not depend "
