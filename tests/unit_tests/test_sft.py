@@ -155,3 +155,18 @@ def test_sft_data_without_its_answer_pair_is_one_line(tmp_path, capsys):
     builder.finalize(f"{get_answer_prefix(prefix)}.idx")
     line = parse_error(MODEL + NULL_TOKENIZER + ["--data-path", prefix, "--sft"], capsys)
     assert "different runs" in line
+
+
+def test_examples_longer_than_a_row_are_counted_in_a_note(tmp_path, capsys):
+    from megatron.core.datasets.dataset_builder import DatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefix = write_corpus(tmp_path / "chat", 4, 20)
+    builder = IndexedDatasetBuilder(f"{get_answer_prefix(prefix)}.bin", dtype=np.uint8)
+    for _ in range(4):
+        builder.add_document(np.r_[np.zeros(10, dtype=np.uint8), np.ones(10, dtype=np.uint8)])
+    builder.finalize(f"{get_answer_prefix(prefix)}.idx")
+    sft = SFTDatasetConfig(seq_length=12, eod=EOD)
+    train = DatasetBuilder(GPTDatasetConfig(12), sft=sft).from_split([prefix], "1,0,0", [4, 0, 0])[0]
+    assert len(train) == 4 and train.truncated == 4
+    assert "4 of 4 examples are longer than a row of --seq-length 12" in capsys.readouterr().out

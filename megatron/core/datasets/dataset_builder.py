@@ -101,8 +101,12 @@ class DatasetBuilder:
         if self.sft is not None:
             tokens, answers = check_answer_pair(prefix, mmap=self.config.mmap_bin_files)
             lengths, get = indexed_examples(tokens, answers, document_range)
-            return SFTDataset(lengths, get, num_samples, self.sft, name=f"{prefix} ({split})",
-                              source={"prefix": prefix, "range": list(document_range), "split": split})
+            dataset = SFTDataset(lengths, get, num_samples, self.sft, name=f"{prefix} ({split})",
+                                 source={"prefix": prefix, "range": list(document_range), "split": split})
+            if dataset.truncated and self.is_builder:
+                print(f"note: {prefix} ({split}): {dataset.truncated} of {len(lengths)} examples are longer than a "
+                      f"row of --seq-length {self.sft.seq_length} tokens and are cut", flush=True)
+            return dataset
         return GPTDataset(self.indexed(prefix), prefix, document_range, num_samples, self.config, split,
                           barrier=self.barrier, is_builder=self.is_builder)
 
