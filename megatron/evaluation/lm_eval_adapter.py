@@ -293,16 +293,20 @@ class MegaDLMsLM(LM):
         options.update({key: gen_kwargs[key] for key in ("top_k", "top_p") if gen_kwargs.get(key) is not None})
         if self.backend.running_mode == "vanilla":
             return {**options, "use_cache": self.backend.kv_cache}
+        threshold = self.generation["threshold"]
+        common = {"cfg_scale": self.cfg, "remasking": self.generation["remasking"], "cache": self.generation["cache"],
+                  "threshold": None if threshold is None else float(threshold)}
+        if self.backend.pattern.get("attention_mask_type") == "block_diffusion":  # the model's blocks, any length
+            steps = self.generation["steps"]
+            return {**options, **common, "block_length": self.generation["block_length"],
+                    "steps": length if steps is None else max(1, round(int(steps) * length / int(wanted or length)))}
         block = min(int(self.generation["block_length"] or length), length)
         length -= length % block
         blocks = length // block
         steps = self.generation["steps"]
         steps = length if steps is None else max(1, round(int(steps) * length / int(wanted or length)))
         steps = max(blocks, steps // blocks * blocks)
-        threshold = self.generation["threshold"]
-        return {**options, "gen_length": length, "block_length": block, "steps": steps, "cfg_scale": self.cfg,
-                "remasking": self.generation["remasking"], "cache": self.generation["cache"],
-                "threshold": None if threshold is None else float(threshold)}
+        return {**options, **common, "gen_length": length, "block_length": block, "steps": steps}
 
     def _generate(self, prompts: List[List[int]], options: dict, seed: int) -> List[str]:
         """Left-padded batch through generation.generate; each text ends before its first EOS."""

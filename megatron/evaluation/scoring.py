@@ -83,13 +83,15 @@ class Scorer:
         self.device = device
         self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
         self.select = select  # model_fn takes select= (GPTModel.inference_forward, the export's dlm_forward)
-        if (pattern or {}).get("attention_mask_type") == "block_diffusion":
-            raise ValueError(BLOCK_DIFFUSION_SCORING)
+        # A block-diffusion model generates (lm-eval's generate_until) but is not scored yet: `score` says so.
+        self.block_diffusion = (pattern or {}).get("attention_mask_type") == "block_diffusion"
         self.opts = resolve_options(running_mode, gen_length=1, **(pattern or {}))
 
     @torch.no_grad()
     def score(self, pairs: Sequence[Pair], seeds: Sequence[int]) -> List[Tuple[float, bool]]:
         """(log-likelihood in nats, is_greedy) of each continuation given its context."""
+        if self.block_diffusion:
+            raise ValueError(BLOCK_DIFFUSION_SCORING)
         for context, continuation in pairs:
             if not continuation:
                 raise ValueError("a continuation is empty: there is nothing to score")

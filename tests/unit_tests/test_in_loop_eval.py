@@ -176,3 +176,15 @@ def test_validation_elbo_averages_k_independent_draws(runtime, capsys):
     vanilla = make_trainer(runtime, *flags, "--difflm-eval-mc-samples", "4", "--model-running-mode", "vanilla")
     assert vanilla.config.difflm_eval_mc_samples == 1
     assert "--difflm-eval-mc-samples 4: no effect with --model-running-mode vanilla" in capsys.readouterr().err
+
+
+def test_a_block_diffusion_run_generates_and_refuses_scored_tasks_at_start_up(runtime, offline, capsys):
+    pytest.importorskip("lm_eval")
+    bd3 = TEXT_MODEL + ["--train-iters", "1", "--difflm-block-diffusion", "--difflm-block-size", "8",
+                        "--add-mask-token", "--lm-eval-include-path", offline, "--lm-eval-model-args", MODEL_ARGS]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_difflm.main(bd3 + ["--lm-eval-tasks", *TASKS])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "megadlms_tiny_mc scores log-likelihoods" in err and "Traceback" not in err
+    trainer = train(runtime, bd3 + ["--lm-eval-tasks", TASKS[1]])
+    assert TASKS[1] in trainer.lm_eval.history[1]
