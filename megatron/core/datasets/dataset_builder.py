@@ -56,32 +56,28 @@ def check_prefixes_exist(prefixes: Sequence[str], flag: str, sft: bool = False) 
     the check reads headers and sizes only (see check_indexed_dataset).
     """
     for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
-            raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx not found; give the prefix written by "
-                             "tools/preprocess_data.py (e.g. corpus_text_document)")
-        try:
-            documents = check_indexed_dataset(prefix)
-        except InputError as error:
-            raise InputError(f"{flag}: {error}") from None
+        documents = _checked_documents(prefix, flag, "give the prefix written by tools/preprocess_data.py (e.g. "
+                                                     "corpus_text_document)")
         if documents == 0:
             raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx holds no documents; re-run "
                              "tools/preprocess_data.py on an input with at least one document")
-        if sft:
-            _check_answer_header(prefix, flag)
+        if not sft:
+            continue
+        answers = get_answer_prefix(prefix)
+        if _checked_documents(answers, flag, f"--sft needs it beside {prefix}; build the data with "
+                                             "tools/preprocess_data.py --chat (it writes both pairs)") != documents:
+            raise InputError(f"{flag}: {answers} does not hold the {documents} documents of {prefix}: the pairs "
+                             "come from different runs; rebuild both with tools/preprocess_data.py --chat")
 
 
-def _check_answer_header(prefix: str, flag: str) -> None:
-    answers = get_answer_prefix(prefix)
-    if not IndexedDataset.exists(answers):
-        raise InputError(f"{flag}: {answers}.bin / .idx not found beside {prefix}, and --sft needs it; build the "
-                         "data with tools/preprocess_data.py --chat (it writes both pairs)")
+def _checked_documents(prefix: str, flag: str, fix_if_missing: str) -> int:
+    """The documents of an undamaged pair (check_indexed_dataset), or an InputError naming `flag`."""
+    if not IndexedDataset.exists(prefix):
+        raise InputError(f"{flag}: {prefix}.bin / {prefix}.idx not found; {fix_if_missing}")
     try:
-        count = check_indexed_dataset(answers)
+        return check_indexed_dataset(prefix)
     except InputError as error:
         raise InputError(f"{flag}: {error}") from None
-    if count != check_indexed_dataset(prefix):
-        raise InputError(f"{flag}: {answers} holds {count} documents but {prefix} does not: the pairs come from "
-                         "different runs; rebuild both with tools/preprocess_data.py --chat")
 
 
 class DatasetBuilder:

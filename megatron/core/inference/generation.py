@@ -325,30 +325,34 @@ class _DiffusionSampler:
         # (its `prompt_offset` tokens) is denoised with the generated slots that complete it.
         prompt_tokens = int(layout.real[0, :prompt_length].sum()) if prompt_length else 0
         self.prompt_offset = prompt_tokens % self.opts.attention_block_size if self.block_diffusion else 0
-        self.committed_start = 0
-        """Block diffusion: the first slot of the last committed block (its clean k/v are not cached yet)."""
+        self.committed_start = self.block_start = 0
+        """Block diffusion: the first slot of the last committed block (its clean k/v are not cached yet)
+        and of the block being denoised."""
 
     def run(self) -> torch.Tensor:
-        for start, end in self._blocks():
+        for block_start, start, end in self._blocks():
+            self.block_start = block_start
             self._denoise_block(start, end)
-            self.committed_start = start - (self.prompt_offset if start == self.prompt_length else 0)
+            self.committed_start = block_start
             if self.finished.all():
                 break
         return self.canvas
 
     def _blocks(self):
-        """The [start, end) canvas slots denoised together: LLaDA's semi-autoregressive blocks of
-        block_length, or under block diffusion the model's own blocks (the last one may be cut)."""
+        """(first slot of the block, first slot to denoise, end) of each block: LLaDA's semi-autoregressive
+        blocks of block_length, or under block diffusion the model's own blocks, whose first one may
+        hold the prompt's last tokens and whose last one may be cut."""
         opts, total = self.opts, self.canvas.shape[1]
         if not self.block_diffusion:
             for block in range(opts.gen_length // opts.block_length):
                 start = self.prompt_length + block * opts.block_length
-                yield start, start + opts.block_length
+                yield start, start, start + opts.block_length
             return
-        start, end = self.prompt_length, self.prompt_length + opts.attention_block_size - self.prompt_offset
+        block_start, start = self.prompt_length - self.prompt_offset, self.prompt_length
         while start < total:
-            yield start, min(end, total)
-            start, end = end, end + opts.attention_block_size
+            end = min(block_start + opts.attention_block_size, total)
+            yield block_start, start, end
+            block_start = start = end
 
     def _denoise_block(self, start: int, end: int) -> None:
         opts = self.opts
@@ -388,7 +392,7 @@ class _DiffusionSampler:
         """
         first_needed = start - self.shift
         if self.block_diffusion:
-            q0, q1 = self._block_diffusion_window(start, first_step), end
+            q0, q1 = self._block_diffusion_window(first_step), end
         elif self.cache is None or first_step:
             q0, q1 = 0, self.canvas.shape[1]
         else:
@@ -408,15 +412,14 @@ class _DiffusionSampler:
         return logits.index_fill(-1, self.mask_column, float("-inf"))
 
 
-    def _block_diffusion_window(self, start: int, first_step: bool) -> int:
+    def _block_diffusion_window(self, first_step: bool) -> int:
         """First slot a block-diffusion step runs (to the block's end): without a cache the clean
         prefix and the block; with one, the block, plus at its first step the block committed last,
         whose clean k/v (block-causal, as training's clean half) go into the cache once and exactly.
         Later blocks are never attended (block-causal mask), so what is beyond `end` does not matter."""
-        block_start = start - (self.prompt_offset if start == self.prompt_length else 0)
         if self.cache is None:
             return 0
-        return self.committed_start if first_step else block_start
+        return self.committed_start if first_step else self.block_start
 
 
 def guided(conditional: torch.Tensor, unconditional: torch.Tensor, scale: float) -> torch.Tensor:
