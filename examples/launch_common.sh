@@ -45,6 +45,14 @@ fi
 LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --log-throughput
               --tensorboard-dir "${TENSORBOARD_DIR:-$ROOT_DIR/runs/$RUN_NAME}")
 
+# The Qwen3-1.7B shape the 1.7B scripts share (DLM, AR and SFT): 28 layers, hidden 2048, 16 heads / 8 kv
+# heads of 128, SwiGLU 6144, RMSNorm 1e-6, QK-norm, RoPE base 1e6, tied embeddings, seq 4096.
+QWEN3_1P7B_SHAPE=(--num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 16
+                  --group-query-attention --num-query-groups 8 --kv-channels 128
+                  --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
+                  --rotary-base 1000000 --normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu
+                  --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02)
+
 # run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.
 run_pretrain() {
     cd "$ROOT_DIR"

@@ -6,11 +6,7 @@ RUN_NAME=${RUN_NAME:-dlm_1.7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
 
 run_pretrain \
-    --num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 16 \
-    --group-query-attention --num-query-groups 8 --kv-channels 128 \
-    --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 \
-    --normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu --disable-bias-linear \
-    --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 \
+    "${QWEN3_1P7B_SHAPE[@]}" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}" \
     --train-iters "${TRAIN_ITERS:-500000}" \
     --lr 2e-4 --min-lr 2e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \

@@ -19,11 +19,7 @@ if [[ -z "${CHECKPOINT_PATH:-}" || ! -f "$CHECKPOINT_PATH/latest_checkpointed_it
 fi
 
 run_pretrain \
-    --num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 16 \
-    --group-query-attention --num-query-groups 8 --kv-channels 128 \
-    --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 \
-    --normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu --disable-bias-linear \
-    --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 \
+    "${QWEN3_1P7B_SHAPE[@]}" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}" \
     --train-iters "${TRAIN_ITERS:-5000}" \
     --lr 2.5e-5 --min-lr 2.5e-6 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-50}" \
