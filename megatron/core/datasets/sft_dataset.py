@@ -101,12 +101,11 @@ class SFTDataset(torch.utils.data.Dataset):
         examples = len(self.lengths)
         if self.config.padding == "eos":
             return epoch_order(examples, max(1, -(-self.num_samples // examples)), self.config.seed)
-        rows, epochs = [], 0
+        rows, rng = [], np.random.RandomState(self.config.seed)
         while len(rows) < max(self.num_samples, 1):
-            # Each epoch packs on its own, so the rows of epoch e do not depend on how many follow.
-            order = epoch_order(examples, epochs + 1, self.config.seed)[epochs * examples:]
-            rows += pack_rows(self.lengths, order, self._capacity)
-            epochs += 1
+            # Each epoch packs on its own (epoch_order's permutations, drawn one at a time), so the
+            # rows of epoch e do not depend on how many follow.
+            rows += pack_rows(self.lengths, rng.permutation(examples).astype(np.int64), self._capacity)
         return rows
 
     def __len__(self) -> int:
