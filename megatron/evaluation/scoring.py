@@ -14,6 +14,8 @@ into fixed-size batches instead. The estimate is the same:
   draws are those of that function, so a pair scored alone here and there gives the same
   number). The copies of all pairs form one stream of rows, pairs sorted by length, cut into
   batches of ``batch_size`` rows (each row doubled under classifier-free guidance ``cfg``).
+  A mask drawn several times for one pair runs once, weighted by its count: the same estimate
+  with fewer rows (a one-token continuation is one row, not ``mc_num``).
   ``is_greedy`` is always False: deciding it needs the argmax decoding of the continuation
   (one forward per token, LLaDA's slow ``is_check_greedy``), and a masked model's one-shot
   argmax under a fully masked continuation is not the same question.
@@ -61,7 +63,7 @@ class _Row:
     ids: torch.Tensor  # [L] input (masked for DLMs)
     scored: torch.Tensor  # [L] bool: the slots whose loss counts
     targets: torch.Tensor  # [L] the token each slot's logits score
-    weight: float  # A / l for DLMs, 1 for AR
+    weight: float  # copies * A / l for DLMs (a mask drawn `copies` times runs once), 1 for AR
     unconditional: Optional[torch.Tensor] = None  # [L] CFG input: the context masked too
 
 
@@ -71,7 +73,7 @@ class Scorer:
 
     def __init__(self, model_fn: ModelFn, running_mode: str, mask_token_id: Optional[int], device: torch.device,
                  *, batch_size: int = 32, mc_num: int = 128, cfg: float = 0.0, pattern: Optional[dict] = None,
-                 select: bool = False):
+                 select: bool = False, dedupe: bool = True):
         for name, value in (("batch_size", batch_size), ("mc_num", mc_num)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -82,6 +84,7 @@ class Scorer:
         self.model_fn, self.running_mode, self.mask_token_id = model_fn, running_mode, mask_token_id
         self.device = device
         self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
+        self.dedupe = dedupe  # equal masked copies of a pair run once (`_distinct`)
         self.select = select  # model_fn takes select= (GPTModel.inference_forward, the export's dlm_forward)
         # A block-diffusion model generates (lm-eval's generate_until) but is not scored yet: `score` says so.
         self.block_diffusion = (pattern or {}).get("attention_mask_type") == "block_diffusion"
@@ -128,15 +131,32 @@ class Scorer:
                 yield _Row(index, sequence[:-1], scored, sequence[1:], 1.0)
                 continue
             # The shift mode's slot i reads the logits at i - 1 (_run moves them), so targets stay in place.
-            counts, masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
-            for sample in range(self.mc_num):
-                scored = torch.cat([torch.zeros(prompt, dtype=torch.bool), masked[sample]])
+            _, masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
+            for pattern, copies in self._distinct(masked):
+                scored = torch.cat([torch.zeros(prompt, dtype=torch.bool), pattern])
                 noisy = sequence.masked_fill(scored, self.mask_token_id)
                 unconditional = None
                 if self.cfg > 0:
                     unconditional = noisy.clone()
                     unconditional[:prompt] = self.mask_token_id
-                yield _Row(index, noisy, scored, sequence, length / counts[sample].item(), unconditional)
+                weight = copies * length / int(pattern.sum())
+                yield _Row(index, noisy, scored, sequence, weight, unconditional)
+
+    def _distinct(self, masked: torch.Tensor) -> List[Tuple[torch.Tensor, int]]:
+        """(mask, copies) of each distinct draw, in draw order. Equal masks give equal rows and
+        equal losses, so a mask drawn k times runs once with k times its weight: the estimate is
+        unchanged. A short continuation has few masks (2^A - 1): with A = 1 all mc_num copies are one
+        row. `dedupe=False` runs every copy (LLaDA's way), to measure this."""
+        if not self.dedupe:
+            return [(pattern, 1) for pattern in masked]
+        copies: dict = {}
+        for pattern in masked:
+            key = bytes(pattern.numpy())
+            if key in copies:
+                copies[key][1] += 1
+            else:
+                copies[key] = [pattern, 1]
+        return [(pattern, count) for pattern, count in copies.values()]
 
     def _draws(self, length: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
         """(masked counts l_i [M], masked slots [M, A]): likelihood.py's draws for one batch of M = mc_num."""

@@ -148,6 +148,32 @@ def test_output_layer_at_the_scored_slots_only_equals_the_full_logits(running_mo
     assert len({score for score, _ in results[True]}) == len(pairs)
 
 
+@pytest.mark.parametrize("cfg", [0.0, 0.5])
+def test_equal_masked_copies_run_once_and_give_the_same_scores(cfg):
+    """A mask drawn k times runs as one row weighted k: the scores equal running every copy, and a
+    one-token continuation costs one row instead of mc_num (two-token ones at most 3)."""
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.evaluation.scoring import Scorer
+    from tests.unit_tests.test_hf_conversion import perturb, tiny_config
+
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config(), DLMConfig(model_running_mode="difflm-noshift", mask_token_id=89)).eval()
+    perturb(model)
+    pairs = [([3, 4, 5, 6], [7]), ([3, 4, 5, 6], [9, 10]), ([10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20])]
+    seeds = [pair_seed(1, context) for context, _ in pairs]
+    rows, results = {}, {}
+    for dedupe in (False, True):
+        def model_fn(ids, *args, **kwargs):
+            rows[dedupe] = rows.get(dedupe, 0) + ids.shape[0] // (2 if cfg else 1)
+            return model.inference_forward(ids, *args, **kwargs)
+        scorer = Scorer(model_fn, "difflm-noshift", 89, CPU, batch_size=7, mc_num=16, cfg=cfg,
+                        pattern=model._trained_pattern(), select=True, dedupe=dedupe)
+        results[dedupe] = [score for score, _ in scorer.score(pairs, seeds)]
+    assert results[True] == pytest.approx(results[False], rel=1e-6)
+    assert rows[False] == 16 * len(pairs)
+    assert 1 + 2 + 3 <= rows[True] <= 1 + 3 + 16 and rows[True] > 1 + 3  # the long one's copies mostly differ
+
+
 def test_the_exports_dlm_forward_selects_the_same_logits(dlm):
     """The remote-code export's dlm_forward(select=) equals its full logits at those slots."""
     from tests.unit_tests.test_hf_conversion import load_hf

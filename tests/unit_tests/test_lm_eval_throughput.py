@@ -32,6 +32,8 @@ def test_benchmark_times_both_scorers_and_the_levers(tmp_path, capsys):
     assert 0 <= result["relative_difference_of_the_estimates"] < 0.5  # the same estimator, other draws
     assert 0 <= result["padding"]["sorted"] <= result["padding"]["unsorted"] < 1
     assert result["levers"]["questions"] == 2 and result["levers"]["select_speedup"] > 0
+    assert result["levers"]["dedupe_speedup"] > 0 and "equal masked copies once" in table
+    assert 0 < result["distinct_tokens"] < 1  # answers of 1-4 tokens, 4 copies: some masks repeat
 
 
 def test_a_bad_count_is_one_usage_error(capsys):

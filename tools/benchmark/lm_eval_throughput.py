@@ -8,8 +8,10 @@ lm-eval model runs) streams the copies of all pairs, sorted by length, in batche
 loop, like LLaDA's, makes the full logits). Both compute the same estimate; this times them on
 the same synthetic questions (random token ids, random weights: throughput only) and prints
 questions/s, in total and as the median over `--repeats` consecutive parts of the questions.
-`--lever-questions N` also times, on the first N questions, our scorer with full logits and
-with twice the batch size; the padded fraction of the row slots, length-sorted as the scorer
+Ours also runs a pair's equal masked copies once (weighted by their count: the same estimate;
+a short continuation has few distinct masks), which LLaDA's loop does not.
+`--lever-questions N` also times, on the first N questions, our scorer with full logits, with
+twice the batch size and with every copy run; the padded fraction of the row slots, length-sorted as the scorer
 runs them and in the questions' own order, is counted without the device.
 
     python tools/benchmark/lm_eval_throughput.py --model qwen3-1.7b --questions 200 --choices 4 \\
@@ -75,11 +77,12 @@ def _chunks(items: list, repeats: int) -> list:
 
 
 def time_batched(model: GPTModel, items: list, args, device: torch.device, *, select: bool = True,
-                 batch_size: Optional[int] = None) -> tuple:
-    """(seconds, scores) of the batched scorer; `select`: the output layer at the scored slots only."""
+                 batch_size: Optional[int] = None, dedupe: bool = True) -> tuple:
+    """(seconds, scores) of the batched scorer; `select`: the output layer at the scored slots only;
+    `dedupe`: a pair's equal masked copies run once."""
     scorer = Scorer(model.inference_forward, model.running_mode, model.dlm_config.mask_token_id, device,
                     batch_size=batch_size or args.batch_size, mc_num=args.mc_num, pattern=model._trained_pattern(),
-                    select=select)
+                    select=select, dedupe=dedupe)
     pairs = [(context, continuation) for context, options in items for continuation in options]
     seeds = [pair_seed(args.seed, context) for context, _ in pairs]
     _synchronize(device)
@@ -128,14 +131,30 @@ def padding(items: list, args) -> dict:
     return {"sorted": wasted(sorted(lengths, reverse=True)), "unsorted": wasted(lengths)}
 
 
+def distinct_tokens(items: list, args) -> float:
+    """The fraction of the mc_num copies' row tokens left once a pair's equal masks run once
+    (the scorer's own draws, counted on the host)."""
+    scorer = Scorer(None, "difflm-noshift", 0, torch.device("cpu"), mc_num=args.mc_num)
+    kept = total = 0
+    for context, options in items:
+        for continuation in options:
+            generator = torch.Generator().manual_seed(pair_seed(args.seed, context))
+            _, masked = scorer._draws(len(continuation), generator)
+            width = len(context) + len(continuation)
+            kept, total = kept + width * len(scorer._distinct(masked)), total + width * args.mc_num
+    return kept / total
+
+
 def levers(model: GPTModel, items: list, args, device: torch.device) -> dict:
     """The levers on the first --lever-questions questions, each against ours on the same ones."""
     subset = items[:args.lever_questions]
     base, _ = time_batched(model, subset, args, device)
     full, _ = time_batched(model, subset, args, device, select=False)
     double, _ = time_batched(model, subset, args, device, batch_size=2 * args.batch_size)
+    every, _ = time_batched(model, subset, args, device, dedupe=False)
     return {"questions": len(subset), "select_seconds": base, "full_logits_seconds": full,
-            "double_batch_seconds": double, "select_speedup": full / base, "double_batch_speedup": base / double}
+            "double_batch_seconds": double, "select_speedup": full / base, "double_batch_speedup": base / double,
+            "every_copy_seconds": every, "dedupe_speedup": every / base}
 
 
 def profile(model: GPTModel, items: list, args, device: torch.device) -> str:
@@ -159,13 +178,15 @@ def report(result: dict, args) -> str:
              f"{loop['questions_per_s']:.3f} | {loop['median_questions_per_s']:.3f} |",
              f"speedup {result['speedup']:.2f}x (medians {result['median_speedup']:.2f}x); the two Monte Carlo "
              f"estimates differ by {result['relative_difference_of_the_estimates']:.1%} (other draws); padded "
-             f"slots {result['padding']['sorted']:.2%} sorted, {result['padding']['unsorted']:.2%} unsorted"]
+             f"slots {result['padding']['sorted']:.2%} sorted, {result['padding']['unsorted']:.2%} unsorted; "
+             f"distinct masked copies keep {result['distinct_tokens']:.1%} of the row tokens"]
     if "levers" in result:
         lever = result["levers"]
         lines.append(f"levers on {lever['questions']} questions: output layer at the scored slots only "
                      f"{lever['select_speedup']:.2f}x ({lever['full_logits_seconds']:.2f} s -> "
                      f"{lever['select_seconds']:.2f} s); batch {2 * args.batch_size} instead of {args.batch_size} "
-                     f"{lever['double_batch_speedup']:.2f}x ({lever['double_batch_seconds']:.2f} s)")
+                     f"{lever['double_batch_speedup']:.2f}x ({lever['double_batch_seconds']:.2f} s); equal masked "
+                     f"copies once {lever['dedupe_speedup']:.2f}x (every copy {lever['every_copy_seconds']:.2f} s)")
     return "\n".join(lines)
 
 
@@ -183,7 +204,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="Time each scorer on this many consecutive parts of its questions (the median).")
     parser.add_argument("--lever-questions", type=int, default=0,
-                        help="Also time the full-logits scorer and twice the batch size on the first N questions.")
+                        help="Also time, on the first N questions, the full-logits scorer, twice the batch size "
+                             "and every copy run.")
     parser.add_argument("--profile", type=int, default=0, help="Print the N costliest kernels of two questions.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-compile", action="store_true",
@@ -221,7 +243,8 @@ def main(argv=None) -> dict:
               "batched": {"batch_size": args.batch_size, **ours}, "loop": {"batch_size": args.loop_batch_size, **loop},
               "speedup": ours["questions_per_s"] / loop["questions_per_s"],
               "median_speedup": ours["median_questions_per_s"] / loop["median_questions_per_s"],
-              "relative_difference_of_the_estimates": spread, "padding": padding(items, args)}
+              "relative_difference_of_the_estimates": spread, "padding": padding(items, args),
+              "distinct_tokens": distinct_tokens(items, args)}
     if args.lever_questions:
         result["levers"] = levers(model, items, args, device)
     print(report(result, args))
