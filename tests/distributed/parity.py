@@ -9,7 +9,9 @@ same `sharded_state_dict` checkpoints use).
 
 import os
 import socket
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +33,11 @@ TINY_GQA = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64
             "--eval-iters", "0", "--attention-backend", "math", "--train-iters", "3"]
 
 
-# Workers start from a fork server that has imported torch and the training entry point once, not
-# from a fresh interpreter each (spawn): about 1.2 s less per process. Workers set their own
-# environment (ranks, ports), so the server's environment being the one it started with is fine.
-mp.set_forkserver_preload(["torch", "pretrain_difflm"])
+# Workers start from a fork server that has imported torch, torch._dynamo (the first AdamW imports
+# it: 2.5 s) and the training entry point once, not from a fresh interpreter each (spawn): about
+# 4 s less per process. Workers set their own environment (ranks, ports), so the server's
+# environment being the one it started with is fine.
+mp.set_forkserver_preload(["torch", "torch._dynamo", "pretrain_difflm"])
 
 
 def start_workers(worker, args: tuple, nprocs: int) -> None:
@@ -57,20 +60,34 @@ def _entry_worker(rank: int, world: int, port: int, argv: list, out: str) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    trainer = pretrain_difflm.main(argv)
+    with open(f"{out}.console.{rank}", "w") as console:  # what torchrun would show of this rank
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(console.fileno(), 1), os.dup2(console.fileno(), 2)
+        trainer = pretrain_difflm.main(argv)
+        sys.stdout.flush(), sys.stderr.flush()
     first = trainer.state.iteration - len(trainer.history) + 1
     if rank == 0:  # each step's `lm loss` as the console prints it (with --log-interval 1)
         torch.save({first + i: float(f"{result.loss:E}") for i, result in enumerate(trainer.history)}, out)
 
 
-def run_entry_point(nproc: int, argv: list) -> dict:
+def run_entry_point(nproc: int, argv: list, console: bool = False):
     """`torchrun --nproc_per_node nproc pretrain_difflm.py argv` (the whole entry: flags, lock, load,
-    training, save), in workers from the fork server; returns {iteration: lm loss} of rank 0.
-    tests/distributed/test_pretrain_cli.py runs the entry through torchrun itself."""
+    training, save), in workers from the fork server; returns {iteration: lm loss} of rank 0, and
+    with `console` also the ranks' output, rank by rank. tests/distributed/test_pretrain_cli.py
+    runs the entry through torchrun itself."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "losses.pt")
-        start_workers(_entry_worker, (nproc, free_port(), list(argv), out), nproc)
-        return torch.load(out)
+        try:
+            start_workers(_entry_worker, (nproc, free_port(), list(argv), out), nproc)
+        except Exception:  # the ranks' last words, as torchrun would have shown them
+            for rank in range(nproc):
+                path = Path(f"{out}.console.{rank}")
+                print(f"--- rank {rank} ---\n" + (path.read_text()[-3000:] if path.exists() else ""))
+            raise
+        losses = torch.load(out)
+        if not console:
+            return losses
+        return losses, "".join(Path(f"{out}.console.{rank}").read_text() for rank in range(nproc))
 
 
 def free_port() -> int:

@@ -1,22 +1,17 @@
 """The launch scripts' flags pass validation at the layout each script is written for.
 
-Each script runs with a stand-in `torchrun` on PATH that records its arguments; the flags
-after `pretrain_difflm.py` are then validated by `parse_args` at the script's world size, so a
-flag the parser refuses, a layout the world size cannot hold or a batch the layout cannot split
-fails here rather than on a cluster.
+Each script runs with a stand-in `torchrun` on PATH that records its arguments
+(tests/launch_flags.py); the flags after `pretrain_difflm.py` are then validated by
+`parse_args` at the script's world size, so a flag the parser refuses, a layout the world size
+cannot hold or a batch the layout cannot split fails here rather than on a cluster.
 """
-
-import os
-import shlex
-import subprocess
-from pathlib import Path
 
 import pytest
 
 from custom_args.difflm import add_difflm_args
 from megatron.training.arguments import parse_args
+from tests.launch_flags import recorded_flags
 
-ROOT = Path(__file__).resolve().parents[2]
 # script: (GPUs it is written for, what the run must resolve to)
 SCRIPTS = {
     "examples/dlm_training/dlm_pretrain_7b.sh": (8, {"tensor_model_parallel_size": 2,
@@ -29,22 +24,10 @@ SCRIPTS = {
 }
 
 
-def recorded_flags(script: str, gpus: int, tmp_path: Path) -> list:
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    record = tmp_path / "argv"
-    (fake / "torchrun").write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" > {shlex.quote(str(record))}\n')
-    (fake / "torchrun").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", GPUS_PER_NODE=str(gpus),
-               TENSORBOARD_DIR=str(tmp_path / "tb"))
-    subprocess.run(["bash", script], cwd=ROOT, env=env, check=True, timeout=60)
-    argv = shlex.split(record.read_text())
-    return argv[argv.index("pretrain_difflm.py") + 1:]
-
-
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_launch_script_flags_validate_at_its_layout(script, tmp_path):
     gpus, expected = SCRIPTS[script]
-    args = parse_args(recorded_flags(script, gpus, tmp_path), add_difflm_args, world_size=gpus)
+    flags = recorded_flags(script, tmp_path, {"GPUS_PER_NODE": str(gpus), "TENSORBOARD_DIR": str(tmp_path / "tb")})
+    args = parse_args(flags, add_difflm_args, world_size=gpus)
     for name, value in expected.items():
         assert getattr(args, name) == value, (name, getattr(args, name))
