@@ -1,0 +1,32 @@
+"""tools/benchmark/step_parts.py on CPU at the tiny shape: its rows, the bytes each moves and the
+JSON it writes. No speed is asserted."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
+import step_parts  # noqa: E402
+
+
+def test_rows_count_the_bytes_of_the_real_parameter_set(tmp_path, capsys):
+    out = tmp_path / "parts.json"
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows, count = result["rows"], result["parameters"]
+    model, params = step_parts.parameters("tiny", step_parts.torch.device("cpu"))
+    assert count == sum(p.numel() for p in params) > 0
+    assert rows["adamw foreach"]["bytes"] == 28 * count  # param, two moments read and written; grad read
+    matrices = sum(p.numel() for p in params if p.dim() == 2)
+    assert rows["bf16 weight copy (autocast's cast)"]["bytes"] == 6 * matrices < 6 * count
+    assert all(row["ms"] > 0 for row in rows.values()) and result["copy_tb_per_s"] > 0
+    assert "| adamw foreach |" in capsys.readouterr().out
+
+
+def test_bad_repeats_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        step_parts.main(["--model", "tiny", "--repeats", "0"])
+    assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""The memory-bound parts of a training step, each timed alone on a model's real parameter set.
+
+What the [perf] levers on the optimizer and the weight casts can buy, measured before building
+them: every row moves a known number of bytes, so its time is set against the card's measured
+copy bandwidth (one large device-to-device copy), which gives the floor a kernel could reach.
+
+Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock on CPU):
+* adamw fused (grad_scale): today's step, the clip's multiply folded in (train_step's path);
+* adamw foreach: torch's multi-tensor path without fusion;
+* adamw compiled (`--compiled`): `torch.compile` of the foreach step (Triton, fused per group);
+* grad norm: the clip's `_foreach_norm` over every gradient;
+* bf16 weight copy: what bf16 autocast does to every fp32 weight in each forward;
+* bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype.
+
+    python tools/benchmark/step_parts.py --model qwen3-1.7b --repeats 10 --compiled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
+
+from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
+from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
+
+
+def parameters(name: str, device: torch.device) -> List[torch.nn.Parameter]:
+    """The fp32 parameters of the named shape, each with a random fp32 gradient."""
+    spec = shapes.MODELS[name]
+    with torch.device(device):
+        model = GPTModel(shapes.transformer_config(spec, device),
+                         DLMConfig(model_running_mode="difflm-noshift", mask_token_id=spec.vocab_size - 1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.randn_like(param) * 1e-3
+    return model, params
+
+
+def timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable[[], None]], float]:
+    def measure(function: Callable[[], None]) -> float:
+        for _ in range(warmup):
+            function()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                function()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                function()
+                times.append((time.perf_counter() - begin) * 1e3)
+        return statistics.median(times)
+
+    return measure
+
+
+def adamw(model, fused: bool, foreach: bool) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=fused or None, foreach=foreach or None)
+
+
+def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) -> Dict[str, tuple]:
+    """{row: (milliseconds, bytes moved)}."""
+    measure = timer(device, args.warmup, args.repeats)
+    count = sum(p.numel() for p in params)
+    grads = [p.grad for p in params]
+    result = {}
+    if device.type == "cuda":
+        fused = adamw(model, True, False)
+
+        def fused_step():
+            fused.grad_scale = torch.tensor(1.0, device=device)
+            fused.step()
+        result["adamw fused (grad_scale)"] = (measure(fused_step), 28 * count)
+        del fused
+    foreach = adamw(model, False, True)
+    result["adamw foreach"] = (measure(foreach.step), 28 * count)
+    if args.compiled:
+        compiled = torch.compile(foreach.step)
+        begin = time.perf_counter()
+        compiled()
+        print(f"compiled the step in {time.perf_counter() - begin:.1f} s")
+        result["adamw compiled (foreach, torch.compile)"] = (measure(compiled), 28 * count)
+    result["grad norm (_foreach_norm)"] = (measure(lambda: torch._foreach_norm(grads, 2)), 4 * count)
+    weights = [p for p in params if p.dim() == 2]
+    matrix = sum(p.numel() for p in weights)
+    half = [torch.empty_like(p, dtype=torch.bfloat16) for p in weights]
+    result["bf16 weight copy (autocast's cast)"] = (measure(lambda: [p.to(torch.bfloat16) for p in weights]),
+                                                    6 * matrix)
+    result["bf16 weight copy, one multi-tensor copy"] = (measure(lambda: torch._foreach_copy_(half, weights)),
+                                                         6 * matrix)
+    result["bf16 grad to fp32"] = (measure(lambda: [h.float() for h in half]), 6 * matrix)
+    return result
+
+
+def bandwidth(device: torch.device, measure: Callable[[Callable[[], None]], float], size: int) -> float:
+    """Bytes per ms of one large device copy (read + write)."""
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * size / measure(lambda: target.copy_(source))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-1.7b", choices=sorted(shapes.MODELS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compiled", action="store_true", help="Also time the torch.compile'd foreach step.")
+    parser.add_argument("--json", help="Also write the results here.")
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, params = parameters(args.model, device)
+    per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)
+    table = rows(model, params, args, device)
+    print(f"{args.model}: {sum(p.numel() for p in params) / 1e6:.1f}M parameters; copy bandwidth "
+          f"{per_ms / 1e9:.2f} TB/s ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__})")
+    print("| part | ms | GB moved | TB/s | floor ms at the copy bandwidth |\n|---|---|---|---|---|")
+    for name, (ms, moved) in table.items():
+        print(f"| {name} | {ms:.2f} | {moved / 1e9:.1f} | {moved / ms / 1e9:.2f} | {moved / per_ms:.2f} |")
+    result = {"model": args.model, "parameters": sum(p.numel() for p in params), "copy_tb_per_s": per_ms / 1e9,
+              "torch": torch.__version__,
+              "rows": {name: {"ms": ms, "bytes": moved} for name, (ms, moved) in table.items()}}
+    if args.json:
+        with open(args.json + ".tmp", "w") as handle:
+            json.dump(result, handle, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
