@@ -411,8 +411,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         result["cuda_graphs"] = {"captured": len(bench.graphs.graphs), "replays": bench.graphs.replays}
     print_table(result)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+        shapes.write_json(args.json, result)
     return result
 
 

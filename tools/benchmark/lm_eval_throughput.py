@@ -21,7 +21,6 @@ runs them and in the questions' own order, is counted without the device.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -249,9 +248,7 @@ def main(argv=None) -> dict:
         result["levers"] = levers(model, items, args, device)
     print(report(result, args))
     if args.json:
-        with open(args.json + ".tmp", "w") as handle:
-            json.dump(result, handle, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        shapes.write_json(args.json, result)
     return result
 
 

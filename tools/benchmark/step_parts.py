@@ -18,7 +18,6 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -141,9 +140,7 @@ def main(argv=None) -> dict:
               "torch": torch.__version__,
               "rows": {name: {"ms": ms, "bytes": moved} for name, (ms, moved) in table.items()}}
     if args.json:
-        with open(args.json + ".tmp", "w") as handle:
-            json.dump(result, handle, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        shapes.write_json(args.json, result)
     return result
 
 

@@ -294,6 +294,14 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     return row
 
 
+def write_json(path: str, result) -> None:
+    """`result` as JSON at `path`, written under a temporary name and renamed when complete (every
+    benchmark here writes its --json so): an earlier file is never left half overwritten."""
+    with open(path + ".tmp", "w") as handle:
+        json.dump(result, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def _device_name(device: torch.device) -> Optional[str]:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
@@ -498,8 +506,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     result = run(args, spec, device, argv)
     print_table(result)
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write_json(args.json, result)
     return result
 
 
