@@ -216,6 +216,9 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global grad-norm clip (0 disables).")
+    g.add_argument("--compile-optimizer-step", action="store_true",
+                   help="AdamW's step compiled by torch.compile, one kernel per parameter (CompiledAdamW), "
+                        "instead of torch's fused step; the same update and checkpoint state.")
 
 
 def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:

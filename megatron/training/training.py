@@ -402,7 +402,8 @@ def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp
     """AdamW (ZeRO-1 over `dp_group` / `expert_dp_group` under the optim strategy) and its schedule."""
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                             decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr)
+                             decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+                             compiled_step=args.compile_optimizer_step)
     strategy = args.data_parallel_sharding_strategy
     optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
                                 optimizer_sharding_group(strategy, expert_dp_group))

@@ -210,7 +210,8 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
         info.update(moe_grouped_gemm=args.moe_grouped_gemm,
                     grouped_mm_kernel=moe_models.grouped_mm_kernel_runs(args.moe_grouped_gemm, device, config.bf16))
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
-                                                       adam_beta2=BETAS[1], clip_grad=CLIP_GRAD))
+                                                       adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
+                                                       compiled_step=args.compile_optimizer_step))
     batch = args.micro_batch_size
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
@@ -364,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-loss", action="store_true",
                         help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
                              "(DLMConfig.compile_loss).")
+    parser.add_argument("--compile-optimizer-step", action="store_true",
+                        help="Our AdamW step compiled (CompiledAdamW, --compile-optimizer-step) instead of fused.")
     parser.add_argument("--block-diffusion", type=int, metavar="B",
                         help="With --mode dlm: BD3-LM's objective with blocks of B tokens ([x_t ; x_0] under the "
                              "block_diffusion mask, DLMConfig.block_diffusion); B must divide --seq-length.")
@@ -462,7 +465,9 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         for grouped in grouped_variants:
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
             levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
-                      (args.compile_loss, " compiled-loss"), (args.recompute != "none", f" recompute-{args.recompute}"),
+                      (args.compile_loss, " compiled-loss"),
+                      (args.compile_optimizer_step, " compiled-optimizer"),
+                      (args.recompute != "none", f" recompute-{args.recompute}"),
                       (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
                       (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
@@ -474,7 +479,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
                    "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
-                   "compile_loss": args.compile_loss, "recompute": args.recompute,
+                   "compile_loss": args.compile_loss, "compile_optimizer_step": args.compile_optimizer_step,
+                   "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,
                    "hf_experts_implementation": args.hf_experts_implementation,

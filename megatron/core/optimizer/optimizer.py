@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.optimizer.compiled_adamw import CompiledAdamW
 from megatron.core.tensor_parallel.utils import local_tensor
 
 
@@ -27,6 +28,8 @@ class OptimizerConfig:
     """Peak lr of the input embedding and the output layer (--decoupled-lr); None: `lr`."""
     decoupled_min_lr: Optional[float] = None
     """Their lr floor (--decoupled-min-lr); None: the scheduler's --min-lr."""
+    compiled_step: bool = False
+    """--compile-optimizer-step: `CompiledAdamW` (one compiled kernel per parameter) instead of the fused step."""
 
 
 # Megatron's `is_embedding_or_output_parameter` weights, by name (wrappers and FSDP2 keep names,
@@ -99,11 +102,14 @@ def _adamw(groups: List[Dict], config: OptimizerConfig, zero_group: Optional[dis
     fused = all(p.is_cuda for p in params) and not any(hasattr(p, "to_local") for p in params)
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay, fused=True if fused else None)
+    kind = torch.optim.AdamW
+    if config.compiled_step and not any(hasattr(p, "to_local") for p in params):
+        kind = CompiledAdamW
     if zero_group is None:
-        return torch.optim.AdamW(groups, **kwargs)
+        return kind(groups, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=kind, process_group=zero_group, **kwargs)
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig, zero_group: Optional[dist.ProcessGroup] = None,
@@ -216,8 +222,10 @@ def sum_over_layout(sums: torch.Tensor, tp_group=None, dp_shard_group=None, pp_g
 
 
 def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:
-    """True for a torch Adam/AdamW whose every group is fused: its step divides each gradient
-    by `optimizer.grad_scale` as it reads it (the hook torch's GradScaler uses)."""
+    """True for a torch Adam/AdamW whose every group is fused, and for `CompiledAdamW`: its step
+    divides each gradient by `optimizer.grad_scale` as it reads it (the hook torch's GradScaler uses)."""
+    if isinstance(optimizer, CompiledAdamW):
+        return True
     return (isinstance(optimizer, torch.optim.Adam)
             and all(group.get("fused") for group in optimizer.param_groups))
 
