@@ -1,12 +1,12 @@
 """CompiledAdamW (--compile-optimizer-step) is torch's AdamW: the same weights and moments after
 steps with a changing learning rate, weight decay groups and the clip's folded scale, the same
-state_dict keys, and the flag reaches the training loop."""
+state_dict keys, and the flag reaches the training loop (under ZeRO-1 too)."""
 
 import pytest
 import torch
 
 from megatron.core.optimizer.compiled_adamw import CompiledAdamW, adamw_update
-from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, folds_gradient_scale
+from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer, folds_gradient_scale, local_optimizers
 from tests.unit_tests.test_training import make_trainer
 
 
@@ -56,7 +56,7 @@ def test_the_flag_builds_it_and_folds_the_clip_scale(runtime):
     model = torch.nn.Linear(4, 4)
     optimizer = build_optimizer(model, OptimizerConfig(compiled_step=True))
     assert isinstance(optimizer, CompiledAdamW) and folds_gradient_scale(optimizer)
-    trainer = make_trainer(runtime, "--compile-optimizer-step", "--train-iters", "2")
-    assert isinstance(trainer.optimizer, CompiledAdamW)
+    trainer = make_trainer(runtime, "--compile-optimizer-step", "--use-distributed-optimizer", "--train-iters", "2")
+    assert [type(part) for part in local_optimizers(trainer.optimizer)] == [CompiledAdamW]  # ZeRO-1's own
     trainer.train()
     assert len(trainer.history) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in trainer.history)
