@@ -131,7 +131,7 @@ class Scorer:
                 yield _Row(index, sequence[:-1], scored, sequence[1:], 1.0)
                 continue
             # The shift mode's slot i reads the logits at i - 1 (_run moves them), so targets stay in place.
-            _, masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
+            masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
             for pattern, copies in self._distinct(masked):
                 scored = torch.cat([torch.zeros(prompt, dtype=torch.bool), pattern])
                 noisy = sequence.masked_fill(scored, self.mask_token_id)
@@ -143,29 +143,23 @@ class Scorer:
                 yield _Row(index, noisy, scored, sequence, weight, unconditional)
 
     def _distinct(self, masked: torch.Tensor) -> List[Tuple[torch.Tensor, int]]:
-        """(mask, copies) of each distinct draw, in draw order. Equal masks give equal rows and
-        equal losses, so a mask drawn k times runs once with k times its weight: the estimate is
-        unchanged. A short continuation has few masks (2^A - 1): with A = 1 all mc_num copies are one
-        row. `dedupe=False` runs every copy (LLaDA's way), to measure this."""
+        """(mask, copies) of each distinct draw. Equal masks give equal rows and equal losses, so a
+        mask drawn k times runs once with k times its weight: the estimate is unchanged. A short
+        continuation has few masks (2^A - 1): with A = 1 all mc_num copies are one row.
+        `dedupe=False` runs every copy (LLaDA's way), to measure this."""
         if not self.dedupe:
             return [(pattern, 1) for pattern in masked]
-        copies: dict = {}
-        for pattern in masked:
-            key = bytes(pattern.numpy())
-            if key in copies:
-                copies[key][1] += 1
-            else:
-                copies[key] = [pattern, 1]
-        return [(pattern, count) for pattern, count in copies.values()]
+        patterns, copies = torch.unique(masked, dim=0, return_counts=True)
+        return list(zip(patterns, copies.tolist()))
 
-    def _draws(self, length: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(masked counts l_i [M], masked slots [M, A]): likelihood.py's draws for one batch of M = mc_num."""
+    def _draws(self, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Masked slots [M, A] (row i masks l_i of the A slots): likelihood.py's draws for one batch of M = mc_num."""
         batch = self.mc_num
         offset = torch.randint(1, length + 1, (), generator=generator).item()
         counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
         counts = ((counts - 1) % length) + 1
         ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
-        return counts, ranks < counts[:, None]
+        return ranks < counts[:, None]
 
     def _run(self, rows: List[_Row], totals: torch.Tensor, greedy: torch.Tensor) -> None:
         """One forward over `rows` (left-padded to the longest); adds each row's score to its pair.

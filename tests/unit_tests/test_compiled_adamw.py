@@ -2,6 +2,8 @@
 steps with a changing learning rate, weight decay groups and the clip's folded scale, the same
 state_dict keys, and the flag reaches the training loop (under ZeRO-1 too)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -50,6 +52,27 @@ def test_steps_equal_torch_adamw_with_a_changing_lr_and_a_folded_scale(compiled)
         assert float(optimizer.state[b]["step"]) == float(expected.state[a]["step"]) == 4
     assert optimizer.state_dict()["state"].keys() == expected.state_dict()["state"].keys()
     assert set(optimizer.state_dict()["state"][0]) == set(expected.state_dict()["state"][0])
+
+
+def test_state_saved_by_torch_adamw_loads_and_continues_as_torch_would():
+    """A checkpoint's optimizer state written by torch's AdamW (step on the host) loads into
+    CompiledAdamW, and the next step equals torch's own continuation."""
+    reference, ours = _twins(1)
+    first = torch.optim.AdamW(_groups(reference), lr=1e-2, foreach=False)
+    reference(torch.randn(4, 6)).square().sum().backward()
+    first.step()
+    ours.load_state_dict(reference.state_dict())
+    optimizer = CompiledAdamW(_groups(ours), lr=1e-2)
+    optimizer._update = adamw_update
+    optimizer.load_state_dict(copy.deepcopy(first.state_dict()))  # as from a file: no shared tensors
+    batch = torch.randn(4, 6)
+    for model, step in ((reference, first), (ours, optimizer)):
+        model.zero_grad()
+        model(batch).square().sum().backward()
+        step.step()
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        assert float(optimizer.state[b]["step"]) == 2
 
 
 def test_the_flag_builds_it_and_folds_the_clip_scale(runtime):

@@ -138,7 +138,7 @@ def distinct_tokens(items: list, args) -> float:
     for context, options in items:
         for continuation in options:
             generator = torch.Generator().manual_seed(pair_seed(args.seed, context))
-            _, masked = scorer._draws(len(continuation), generator)
+            masked = scorer._draws(len(continuation), generator)
             width = len(context) + len(continuation)
             kept, total = kept + width * len(scorer._distinct(masked)), total + width * args.mc_num
     return kept / total

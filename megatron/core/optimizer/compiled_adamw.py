@@ -44,7 +44,8 @@ class CompiledAdamW(torch.optim.AdamW):
     """torch.optim.AdamW with a compiled step; see the module docstring."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 **_ignored) -> None:
+                 fused: Optional[bool] = None) -> None:
+        del fused  # the keyword torch's AdamW takes (`optimizer._adamw` passes it): this step replaces that kernel
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self._update = torch.compile(adamw_update, fullgraph=True)
 
