@@ -179,14 +179,28 @@ def build_records(pkg: PackageFiles, max_year: int, min_year: int, max_chars: in
 
 
 def write_jsonl_gz(records: List[dict], output: str) -> bytes:
-    """Write records as JSONL, gzip'd deterministically (mtime 0, no file name). Returns the JSONL."""
+    """Write records as JSONL, gzip'd deterministically (mtime 0, no file name). Returns the JSONL.
+
+    Atomic: the bytes go to a temporary file in the same folder, which is renamed onto `output`
+    only once complete, so a failed or killed run never leaves a half-written file nor loses an
+    earlier `output` (a SIGKILLed one may leave `output.tmp-<pid>` behind, safe to delete).
+    """
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=9, mtime=0) as gz:
         gz.write(data)
-    with open(output, "wb") as f:
-        f.write(buf.getvalue())
+    temporary = f"{output}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(buf.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, output)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     return data
 
 

