@@ -14,7 +14,9 @@ the run with --strict. Light on purpose: no torch, no distributed stack, no trai
 
 Outputs are written under temporary names and renamed into place only when the whole run
 succeeded, so a failed or killed run leaves an earlier pair byte-for-byte as it was (a
-SIGKILLed run may leave `*.tmp-<pid>*` files behind, safe to delete). Bad
+SIGKILLed run may leave `*.tmp-<pid>*` files behind, safe to delete). A kill between the
+renames too: `megatron/core/datasets/pair_publish.py` keeps the earlier pair as hard links that
+readers use until the token .idx, the last rename, is in place. Bad
 input, a dead worker or a full disk end the run with one line `error: ...` and a non-zero
 exit (2 for a bad flag, as argparse does; 1 otherwise), never a traceback or a hang.
 """
@@ -42,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.datasets.indexed_dataset import (ANSWER_DTYPE, IndexedDatasetBuilder,  # noqa: E402
                                                     get_answer_prefix, get_bin_path, get_idx_path, optimal_dtype)
+from megatron.core.datasets.pair_publish import fsync_path, publish_pairs  # noqa: E402
 from megatron.core.errors import InputError  # noqa: E402
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer, chat_template  # noqa: E402
 
@@ -440,15 +443,6 @@ def _remove_files(paths) -> None:
             os.remove(path)
 
 
-def _fsync(path: str) -> None:
-    """Flush a file (or a directory's entries) to disk, so a rename never exposes empty data."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def staged_outputs(args: argparse.Namespace):
     """Yields each key's temporary (.bin, .idx); renamed onto the real names only on success.
@@ -462,21 +456,16 @@ def staged_outputs(args: argparse.Namespace):
         yield temps
         for pair in temps.values():
             for path in pair:
-                _fsync(path)
+                fsync_path(path)
     except BaseException:
         _remove_files(path for pair in temps.values() for path in pair)
         raise
-    # Every pair is complete before the first rename; all .bin before the .idx, since readers open
-    # the .idx first and check it against the .bin's size; the answer .idx before the tokens' one,
-    # so a reader that finds the new token pair finds its answer pair complete.
-    order = sorted(finals, key=lambda key: key != ANSWER_KEY)
-    if not args.chat:  # an answer pair left by an earlier --chat run would be read as this pair's
-        stale = [get_answer_prefix(prefix) for prefix in output_prefixes(args).values()]
-        _remove_files(path for prefix in stale for path in (get_bin_path(prefix), get_idx_path(prefix)))
-    for position in (0, 1):
-        for key in order:
-            os.replace(temps[key][position], finals[key][position])
-    _fsync(os.path.dirname(os.path.abspath(args.output_prefix)))
+    # Every pair is complete before the first rename. pair_publish keeps each corpus's earlier pair
+    # readable until its token .idx is renamed (the commit), its answer pair with it; an answer pair
+    # left by an earlier --chat run goes when this run writes none (it would be read as this pair's).
+    for key, prefix in output_prefixes(args).items():
+        if key != ANSWER_KEY:
+            publish_pairs({prefix: temps[key], get_answer_prefix(prefix): temps.get(ANSWER_KEY, (None, None))})
 
 
 def _tokenize_into(args: argparse.Namespace, paths: Dict[str, Tuple[str, str]]) -> Dict[str, int]:

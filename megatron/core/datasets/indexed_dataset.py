@@ -21,6 +21,7 @@ from array import array
 
 import numpy as np
 
+from megatron.core.datasets.pair_publish import readable_pair
 from megatron.core.errors import InputError
 
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
@@ -166,9 +167,16 @@ def _check_bin_size(bin_path: str, data_bytes: int, itemsize: int) -> None:
                          f"{size - data_bytes}, not a multiple of the {itemsize}-byte item size")
 
 
+def _readable(path_prefix: str) -> tuple[str, str]:
+    """(idx path, bin path) to read: the earlier pair while a publish of its corpus is uncommitted
+    (pair_publish.py; an answer pair follows its token pair)."""
+    token_prefix = path_prefix[:-len(ANSWER_SUFFIX)] if path_prefix.endswith(ANSWER_SUFFIX) else path_prefix
+    return readable_pair(path_prefix, token_prefix)
+
+
 def _require_pair(path_prefix: str) -> tuple[str, str]:
     """(idx path, bin path), or FileNotFoundError naming the half that is missing."""
-    idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    idx_path, bin_path = _readable(path_prefix)
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: file not found (an indexed dataset needs both "
@@ -294,7 +302,7 @@ class IndexedDataset:
     @staticmethod
     def exists(path_prefix: str) -> bool:
         """Both halves present; lets callers give a clear error before trying to load."""
-        return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(get_bin_path(path_prefix))
+        return all(os.path.isfile(path) for path in _readable(path_prefix))
 
 
 def _checked_tokens(tokens, dtype: np.dtype) -> np.ndarray:
