@@ -33,6 +33,26 @@ def test_two_instances_of_four_replicas_match_one_process_and_hold_half_the_stat
             assert abs(sum(instance) - whole) <= 0.02 * whole, (name, state, whole)
 
 
+def test_the_compiled_optimizer_step_as_zero1_local_optimizer_matches_one_process(tmp_path):
+    """--compile-optimizer-step under ZeRO-1 over 2 replicas: each rank updates its shard with the
+    compiled step, the clip's scale folded into it, and the losses and norms of 4 iterations (so
+    every update) are one process's, which are the uncompiled step's; half the state a rank."""
+    dp2 = TINY_GQA + ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
+                      "--compile-optimizer-step"]
+    single, uncompiled = run_many(1, [dp2, dp2[:-1]], tmp_path, "single")
+    zero1 = run(2, dp2 + ZERO1, tmp_path, "zero1")
+    for result in (uncompiled, zero1):
+        assert result["losses"] == pytest.approx(single["losses"], rel=1e-5)
+        assert result["norms"] == pytest.approx(single["norms"], rel=1e-5)
+    # Folded, the gradients stay as the backward left them: summed over one process's 2 micro-batches,
+    # averaged over the 2 replicas. Every tensor the same up to that factor of 2.
+    for name, grad in single["named"].items():
+        torch.testing.assert_close(zero1["named"][name] * 2, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(),
+                                   msg=name)
+    whole = single["optimizer_state"][0]
+    assert all(0.35 < per_rank / whole < 0.65 for per_rank in zero1["optimizer_state"]), zero1["optimizer_state"]
+
+
 def _resume_worker(rank: int, world: int, port: int, argvs: list, root: str, out: str) -> None:
     """Per configuration: 3 iterations saving at 2, then iteration 2 loaded and trained to 3."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

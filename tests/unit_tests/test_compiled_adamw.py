@@ -81,5 +81,6 @@ def test_the_flag_builds_it_and_folds_the_clip_scale(runtime):
     assert isinstance(optimizer, CompiledAdamW) and folds_gradient_scale(optimizer)
     trainer = make_trainer(runtime, "--compile-optimizer-step", "--use-distributed-optimizer", "--train-iters", "2")
     assert [type(part) for part in local_optimizers(trainer.optimizer)] == [CompiledAdamW]  # ZeRO-1's own
+    assert folds_gradient_scale(trainer.optimizer)  # the clip's scale reaches ZeRO-1's local step
     trainer.train()
     assert len(trainer.history) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in trainer.history)

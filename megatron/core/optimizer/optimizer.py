@@ -221,24 +221,31 @@ def sum_over_layout(sums: torch.Tensor, tp_group=None, dp_shard_group=None, pp_g
     return sums.sum()
 
 
-def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:
-    """True for a torch Adam/AdamW whose every group is fused, and for `CompiledAdamW`: its step
-    divides each gradient by `optimizer.grad_scale` as it reads it (the hook torch's GradScaler uses)."""
+def _folds(optimizer: torch.optim.Optimizer) -> bool:
     if isinstance(optimizer, CompiledAdamW):
         return True
     return (isinstance(optimizer, torch.optim.Adam)
             and all(group.get("fused") for group in optimizer.param_groups))
 
 
+def folds_gradient_scale(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    """True when every local optimizer (the optimizer itself, ZeRO-1's local one, a chain's parts)
+    is a torch Adam/AdamW whose every group is fused, or a `CompiledAdamW`: each step divides each
+    gradient by its `grad_scale` as it reads it (the hook torch's GradScaler uses)."""
+    return optimizer is not None and all(_folds(part) for part in local_optimizers(optimizer))
+
+
 def scale_gradients(grads: List[torch.Tensor], multiplier: torch.Tensor,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """grads *= multiplier (0-d) before the next step: one multi-tensor multiply, or, for a fused
     AdamW, inside its step, which saves a read and a write of every gradient (about 3 ms a step
-    for a 1.7B model on an H200). The gradients themselves then stay unscaled."""
+    for a 1.7B model on an H200; under ZeRO-1 each rank's step reads only its shard). The
+    gradients themselves then stay unscaled."""
     if folds_gradient_scale(optimizer):
-        previous = getattr(optimizer, "grad_scale", None)
         divisor = 1.0 / multiplier.float()
-        optimizer.grad_scale = divisor if previous is None else previous * divisor
+        for part in local_optimizers(optimizer):
+            previous = getattr(part, "grad_scale", None)
+            part.grad_scale = divisor if previous is None else previous * divisor
         return
     if grads:
         torch._foreach_mul_(grads, multiplier.to(grads[0].dtype))
@@ -246,7 +253,8 @@ def scale_gradients(grads: List[torch.Tensor], multiplier: torch.Tensor,
 
 def forget_gradient_scale(optimizer: torch.optim.Optimizer) -> None:
     """Drop a scale `scale_gradients` left for the step: call after the step, or instead of a skipped one."""
-    optimizer.__dict__.pop("grad_scale", None)
+    for part in {id(part): part for part in [optimizer, *local_optimizers(optimizer)]}.values():
+        part.__dict__.pop("grad_scale", None)
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
