@@ -12,7 +12,7 @@ run_pretrain \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}" \
     --train-iters "${TRAIN_ITERS:-500000}" \
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" \
-    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --model-running-mode vanilla \
     --difflm-masked-only-loss --difflm-compile-loss --torch-compile \
     --eval-interval 2000 --eval-iters 10

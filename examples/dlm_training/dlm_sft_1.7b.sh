@@ -23,7 +23,7 @@ run_pretrain \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}" \
     --train-iters "${TRAIN_ITERS:-5000}" \
     --lr 2.5e-5 --min-lr 2.5e-6 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-50}" \
-    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
+    --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --sft --sft-padding eos --sft-normalizer llada \
     --difflm-masked-only-loss --difflm-compile-loss --torch-compile \
