@@ -69,3 +69,26 @@ def test_scale_without_a_fused_optimizer_multiplies_the_gradients_once():
     clip_grad_norm(params, 0.0, scale=torch.tensor(0.25), optimizer=optimizer)
     for a, b in zip(params, reference):
         torch.testing.assert_close(a.grad, 0.25 * b.grad)
+
+
+def test_a_chain_of_compiled_steps_takes_the_scale_in_every_part():
+    """ZeRO-1 with MoE chains two optimizers: the clip's scale goes to each part's step (and is
+    dropped from each after it), which then equals multiplying first and stepping torch's AdamW."""
+    from megatron.core.optimizer.compiled_adamw import CompiledAdamW
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    scale, results = torch.tensor(1 / 37.0), []
+    for folded in (True, False):
+        params = parameters_with_grads(seed=5, scale=5.0)
+        kind = CompiledAdamW if folded else torch.optim.AdamW
+        chain = ChainedOptimizer([kind(params[:2], lr=0.1, eps=0.1), kind(params[2:], lr=0.1, eps=0.1)])
+        assert folds_gradient_scale(chain) == folded
+        before = [p.grad.clone() for p in params]
+        clip_grad_norm(params, 0.05, scale=scale, optimizer=chain)
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, before)) == folded
+        chain.step()
+        forget_gradient_scale(chain)
+        assert not any(hasattr(part, "grad_scale") for part in chain.parts)
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
