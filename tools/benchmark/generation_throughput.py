@@ -143,8 +143,6 @@ def checkpoint_bench(args: argparse.Namespace, device: torch.device) -> Bench:
         model, metadata = load_inference_model(args.load, device, args.attention_backend)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if model.running_mode == "vanilla":  # an AR model decodes autoregressively: its one variant
-        args.variants = ["ar"]
     tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt == "text" else None
     return _bench_of(model.eval(), f"checkpoint {os.path.abspath(metadata['source'])}", tokenizer)
 
@@ -453,6 +451,8 @@ def setup(args: argparse.Namespace, device: torch.device) -> Bench:
     try:
         validate(args)
         bench = checkpoint_bench(args, device) if args.load else random_bench(args, device)
+        if bench.model.running_mode == "vanilla":  # an AR model decodes autoregressively: its one variant
+            args.variants = ["ar"]
         if args.prompt_length + args.gen_length > bench.max_positions:
             raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
                              f"model's max positions {bench.max_positions}; shorten them")

