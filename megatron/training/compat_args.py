@@ -55,8 +55,6 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--no-masked-softmax-fusion", _FUSION),
     NoEffect("--no-rope-fusion", _FUSION),
     NoEffect("--no-persist-layer-norm", _FUSION),
-    NoEffect("--no-gradient-accumulation-fusion", "gradients accumulate in the fp32 parameters' .grad here; "
-             "there is no separate fused main-grad buffer"),
     NoEffect("--attention-softmax-in-fp32", "always so: the math backend computes the softmax in fp32, SDPA and "
              "FlexAttention accumulate it in fp32"),
     NoEffect("--apply-query-key-layer-scaling", "it guards fp16 overflow in Megatron's unfused softmax, which is "

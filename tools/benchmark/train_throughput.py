@@ -138,11 +138,13 @@ MODELS: Dict[str, ModelSpec] = {
 
 # ---------------------------------------------------------------------- configuration
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
-                       recompute: str = "none", grouped_gemm: Optional[bool] = True) -> TransformerConfig:
+                       recompute: str = "none", grouped_gemm: Optional[bool] = True,
+                       gradient_accumulation_fusion: bool = True) -> TransformerConfig:
     """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
     batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
     `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
-    --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config)."""
+    --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config).
+    `gradient_accumulation_fusion`: weight gradients written in fp32 by their GEMM (the default)."""
     full = recompute == "full"
     moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
     return TransformerConfig(
@@ -154,7 +156,7 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
         layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
         activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
         params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
-        check_token_ids=False, moe=moe)
+        check_token_ids=False, moe=moe, gradient_accumulation_fusion=gradient_accumulation_fusion)
 
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
@@ -197,7 +199,8 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 # ---------------------------------------------------------------------- our step
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
-    config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm)
+    config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
+                                args.gradient_accumulation_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
@@ -376,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", default="auto", help=f"One of {', '.join(ATTENTION_BACKENDS)}.")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                         help="Our activation recompute: selective (core attention) or full (every layer).")
+    parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                        action="store_false", help="Our weight gradients in bf16 then cast (plain autocast), "
+                                                   "not written in fp32 by their GEMM.")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
@@ -468,6 +474,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.compile_loss, " compiled-loss"),
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
+                      (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
                       (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
                       (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.fp32_weight_grad import linear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -81,8 +82,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
                  init_seed: int = 0, params_dtype: torch.dtype = torch.float32,
-                 output_view: Optional[Tuple[int, ...]] = None, split_dim: int = 0) -> None:
+                 output_view: Optional[Tuple[int, ...]] = None, split_dim: int = 0,
+                 fp32_weight_grad: bool = True) -> None:
         super().__init__()
+        self.fp32_weight_grad = fp32_weight_grad
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -132,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        output = nn.functional.linear(x, self.weight, self.bias)
+        output = linear(x, self.weight, self.bias, self.fp32_weight_grad)
         if self.gather_output:
             output = self._to_global_order(gather_from_tensor_model_parallel_region(output, self.tp_group))
         return output
@@ -165,8 +168,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,
-                 init_seed: int = 0, params_dtype: torch.dtype = torch.float32) -> None:
+                 init_seed: int = 0, params_dtype: torch.dtype = torch.float32, fp32_weight_grad: bool = True) -> None:
         super().__init__()
+        self.fp32_weight_grad = fp32_weight_grad
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True: "
                              "the input must already be split on the hidden dim")
@@ -189,7 +193,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = nn.functional.linear(x, self.weight)
+        partial = linear(x, self.weight, None, self.fp32_weight_grad)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -60,7 +60,8 @@ class SelfAttention(MegatronModule):
         self.split_kv_rows = self.num_groups % self.tp_size != 0
         self._build_projections(config)
         out_kwargs = dict(tp_group=self.tp_group, bias=config.add_bias_linear,
-                          sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype)
+                          sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                          fp32_weight_grad=config.gradient_accumulation_fusion)
         self.linear_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
                                              init_std=output_init_std(config),
                                              init_seed=parameter_seed(layer_number, "linear_proj"), **out_kwargs)
@@ -85,7 +86,8 @@ class SelfAttention(MegatronModule):
         groups, per_group, dim, hidden = self.num_groups, self.heads_per_group, self.head_dim, config.hidden_size
         kwargs = dict(tp_group=self.tp_group, bias=config.add_bias_linear or config.add_qkv_bias,
                       sequence_parallel=config.sequence_parallel, init_std=config.init_method_std,
-                      init_seed=parameter_seed(self.layer_number, "linear_qkv"), params_dtype=config.params_dtype)
+                      init_seed=parameter_seed(self.layer_number, "linear_qkv"), params_dtype=config.params_dtype,
+                      fp32_weight_grad=config.gradient_accumulation_fusion)
         if not self.split_kv_rows:
             self.local_groups = groups // self.tp_size
             self.linear_qkv = ColumnParallelLinear(hidden, groups * (per_group + 2) * dim,

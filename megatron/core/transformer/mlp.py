@@ -23,7 +23,7 @@ class MLP(MegatronModule):
         self.gated = config.gated_linear_unit
         ffn = config.ffn_hidden_size
         common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype)
+                      params_dtype=config.params_dtype, fp32_weight_grad=config.gradient_accumulation_fusion)
         # fc1's output is [gate; up]: each rank holds [gate slice; up slice] (split on dim 1 of (2, ffn)).
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, ffn * (2 if self.gated else 1), init_std=config.init_method_std,

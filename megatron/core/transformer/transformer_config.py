@@ -140,6 +140,9 @@ class TransformerConfig:
     """Compute in bfloat16 (autocast) with fp32 parameters."""
     fp16: bool = False
     """Compute in float16 (autocast) with fp32 parameters."""
+    gradient_accumulation_fusion: bool = True
+    """Under bf16/fp16, the linear layers' weight-gradient GEMMs write the fp32 gradient themselves
+    (on CUDA; tensor_parallel/fp32_weight_grad.py) instead of the compute dtype and a cast."""
 
     recompute_granularity: Optional[str] = None
     """None, 'selective' (recompute core attention only) or 'full' (whole layers)."""

@@ -95,7 +95,7 @@ class GPTModel(MegatronModule):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
                 init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
-                params_dtype=config.params_dtype)
+                params_dtype=config.params_dtype, fp32_weight_grad=config.gradient_accumulation_fusion)
         if post_process:
             # Parameter-free: the weight stays above (or in the embedding), so checkpoint keys are Megatron's.
             self.head = OutputLayer(config, self.dlm_config, self.tp_group)
