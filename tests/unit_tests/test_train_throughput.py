@@ -206,6 +206,22 @@ def test_compile_seam_compiles_every_layer_in_place():
     assert list(model.state_dict()) == names
 
 
+def test_compile_mode_and_gradient_fusion_flags_reach_our_model(monkeypatch):
+    """--torch-compile-mode is torch.compile's mode for every layer; --no-gradient-accumulation-fusion
+    reaches the config (its linear layers then take plain autocast's path)."""
+    modes = []
+    monkeypatch.setattr(tt, "compile_transformer_layers", lambda model, **options: modes.append(options) or 0)
+    args = tt.build_parser().parse_args([*TINY, "--torch-compile", "--torch-compile-mode", "reduce-overhead",
+                                         "--no-gradient-accumulation-fusion"])
+    tt.validate(args)
+    model, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
+    assert modes == [{"mode": "reduce-overhead"}] and not model.config.gradient_accumulation_fusion
+    assert not model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+    args = tt.build_parser().parse_args([*TINY, "--torch-compile"])
+    model, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
+    assert modes[-1] == {} and model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+
+
 def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
     result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path)])
     row = result["rows"][0]
@@ -255,6 +271,8 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "tiny", "--steps", "0"], "--steps 0 must be at least 1"),
     (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
     (["--model", "tiny", "--compile-loss"], "--compile-loss needs --masked-only-loss"),
+    (["--model", "tiny", "--torch-compile-mode", "max-autotune"],
+     "--torch-compile-mode max-autotune needs --torch-compile"),
     (["--model", "tiny", "--num-layers", "0"], "--num-layers 0 must be at least 1"),
     (["--model", "tiny", "--mode", "ar", "--block-diffusion", "16"], "--block-diffusion needs --mode dlm"),
     (["--model", "tiny", "--block-diffusion", "48"], "--block-diffusion 48 must be a positive divisor of"),

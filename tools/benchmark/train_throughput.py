@@ -137,6 +137,9 @@ MODELS: Dict[str, ModelSpec] = {
 
 
 # ---------------------------------------------------------------------- configuration
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
                        recompute: str = "none", grouped_gemm: Optional[bool] = True,
                        gradient_accumulation_fusion: bool = True) -> TransformerConfig:
@@ -197,6 +200,11 @@ def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_lengt
 
 
 # ---------------------------------------------------------------------- our step
+def _compile_mode(args: argparse.Namespace) -> dict:
+    """torch.compile's mode for the layers: none (its default), or the one --torch-compile-mode names."""
+    return {} if args.torch_compile_mode == "default" else {"mode": args.torch_compile_mode}
+
+
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
@@ -207,7 +215,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
         model = GPTModel(config, dlm)
     model = model.to(device).train()
     info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8 else 0,
-            "compiled_layers": compile_transformer_layers(model) if args.torch_compile else 0,
+            "compiled_layers": compile_transformer_layers(model, **_compile_mode(args)) if args.torch_compile else 0,
             "masked_only_loss": args.masked_only_loss}
     if spec.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
         info.update(moe_grouped_gemm=args.moe_grouped_gemm,
@@ -362,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="With --fp8: gradient element type.")
     parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
+    parser.add_argument("--torch-compile-mode", default="default", choices=COMPILE_MODES,
+                        help="With --torch-compile: torch.compile's mode for the layers (max-autotune-no-cudagraphs "
+                             "tunes Triton GEMMs against cuBLAS: minutes of compile; reduce-overhead: CUDA graphs).")
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
                         help="Our output layer and cross-entropy only at the loss positions, in chunks "
                              "(DLMConfig.masked_only_loss).")
@@ -405,6 +416,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"of {args.model}; pass a shorter --seq-length")
     if args.compile_loss and not args.masked_only_loss:
         raise UsageError("--compile-loss needs --masked-only-loss")
+    if args.torch_compile_mode != "default" and not args.torch_compile:
+        raise UsageError(f"--torch-compile-mode {args.torch_compile_mode} needs --torch-compile")
     block_error = _block_diffusion_error(args)
     if block_error:
         raise UsageError(block_error)
@@ -471,6 +484,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         for grouped in grouped_variants:
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
             levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
+                      (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
@@ -485,7 +499,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
-                   "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
+                   "torch_compile": args.torch_compile, "torch_compile_mode": args.torch_compile_mode,
+                   "masked_only_loss": args.masked_only_loss,
                    "compile_loss": args.compile_loss, "compile_optimizer_step": args.compile_optimizer_step,
                    "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
