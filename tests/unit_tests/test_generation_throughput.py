@@ -179,6 +179,9 @@ def test_judge_perplexity_is_the_exact_causal_likelihood(tmp_path):
     (["--model", "tiny"], "--prompt-length + --gen-length = 384 exceeds the model's max positions 256"),
     ([*TINY, "--prompt", "text", "--prompt-file", "missing.jsonl"], "--prompt-file missing.jsonl: no such file"),
     ([*TINY, "--threshold", ","], "--threshold needs at least one value"),
+    ([*TINY, "--prompt", "chat", "--prompt-file", "examples/data/sotu_1790_1928.jsonl.gz"],
+     "line 1: neither 'messages' nor 'prompt'"),
+    ([*TINY, "--prompt", "chat", "--batch-sizes", "1000"], "prompts share a token length"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -186,3 +189,68 @@ def test_bad_flags_give_one_clear_error(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+CHAT = ["--model", "tiny", "--gen-length", "16", "--block-length", "8", "--prompt", "chat", "--repeats", "1",
+        "--warmup", "0"]
+
+
+def test_chat_prompts_share_one_length_and_their_answers_are_the_references():
+    """The bundled chat sample through the training encoder: one prompt length a batch, answers ending at EOS."""
+    import generation_tasks as tasks
+    from megatron.training.tokenizer import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(gt.BUNDLED_TOKENIZER)
+    examples = tasks.chat_examples(tokenizer, gt.BUNDLED_CHAT)
+    prompts, answers = tasks.equal_length_batch(examples, 2, gt.BUNDLED_CHAT)
+    lengths = [len(prompt) for prompt, _ in examples]
+    assert prompts.shape == (2, max(set(lengths), key=lambda n: (lengths.count(n), -n)))
+    assert all(answer[-1] == tokenizer.eod for answer in answers)
+    assert [p.tolist() + a for p, a in zip(prompts, answers)] == [p + a for p, a in examples
+                                                                   if len(p) == prompts.shape[1]][:2]
+    with pytest.raises(tasks.TaskError, match="at most .* prompts share a token length"):
+        tasks.equal_length_batch(examples, len(examples) + 1, gt.BUNDLED_CHAT)
+
+
+def test_answer_figures_cut_each_row_at_its_first_eos():
+    import generation_tasks as tasks
+
+    eos = 2
+    generated = torch.tensor([[5, 6, 2, 2], [5, 7, 2, 9], [5, 6, 7, 8]])
+    figures = tasks.answer_figures(generated, [[5, 6, 2, 4], [5, 6, 2], [5, 6, 7, 8]], eos)
+    assert figures["answers"] == [[5, 6, 2], [5, 7, 2], [5, 6, 7, 8]]
+    assert figures["eos_rate"] == pytest.approx(2 / 3) and figures["exact_match"] == pytest.approx(2 / 3)
+    assert figures["answer_tokens"] == pytest.approx(10 / 3)
+    assert [row.tolist() for row in tasks.first_eos_cut(generated, eos)] == [[5, 6, 2], [5, 7, 2], [5, 6, 7, 8]]
+
+
+def test_chat_rows_stop_at_eos_in_every_variant(monkeypatch):
+    """A model that always prefers EOS: every variant stops each row after its first token, so the
+    answers are one EOS long and fewer forwards run than the canvas has tokens."""
+    made = gt.random_bench
+
+    def eos_loving(args, device):
+        bench = made(args, device)
+        forward = bench.model.inference_forward
+
+        def prefers_eos(*inputs):
+            logits = forward(*inputs).clone()
+            logits[..., bench.tokenizer.eod] = logits.amax(-1) + 20
+            return logits
+        bench.model.inference_forward = prefers_eos
+        return bench
+
+    monkeypatch.setattr(gt, "random_bench", eos_loving)
+    result = gt.main([*CHAT, "--batch-sizes", "2", "--variants", "dual+threshold,ar", "--threshold", "0.9"])
+    for row in result["rows"]:
+        assert row["eos_rate"] == 1.0 and row["answer_tokens"] == 1.0 and row["exact_match"] == 0.0, row["label"]
+        assert row["forward_calls"] < 16 and row["answer_tokens_per_sec"] > 0
+    assert result["config"]["prompt_file"] == "examples/data/chat_sample.jsonl"
+    assert result["quality"]["heldout"]["tokens"] > 2
+
+
+def test_chat_without_a_forced_eos_runs_the_whole_canvas():
+    result = gt.main([*CHAT, "--batch-sizes", "1", "--variants", "baseline"])
+    row = result["rows"][0]
+    assert row["forward_calls"] == 16 or row["eos_rate"] == 1.0
+    assert 1 <= row["answer_tokens"] <= 16 and result["config"]["prompt"] == "chat"

@@ -50,17 +50,22 @@ def load_judge(path: str, device: torch.device, vocab_size: int, attention_backe
     return Judge(model.eval(), metadata["source"])
 
 
+def _tokens(rows) -> int:
+    return sum(row.numel() for row in rows)
+
+
 def _causal_pattern(model: GPTModel) -> dict:
     return dict(attention_mask_type="causal", sliding_window=model.config.sliding_window)
 
 
 def judge_perplexity(judge: Judge, prompts: torch.Tensor, continuations: torch.Tensor) -> float:
-    """exp(mean NLL per continuation token) of [B, G] continuations given [B, P] prompts, under the judge."""
+    """exp(mean NLL per continuation token) of [B, G] continuations (or B rows of their own lengths)
+    given [B, P] prompts, under the judge."""
     total = 0.0
     for prompt, continuation in zip(prompts, continuations):
         total -= log_likelihood(judge.model.inference_forward, prompt, continuation, running_mode="vanilla",
                                 **_causal_pattern(judge.model))
-    return math.exp(total / continuations.numel())
+    return math.exp(total / _tokens(continuations))
 
 
 def heldout_log_likelihood(model: GPTModel, pattern: dict, mask_token_id: int, prompts: torch.Tensor,
@@ -74,6 +79,6 @@ def heldout_log_likelihood(model: GPTModel, pattern: dict, mask_token_id: int, p
     for prompt, continuation in zip(prompts, continuations):
         total += log_likelihood(model.inference_forward, prompt, continuation, running_mode=mode,
                                 generator=generator, **options)
-    per_token = total / continuations.numel()
+    per_token = total / _tokens(continuations)
     return {"kind": "exact log-likelihood" if mode == "vanilla" else f"Monte Carlo ELBO ({mc_num} copies a row)",
-            "nats_per_token": per_token, "perplexity_bound": math.exp(-per_token), "tokens": continuations.numel()}
+            "nats_per_token": per_token, "perplexity_bound": math.exp(-per_token), "tokens": _tokens(continuations)}

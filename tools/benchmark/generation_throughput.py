@@ -2,13 +2,14 @@
 
     python tools/benchmark/generation_throughput.py --model qwen3-1.7b --batch-sizes 1,8 \
         [--gen-length 256 --block-length 32 --steps 256 --threshold 0.5,0.7,0.9] [--prompt-length 128] \
-        [--prompt random|text [--prompt-file JSONL]] [--load CKPT [--tokenizer-model FILE]] [--variants ...] \
+        [--prompt random|text|chat [--prompt-file JSONL]] [--load CKPT [--tokenizer-model FILE]] [--variants ...] \
         [--judge AR_CKPT] [--json OUT]
 
 The model is our `GPTModel` (random init of the named shape, or `--load` a checkpoint of ours,
 whose metadata gives the shape), bf16 weights on CUDA, fp32 on CPU, driven through
 `megatron.core.inference.generation.generate` with `GPTModel.inference_forward`, greedy
-(temperature 0) and without an EOS stop, so every variant generates all `--gen-length` tokens.
+(temperature 0) and, except with `--prompt chat`, without an EOS stop, so every variant generates
+all `--gen-length` tokens.
 Variants (a) baseline: no cache, no threshold, `--steps` steps (default one token per step,
 LLaDA's default); (b) dual cache + threshold; (c) prefix cache + threshold; and the cache or the
 threshold alone; and `ar`, the reference a DLM is weighed against: the same network decoding
@@ -31,6 +32,13 @@ Quality (generation_quality.py), with `--prompt text`: the prompts are slices of
 are their real continuations. The header gives the model's held-out log-likelihood of those
 (ELBO for a DLM); `--judge AR_CKPT` adds each row's judge perplexity of the generated text and of
 the real continuation, the figure a variant's speed-up is weighed against.
+
+With `--prompt chat` the prompts are SFT records (generation_tasks.py; tools/build_verse_task.py
+writes a held-out set) and every variant stops each row at its first committed EOS, as an answer
+ends: the regime of Fast-dLLM's figures. The rows add the answers' tokens per second (up to each
+row's first EOS; tokens/s still counts the whole canvas), their mean length, the fraction that
+stop at EOS and the fraction equal to the reference answer; the judge scores each answer up to
+its EOS, and the held-out likelihood is that of the reference answers.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import generation_quality as quality  # noqa: E402
+import generation_tasks as tasks  # noqa: E402
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
 from megatron.core.inference import generation  # noqa: E402
@@ -64,6 +73,8 @@ from megatron.training.checkpointing import load_inference_model  # noqa: E402
 
 BUNDLED_TOKENIZER = os.path.join(ROOT, "examples", "data", "tokenizer", "spm_8k.model")
 BUNDLED_TEXT = os.path.join(ROOT, "examples", "data", "sotu_1790_1928.jsonl.gz")
+BUNDLED_CHAT = os.path.join(ROOT, "examples", "data", "chat_sample.jsonl")
+WITH_TOKENIZER = ("text", "chat")
 UsageError = shapes.UsageError
 
 
@@ -101,6 +112,10 @@ class Bench:
     graphs: Optional[CUDAGraphRunner] = None
     """With --cuda-graphs: the model_fn, replaying graphs over `model.inference_forward`."""
     judge: Optional[quality.Judge] = None
+    eos: Optional[int] = None
+    """With --prompt chat: the tokenizer's EOS; every variant stops a row there (generate's eos_token_id)."""
+    task: Optional[Tuple[torch.Tensor, List[List[int]]]] = None
+    """With --prompt chat: the largest batch's prompts and their reference answers (generation_tasks.py)."""
 
 
 # ---------------------------------------------------------------------- the model
@@ -123,7 +138,7 @@ def random_bench(args: argparse.Namespace, device: torch.device) -> Bench:
     """The named shape at random init; the tiny model takes the bundled tokenizer's vocabulary for text prompts."""
     spec = shapes.MODELS[args.model]
     tokenizer = None
-    if args.prompt == "text":
+    if args.prompt in WITH_TOKENIZER:
         tokenizer = _build_tokenizer("SentencePieceTokenizer", BUNDLED_TOKENIZER)
         spec = dataclasses.replace(spec, vocab_size=tokenizer.vocab_size)
     mask = tokenizer.mask if tokenizer is not None and tokenizer.mask is not None else spec.vocab_size - 1
@@ -143,7 +158,7 @@ def checkpoint_bench(args: argparse.Namespace, device: torch.device) -> Bench:
         model, metadata = load_inference_model(args.load, device, args.attention_backend)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt == "text" else None
+    tokenizer = _checkpoint_tokenizer(metadata.get("tokenizer") or {}, args) if args.prompt in WITH_TOKENIZER else None
     return _bench_of(model.eval(), f"checkpoint {os.path.abspath(metadata['source'])}", tokenizer)
 
 
@@ -160,9 +175,10 @@ def _checkpoint_tokenizer(identity: dict, args: argparse.Namespace):
     try:
         tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=args.tokenizer_model)
     except (TokenizerExportError, OSError, ValueError) as error:
-        raise UsageError(f"--prompt text: {error}") from None
+        raise UsageError(f"--prompt {args.prompt}: {error}") from None
     if tokenizer is None:
-        raise UsageError("--prompt text: the checkpoint was trained with a NullTokenizer; use --prompt random")
+        raise UsageError(f"--prompt {args.prompt}: the checkpoint was trained with a NullTokenizer; "
+                         "use --prompt random")
     return tokenizer
 
 
@@ -181,8 +197,12 @@ def text_tokens(tokenizer, count: int, path: str = BUNDLED_TEXT) -> List[int]:
 def prompt_batch(bench: Bench, args: argparse.Namespace, batch_size: int,
                  device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """([batch, prompt_length] prompts, their real continuations [batch, gen_length] or None): seeded
-    random ids (never the mask id; no continuation), or consecutive slices of real text."""
+    random ids (never the mask id; no continuation), consecutive slices of real text, or chat prompts
+    and their reference answers (a list of id lists)."""
     length = args.prompt_length
+    if args.prompt == "chat":
+        prompts, answers = bench.task
+        return prompts[:batch_size].to(device), [torch.tensor(answer, device=device) for answer in answers[:batch_size]]
     if args.prompt == "text":
         row = length + args.gen_length
         flat = torch.tensor(text_tokens(bench.tokenizer, batch_size * row, args.prompt_file))
@@ -222,11 +242,11 @@ def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, threshold
         return (bench.graphs or bench.model.inference_forward)(ids, positions, mask, cache, start)
 
     if variant.autoregressive:  # the same network decoding causally: the cost of an AR model of this shape
-        options = dict(running_mode="vanilla", attention_mask_type="causal", use_cache=True)
+        options = dict(running_mode="vanilla", attention_mask_type="causal", use_cache=True, eos_token_id=bench.eos)
     else:
         options = dict(bench.pattern, running_mode=bench.model.running_mode, mask_token_id=bench.mask_token_id,
                        block_length=args.block_length, steps=args.steps, cache=variant.cache,
-                       threshold=threshold)
+                       threshold=threshold, eos_token_id=bench.eos)
 
     def once() -> torch.Tensor:
         return generation.generate(model_fn, prompts, gen_length=args.gen_length, temperature=0.0, **options)
@@ -284,20 +304,32 @@ def measure(bench: Bench, args: argparse.Namespace, device: torch.device) -> Lis
         baseline = None
         for name, threshold in variant_plan(args):
             run = run_variant(bench, prompts, VARIANTS[name], threshold, args, device)
-            generated = run.pop("output")[:, args.prompt_length:]
+            generated = run.pop("output")[:, prompts.shape[1]:]
             if baseline is None:
                 baseline = dict(run, generated=generated, variant=name)
             row = _row(batch_size, name, threshold, run, generated, baseline, args.gen_length)
+            if bench.eos is not None:
+                _add_answer_figures(row, generated, continuations, bench.eos)
             if bench.tokenizer is not None:  # what the first sequence says, for the reader of the JSON
-                row["first_sequence_text"] = bench.tokenizer.detokenize(generated[0].tolist())
+                first = tasks.first_eos_cut(generated[:1], bench.eos)[0]
+                row["first_sequence_text"] = bench.tokenizer.detokenize(first.tolist())
             if bench.judge is not None:
-                row["judge_perplexity"] = quality.judge_perplexity(bench.judge, prompts, generated)
+                row["judge_perplexity"] = quality.judge_perplexity(bench.judge, prompts,
+                                                                   tasks.first_eos_cut(generated, bench.eos))
                 baseline.setdefault("judge_perplexity", row["judge_perplexity"])
                 row["judge_perplexity_vs_baseline"] = row["judge_perplexity"] / baseline["judge_perplexity"]
             rows.append(row)  # progress: long runs show each row as it completes
             print(f"batch {batch_size} {row['label']}: {row['tokens_per_sec']:.1f} tokens/s, "
                   f"{row['seconds_per_batch']:.3f} s, {row['forward_calls']} forwards", flush=True)
     return rows
+
+
+def _add_answer_figures(row: dict, generated: torch.Tensor, references: List[List[int]], eos: int) -> None:
+    """Chat rows: EOS rate, exact match and answer length, and the answers' tokens per second (up to
+    each row's first EOS: the text a user reads, whatever the canvas length)."""
+    figures = tasks.answer_figures(generated, references, eos)
+    del figures["answers"]
+    row.update(figures, answer_tokens_per_sec=figures["answer_tokens"] * row["batch_size"] / row["seconds_per_batch"])
 
 
 # ---------------------------------------------------------------------- report
@@ -307,16 +339,19 @@ def print_table(result: dict) -> None:
     print(f"weights: {result['weights']}")
     print(f"prompt {config['prompt']} x {config['prompt_length']} tokens, gen_length {config['gen_length']}, "
           f"block_length {config['block_length']}, steps {config['steps']}, threshold {config['threshold']}, "
-          f"greedy, no EOS stop; median of {config['repeats']} calls after {config['warmup']} warm-up")
+          f"greedy, {'each row stops at EOS' if config['prompt'] == 'chat' else 'no EOS stop'}; median of "
+          f"{config['repeats']} calls after {config['warmup']} warm-up")
     graphs = result.get("cuda_graphs")
     print(f"compiled layers: {'yes' if config['torch_compile'] else 'no'}; CUDA graphs: "
           + (f"{graphs['captured']} captured, {graphs['replays']} forwards replayed\n" if graphs else "no\n"))
     print_quality(result.get("quality"))
-    judged = "judge_perplexity" in result["rows"][0]
+    judged, chat = "judge_perplexity" in result["rows"][0], "eos_rate" in result["rows"][0]
     print("| batch | variant | tokens/s | s / batch | forwards | model tokens | gen tokens / forward "
           "| speed-up vs (a) | tokens ≠ (a) | sequences = (a) | peak GiB |"
-          + (" judge ppl | ppl / (a) |" if judged else ""))
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if judged else ""))
+          + (" judge ppl | ppl / (a) |" if judged else "") + (" answer tokens/s | answer tokens | EOS | exact |"
+                                                              if chat else ""))
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if judged else "")
+          + ("---:|---:|---:|---:|" if chat else ""))
     for row in result["rows"]:
         peak = "-" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f}"
         differ, same = row["token_diff_fraction_vs_baseline"], row["identical_sequence_fraction_vs_baseline"]
@@ -324,7 +359,9 @@ def print_table(result: dict) -> None:
         print(f"| {row['batch_size']} | {row['label']} | {row['tokens_per_sec']:.1f} | {row['seconds_per_batch']:.3f} "
               f"| {row['forward_calls']} | {row['model_tokens']:,} | {row['generated_tokens_per_forward']:.2f} "
               f"| {row['speedup_vs_baseline']:.2f}x | {'-' if differ is None else f'{100 * differ:.1f}%'} "
-              f"| {'-' if same is None else f'{100 * same:.0f}%'} | {peak} |" + judge)
+              f"| {'-' if same is None else f'{100 * same:.0f}%'} | {peak} |" + judge + (
+                  f" {row['answer_tokens_per_sec']:.1f} | {row['answer_tokens']:.1f} | {100 * row['eos_rate']:.0f}% "
+                  f"| {100 * row['exact_match']:.0f}% |" if chat else ""))
     if not all(row["repeats_identical"] for row in result["rows"]):
         print("note: some variant gave different outputs on identical calls (nondeterministic kernels)")
 
@@ -344,7 +381,7 @@ def print_quality(figures: Optional[dict]) -> None:
 def quality_reference(bench: Bench, args: argparse.Namespace, device: torch.device) -> Optional[dict]:
     """With text prompts: the held-out likelihood of the real continuations (largest batch's prompts),
     and the judge's perplexity of them."""
-    if args.prompt != "text":
+    if args.prompt not in WITH_TOKENIZER:
         return None
     prompts, continuations = prompt_batch(bench, args, max(args.batch_sizes), device)
     figures = {"heldout": quality.heldout_log_likelihood(bench.model, bench.pattern, bench.mask_token_id, prompts,
@@ -381,12 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threshold", type=_float_list, default=[0.9],
                         help="Confidence threshold(s) of the threshold variants, comma-separated: one row each.")
     parser.add_argument("--prompt-length", type=int, default=128)
-    parser.add_argument("--prompt", choices=["random", "text"], default="random",
-                        help="Seeded random ids, or the bundled speeches (bundled tokenizer for the tiny model, "
-                             "the checkpoint's with --load).")
-    parser.add_argument("--prompt-file", default=BUNDLED_TEXT,
+    parser.add_argument("--prompt", choices=["random", "text", "chat"], default="random",
+                        help="Seeded random ids, the bundled speeches, or chat records whose answers end at EOS "
+                             "(bundled tokenizer for the tiny model, the checkpoint's with --load).")
+    parser.add_argument("--prompt-file",
                         help="With --prompt text: a JSONL(.gz) whose \"text\" fields give the prompts and their "
-                             "real continuations (default: the bundled speeches).")
+                             "real continuations (default: the bundled speeches). With --prompt chat: SFT records "
+                             "(prompt/response or messages; default examples/data/chat_sample.jsonl), prompts of "
+                             "one token length (generation_tasks.py).")
+    parser.add_argument("--chat-template", default="auto",
+                        help="With --prompt chat: as tools/preprocess_data.py's (auto: the tokenizer's, else builtin).")
     parser.add_argument("--judge", help="An AR (vanilla) checkpoint of ours, same tokenizer: each row's perplexity "
                         "of the generated text under it (generation_quality.py).")
     parser.add_argument("--heldout-mc-num", type=int, default=32,
@@ -412,8 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> None:
     if args.load is None and args.model not in shapes.MODELS:
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(shapes.MODELS)}")
-    if args.prompt == "text" and args.load is None and args.model != "tiny":
-        raise UsageError("--prompt text needs a tokenizer of the model's vocabulary: use --model tiny "
+    if args.prompt_file is None:
+        args.prompt_file = BUNDLED_CHAT if args.prompt == "chat" else BUNDLED_TEXT
+    if args.prompt in WITH_TOKENIZER and args.load is None and args.model != "tiny":
+        raise UsageError(f"--prompt {args.prompt} needs a tokenizer of the model's vocabulary: use --model tiny "
                          "(bundled tokenizer) or --load a checkpoint; else --prompt random")
     unknown = [name for name in args.variants if name not in VARIANTS]
     if unknown:
@@ -434,7 +477,7 @@ def validate(args: argparse.Namespace) -> None:
     args.steps = args.steps or args.gen_length
     if not args.threshold:
         raise UsageError("--threshold needs at least one value")
-    if args.prompt == "text" and not os.path.isfile(args.prompt_file):
+    if args.prompt in WITH_TOKENIZER and not os.path.isfile(args.prompt_file):
         raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
     if args.heldout_mc_num < 1:
         raise UsageError(f"--heldout-mc-num {args.heldout_mc_num} must be at least 1")
@@ -453,12 +496,17 @@ def setup(args: argparse.Namespace, device: torch.device) -> Bench:
         bench = checkpoint_bench(args, device) if args.load else random_bench(args, device)
         if bench.model.running_mode == "vanilla":  # an AR model decodes autoregressively: its one variant
             args.variants = ["ar"]
+        if args.prompt == "chat":
+            bench.eos = bench.tokenizer.eod
+            examples = tasks.chat_examples(bench.tokenizer, args.prompt_file, args.chat_template)
+            bench.task = tasks.equal_length_batch(examples, max(args.batch_sizes), args.prompt_file)
+            args.prompt_length = bench.task[0].shape[1]
         if args.prompt_length + args.gen_length > bench.max_positions:
             raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
                              f"model's max positions {bench.max_positions}; shorten them")
         if args.judge:
             bench.judge = quality.load_judge(args.judge, device, bench.model.config.vocab_size, args.attention_backend)
-    except (UsageError, quality.QualityError) as error:
+    except (UsageError, quality.QualityError, tasks.TaskError) as error:
         print(f"generation_throughput.py: error: {error}", file=sys.stderr)
         sys.exit(2)
     if args.torch_compile:
@@ -495,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "quality": quality_reference(bench, args, device),
         "rows": measure(bench, args, device),
     }
-    if args.prompt == "text":
+    if args.prompt in WITH_TOKENIZER:
         result["config"]["prompt_file"] = os.path.relpath(os.path.abspath(args.prompt_file), ROOT)
     if bench.graphs is not None:
         result["cuda_graphs"] = {"captured": len(bench.graphs.graphs), "replays": bench.graphs.replays}
