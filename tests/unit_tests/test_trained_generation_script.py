@@ -54,3 +54,27 @@ def test_a_failed_training_run_keeps_the_earlier_model(tmp_path):
     (tmp_path / "work" / "ar" / "earlier").touch()
     code, _ = _stage(tmp_path, "train", fail_on="ar.new")
     assert code != 0 and (tmp_path / "work" / "ar" / "earlier").exists()
+
+
+def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_eos(tmp_path):
+    code, calls = _stage(tmp_path, "sft")
+    work = str(tmp_path / "work")
+    assert code == 0 and [c[0] for c in calls[:2]] == ["tools/preprocess_data.py"] * 2
+    assert all("--chat" in c for c in calls[:2])
+    assert [_flag(c, "--input") for c in calls[:2]] == [f"{work}/verses_{s}.jsonl.gz" for s in ("train", "valid")]
+    runs = calls[2:]
+    assert [(_flag(c, "--load"), _flag(c, "--save"), _flag(c, "--model-running-mode")) for c in runs] == [
+        (f"{work}/ar", f"{work}/ar_sft.new", "vanilla"), (f"{work}/dlm", f"{work}/dlm_sft.new", "difflm-shift")]
+    for run in runs:
+        assert "--sft" in run and _flag(run, "--sft-padding") == "eos" and _flag(run, "--seq-length") == "384"
+        assert _flag(run, "--train-data-path") == f"{work}/data/verses_train_text_document"
+        assert _flag(run, "--train-iters") == "1000"
+    assert _flag(runs[1], "--sft-normalizer") == "llada" and "--sft-normalizer" not in runs[0]
+    assert all(os.path.exists(f"{work}/{name}/written") for name in ("ar_sft", "dlm_sft"))
+    code, calls = _stage(tmp_path, "measure_chat")
+    measured = calls[-2:]
+    assert code == 0 and [_flag(c, "--load") for c in measured] == [f"{work}/dlm_sft", f"{work}/ar_sft"]
+    for call in measured:
+        assert _flag(call, "--prompt") == "chat" and _flag(call, "--judge") == f"{work}/ar_sft"
+        assert _flag(call, "--prompt-file") == f"{work}/verses_valid.jsonl.gz"
+    assert [_flag(c, "--json").rsplit("/", 1)[1] for c in measured] == ["dlm_chat.json", "ar_chat.json"]
