@@ -246,7 +246,12 @@ def test_chat_rows_stop_at_eos_in_every_variant(monkeypatch):
         assert row["eos_rate"] == 1.0 and row["answer_tokens"] == 1.0 and row["exact_match"] == 0.0, row["label"]
         assert row["forward_calls"] < 16 and row["answer_tokens_per_sec"] > 0
     assert result["config"]["prompt_file"] == "examples/data/chat_sample.jsonl"
-    assert result["quality"]["heldout"]["tokens"] > 2
+    assert result["quality"]["heldout"]["tokens"] > 2 and result["config"]["eos_stop"]
+    # --no-eos-stop: the whole canvas, as LLaDA decodes it: one token a step for (a), one block a step
+    # for the threshold (every EOS is confident), the same one-EOS answers.
+    full = gt.main([*CHAT, "--batch-sizes", "2", "--variants", "threshold", "--threshold", "0.9", "--no-eos-stop"])
+    assert [row["forward_calls"] for row in full["rows"]] == [16, 2] and not full["config"]["eos_stop"]
+    assert all(row["answer_tokens"] == 1.0 and row["eos_rate"] == 1.0 for row in full["rows"])
 
 
 def test_chat_without_a_forced_eos_runs_the_whole_canvas():

@@ -72,7 +72,9 @@ def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_e
     assert _flag(runs[1], "--sft-normalizer") == "llada" and "--sft-normalizer" not in runs[0]
     assert all(os.path.exists(f"{work}/{name}/written") for name in ("ar_sft", "dlm_sft"))
     code, calls = _stage(tmp_path, "measure_chat")
-    measured = calls[-2:]
+    measured, full = calls[-3:-1], calls[-1]
+    assert "--no-eos-stop" in full and _flag(full, "--load") == f"{work}/dlm_sft"
+    assert _flag(full, "--json").endswith("/dlm_chat_full.json") and "--no-eos-stop" not in measured[0]
     assert code == 0 and [_flag(c, "--load") for c in measured] == [f"{work}/dlm_sft", f"{work}/ar_sft"]
     for call in measured:
         assert _flag(call, "--prompt") == "chat" and _flag(call, "--judge") == f"{work}/ar_sft"

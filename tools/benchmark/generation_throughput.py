@@ -35,10 +35,12 @@ the real continuation, the figure a variant's speed-up is weighed against.
 
 With `--prompt chat` the prompts are SFT records (generation_tasks.py; tools/build_verse_task.py
 writes a held-out set) and every variant stops each row at its first committed EOS, as an answer
-ends: the regime of Fast-dLLM's figures. The rows add the answers' tokens per second (up to each
-row's first EOS; tokens/s still counts the whole canvas), their mean length, the fraction that
-stop at EOS and the fraction equal to the reference answer; the judge scores each answer up to
-its EOS, and the held-out likelihood is that of the reference answers.
+ends (`--no-eos-stop`: every variant decodes the whole canvas, LLaDA's and Fast-dLLM's protocol,
+where the tail of EOS is what threshold decoding commits in parallel). The rows add the answers'
+tokens per second (up to each row's first EOS; tokens/s still counts the whole canvas), their
+mean length, the fraction that stop at EOS and the fraction equal to the reference answer; the
+judge scores each answer up to its EOS, and the held-out likelihood is that of the reference
+answers.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ class Bench:
     """With --cuda-graphs: the model_fn, replaying graphs over `model.inference_forward`."""
     judge: Optional[quality.Judge] = None
     eos: Optional[int] = None
-    """With --prompt chat: the tokenizer's EOS; every variant stops a row there (generate's eos_token_id)."""
+    """With --prompt chat: the tokenizer's EOS, where each answer ends."""
+    stop_at_eos: bool = False
+    """--eos-stop: every variant stops a row at its first EOS (generate's eos_token_id)."""
     task: Optional[Tuple[torch.Tensor, List[List[int]]]] = None
     """With --prompt chat: the largest batch's prompts and their reference answers (generation_tasks.py)."""
 
@@ -242,11 +246,13 @@ def run_variant(bench: Bench, prompts: torch.Tensor, variant: Variant, threshold
         return (bench.graphs or bench.model.inference_forward)(ids, positions, mask, cache, start)
 
     if variant.autoregressive:  # the same network decoding causally: the cost of an AR model of this shape
-        options = dict(running_mode="vanilla", attention_mask_type="causal", use_cache=True, eos_token_id=bench.eos)
+        options = dict(running_mode="vanilla", attention_mask_type="causal", use_cache=True)
     else:
         options = dict(bench.pattern, running_mode=bench.model.running_mode, mask_token_id=bench.mask_token_id,
                        block_length=args.block_length, steps=args.steps, cache=variant.cache,
-                       threshold=threshold, eos_token_id=bench.eos)
+                       threshold=threshold)
+    if bench.stop_at_eos:
+        options["eos_token_id"] = bench.eos
 
     def once() -> torch.Tensor:
         return generation.generate(model_fn, prompts, gen_length=args.gen_length, temperature=0.0, **options)
@@ -339,7 +345,7 @@ def print_table(result: dict) -> None:
     print(f"weights: {result['weights']}")
     print(f"prompt {config['prompt']} x {config['prompt_length']} tokens, gen_length {config['gen_length']}, "
           f"block_length {config['block_length']}, steps {config['steps']}, threshold {config['threshold']}, "
-          f"greedy, {'each row stops at EOS' if config['prompt'] == 'chat' else 'no EOS stop'}; median of "
+          f"greedy, {'each row stops at EOS' if config.get('eos_stop') else 'no EOS stop'}; median of "
           f"{config['repeats']} calls after {config['warmup']} warm-up")
     graphs = result.get("cuda_graphs")
     print(f"compiled layers: {'yes' if config['torch_compile'] else 'no'}; CUDA graphs: "
@@ -426,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "real continuations (default: the bundled speeches). With --prompt chat: SFT records "
                              "(prompt/response or messages; default examples/data/chat_sample.jsonl), prompts of "
                              "one token length (generation_tasks.py).")
+    parser.add_argument("--eos-stop", action=argparse.BooleanOptionalAction, default=True,
+                        help="With --prompt chat: stop each row at its first EOS (default), or, with --no-eos-stop, "
+                             "decode the whole canvas as LLaDA and Fast-dLLM do (the answers still end at EOS).")
     parser.add_argument("--chat-template", default="auto",
                         help="With --prompt chat: as tools/preprocess_data.py's (auto: the tokenizer's, else builtin).")
     parser.add_argument("--judge", help="An AR (vanilla) checkpoint of ours, same tokenizer: each row's perplexity "
@@ -498,6 +507,7 @@ def setup(args: argparse.Namespace, device: torch.device) -> Bench:
             args.variants = ["ar"]
         if args.prompt == "chat":
             bench.eos = bench.tokenizer.eod
+            bench.stop_at_eos = args.eos_stop
             examples = tasks.chat_examples(bench.tokenizer, args.prompt_file, args.chat_template)
             bench.task = tasks.equal_length_batch(examples, max(args.batch_sizes), args.prompt_file)
             args.prompt_length = bench.task[0].shape[1]
@@ -539,7 +549,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "config": {name: getattr(args, name) for name in ("batch_sizes", "gen_length", "block_length", "steps",
                                                           "threshold", "prompt", "prompt_length", "variants",
                                                           "warmup", "repeats", "seed", "attention_backend",
-                                                          "torch_compile", "cuda_graphs", "judge")},
+                                                          "torch_compile", "cuda_graphs", "judge")}
+        | ({"eos_stop": args.eos_stop} if args.prompt == "chat" else {}),
         "quality": quality_reference(bench, args, device),
         "rows": measure(bench, args, device),
     }

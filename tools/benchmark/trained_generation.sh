@@ -140,8 +140,17 @@ measure() {
     measure_pair "$WORK/dlm" "$WORK/ar" "" --prompt text --prompt-file "${CORPUS}_valid.jsonl.gz"
 }
 
+# Each row stops at EOS; then the DLM once more over the whole canvas (--no-eos-stop, LLaDA's and
+# Fast-dLLM's protocol: the EOS tail is what threshold decoding commits in parallel).
 measure_chat() {
-    measure_pair "$WORK/dlm_sft" "$WORK/ar_sft" _chat --prompt chat --prompt-file "${TASK}_valid.jsonl.gz"
+    local task=(--prompt chat --prompt-file "${TASK}_valid.jsonl.gz")
+    measure_pair "$WORK/dlm_sft" "$WORK/ar_sft" _chat "${task[@]}"
+    # shellcheck disable=SC2086
+    "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/dlm_sft" --tokenizer-model "$WORK/hf" "${task[@]}" \
+        --no-eos-stop --batch-sizes "${BATCH_SIZES:-1,8}" --gen-length "${GEN_LENGTH:-256}" \
+        --block-length "${BLOCK_LENGTH:-32}" --judge "$WORK/ar_sft" --threshold "${THRESHOLDS:-0.5,0.7,0.8,0.9,0.95}" \
+        --variants baseline,dual,prefix,threshold,dual+threshold,prefix+threshold \
+        --json "$RESULTS/dlm_chat_full.json" ${MEASURE_ARGS:-}
 }
 
 case "${1:-}" in
