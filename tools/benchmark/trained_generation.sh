@@ -32,7 +32,8 @@
 # DLM_EXTRA_ITERS (1200: the DLM's second fine-tuning), EVAL_INTERVAL, SEQ_LENGTH (1024),
 # MICRO_BATCH_SIZE (32), GLOBAL_BATCH_SIZE (32), LR (1e-4); BATCH_SIZES (1,8),
 # GEN_LENGTH (256), BLOCK_LENGTH (32), THRESHOLDS (0.5,0.7,0.8,0.9,0.95), MEASURE_ARGS (appended,
-# e.g. "--cuda-graphs"); SFT_ITERS (1000), SFT_SEQ_LENGTH (384). The mask token is id 16 (<empty_output>), a special token text never yields.
+# e.g. "--cuda-graphs"); SFT_ITERS (1000), SFT_SEQ_LENGTH (384), SFT_FROM_AR / SFT_FROM_DLM (where
+# `sft` starts: default the `train` outputs $WORK/ar and $WORK/dlm; $WORK/init_* skips `train`). The mask token is id 16 (<empty_output>), a special token text never yields.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -115,8 +116,10 @@ sft() {
             --chat --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --workers 8
     done
     local recipe=(--sft --sft-padding eos)
-    finetune ar "$WORK/ar" "$WORK/ar_sft" "${SFT_ITERS:-1000}" verses_ "${SFT_SEQ_LENGTH:-384}" "${recipe[@]}"
-    finetune dlm "$WORK/dlm" "$WORK/dlm_sft" "${SFT_ITERS:-1000}" verses_ "${SFT_SEQ_LENGTH:-384}" "${recipe[@]}" \
+    finetune ar "${SFT_FROM_AR:-$WORK/ar}" "$WORK/ar_sft" "${SFT_ITERS:-1000}" verses_ "${SFT_SEQ_LENGTH:-384}" \
+        "${recipe[@]}"
+    finetune dlm "${SFT_FROM_DLM:-$WORK/dlm}" "$WORK/dlm_sft" "${SFT_ITERS:-1000}" verses_ "${SFT_SEQ_LENGTH:-384}" \
+        "${recipe[@]}" \
         --sft-normalizer llada
 }
 
