@@ -28,12 +28,14 @@
 #
 # Environment: WORK (default /tmp/trained_generation) holds everything; GGUF (default
 # $WORK/SmolLM2-135M-Instruct.Q4_1.gguf); CORPUS (default $WORK/corpus: the *_train/_valid.jsonl.gz
-# prefix); TASK (default $WORK/verses: build_verse_task.py's prefix); RESULTS (default $WORK/results: the JSON and logs of `measure`); TRAIN_ITERS (600),
+# prefix); TASK (default $WORK/verses: build_verse_task.py's prefix); RESULTS (default
+# $WORK/results: the JSON and logs of `measure`); TRAIN_ITERS (600),
 # DLM_EXTRA_ITERS (1200: the DLM's second fine-tuning), EVAL_INTERVAL, SEQ_LENGTH (1024),
 # MICRO_BATCH_SIZE (32), GLOBAL_BATCH_SIZE (32), LR (1e-4); BATCH_SIZES (1,8),
 # GEN_LENGTH (256), BLOCK_LENGTH (32), THRESHOLDS (0.5,0.7,0.8,0.9,0.95), MEASURE_ARGS (appended,
 # e.g. "--cuda-graphs"); SFT_ITERS (1000), SFT_SEQ_LENGTH (384), SFT_FROM_AR / SFT_FROM_DLM (where
-# `sft` starts: default the `train` outputs $WORK/ar and $WORK/dlm; $WORK/init_* skips `train`). The mask token is id 16 (<empty_output>), a special token text never yields.
+# `sft` starts: default the `train` outputs $WORK/ar and $WORK/dlm; $WORK/init_* skips `train`).
+# The mask token is id 16 (<empty_output>), a special token text never yields.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
