@@ -61,28 +61,6 @@ def _task_manager(tasks: List[str], include_path: Optional[str]):
     return manager
 
 
-def _output_types(tasks) -> Dict[str, str]:
-    """{task name: output type} of lm-eval's (possibly nested, for groups) task dict."""
-    types = {}
-    for key, value in tasks.items():
-        if isinstance(value, dict):
-            types.update(_output_types(value))
-        elif value is not None:
-            types[getattr(value, "task_name", None) or str(key)] = value.OUTPUT_TYPE
-    return types
-
-
-def _check_generation_only(tasks: List[str], manager) -> None:
-    """A block-diffusion model generates but is not scored yet (scoring.py): a log-likelihood task would
-    stop the run at its first evaluation, so it is refused at start-up."""
-    from lm_eval.tasks import get_task_dict
-
-    scored = [name for name, kind in _output_types(get_task_dict(tasks, manager)).items() if kind != "generate_until"]
-    if scored:
-        raise InputError(f"--lm-eval-tasks: {', '.join(sorted(scored))} scores log-likelihoods, which a "
-                         "block-diffusion model does not support yet; keep its generation tasks")
-
-
 def _live_backend(model: nn.Module, tokenizer):
     """The adapter's Backend over the model being trained (the DDP wrapper removed)."""
     from megatron.evaluation.lm_eval_adapter import Backend
@@ -133,8 +111,6 @@ class InLoopEvaluation:
 
         self.config, self.logger = config, logger
         self.task_manager = _task_manager(list(config.lm_eval_tasks), config.lm_eval_include_path)
-        if unwrap(model).dlm_config.block_diffusion:
-            _check_generation_only(list(config.lm_eval_tasks), self.task_manager)
         options = simple_parse_args_string(config.lm_eval_model_args or "")
         try:
             self.lm = MegaDLMsLM(backend=_live_backend(model, tokenizer), device=str(device), **options)

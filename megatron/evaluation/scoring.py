@@ -16,6 +16,9 @@ into fixed-size batches instead. The estimate is the same:
   batches of ``batch_size`` rows (each row doubled under classifier-free guidance ``cfg``).
   A mask drawn several times for one pair runs once, weighted by its count: the same estimate
   with fewer rows (a one-token continuation is one row, not ``mc_num``).
+  Block-diffusion models (BD3-LM) take likelihood.py's block-wise ELBO: each model block's part
+  of the continuation gets its own ``mc_num`` draws (in block order, from the pair's generator),
+  its rows masking that part only with every earlier block clean.
   ``is_greedy`` is always False: deciding it needs the argmax decoding of the continuation
   (one forward per token, LLaDA's slow ``is_check_greedy``), and a masked model's one-shot
   argmax under a fully masked continuation is not the same question.
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.inference.generation import ModelFn, _build_layout, guided, resolve_options
-from megatron.core.inference.likelihood import BLOCK_DIFFUSION_SCORING
+from megatron.core.inference.likelihood import answer_spans, draw_masks
 
 __all__ = ["Scorer", "pair_seed"]
 
@@ -86,15 +89,13 @@ class Scorer:
         self.batch_size, self.mc_num, self.cfg = batch_size, mc_num, cfg
         self.dedupe = dedupe  # equal masked copies of a pair run once (`_distinct`)
         self.select = select  # model_fn takes select= (GPTModel.inference_forward, the export's dlm_forward)
-        # A block-diffusion model generates (lm-eval's generate_until) but is not scored yet: `score` says so.
-        self.block_diffusion = (pattern or {}).get("attention_mask_type") == "block_diffusion"
         self.opts = resolve_options(running_mode, gen_length=1, **(pattern or {}))
+        self.block = self.opts.attention_block_size if self.opts.attention_mask_type == "block_diffusion" else None
+        """Block diffusion: the model's block size; each block's part of a continuation is masked alone."""
 
     @torch.no_grad()
     def score(self, pairs: Sequence[Pair], seeds: Sequence[int]) -> List[Tuple[float, bool]]:
         """(log-likelihood in nats, is_greedy) of each continuation given its context."""
-        if self.block_diffusion:
-            raise ValueError(BLOCK_DIFFUSION_SCORING)
         for context, continuation in pairs:
             if not continuation:
                 raise ValueError("a continuation is empty: there is nothing to score")
@@ -131,16 +132,24 @@ class Scorer:
                 yield _Row(index, sequence[:-1], scored, sequence[1:], 1.0)
                 continue
             # The shift mode's slot i reads the logits at i - 1 (_run moves them), so targets stay in place.
-            masked = self._draws(length, torch.Generator().manual_seed(int(seeds[index])))
-            for pattern, copies in self._distinct(masked):
-                scored = torch.cat([torch.zeros(prompt, dtype=torch.bool), pattern])
-                noisy = sequence.masked_fill(scored, self.mask_token_id)
-                unconditional = None
-                if self.cfg > 0:
-                    unconditional = noisy.clone()
-                    unconditional[:prompt] = self.mask_token_id
-                weight = copies * length / int(pattern.sum())
-                yield _Row(index, noisy, scored, sequence, weight, unconditional)
+            generator = torch.Generator().manual_seed(int(seeds[index]))
+            for start, end in answer_spans(prompt, prompt + length, self.block):
+                masked = draw_masks(end - start, self.mc_num, generator)[1]
+                for pattern, copies in self._distinct(masked):
+                    yield self._masked_row(index, sequence, prompt, start, pattern, copies)
+
+    def _masked_row(self, index: int, sequence: torch.Tensor, prompt: int, start: int, pattern: torch.Tensor,
+                    copies: int) -> _Row:
+        """The row masking `pattern` from slot `start` on (every other slot clean), weighted by its
+        copies times the span's length over its masked count."""
+        scored = torch.zeros(sequence.numel(), dtype=torch.bool)
+        scored[start:start + pattern.numel()] = pattern
+        noisy = sequence.masked_fill(scored, self.mask_token_id)
+        unconditional = None
+        if self.cfg > 0:
+            unconditional = noisy.clone()
+            unconditional[:prompt] = self.mask_token_id
+        return _Row(index, noisy, scored, sequence, copies * pattern.numel() / int(pattern.sum()), unconditional)
 
     def _distinct(self, masked: torch.Tensor) -> List[Tuple[torch.Tensor, int]]:
         """(mask, copies) of each distinct draw. Equal masks give equal rows and equal losses, so a
@@ -151,15 +160,6 @@ class Scorer:
             return [(pattern, 1) for pattern in masked]
         patterns, copies = torch.unique(masked, dim=0, return_counts=True)
         return list(zip(patterns, copies.tolist()))
-
-    def _draws(self, length: int, generator: torch.Generator) -> torch.Tensor:
-        """Masked slots [M, A] (row i masks l_i of the A slots): likelihood.py's draws for one batch of M = mc_num."""
-        batch = self.mc_num
-        offset = torch.randint(1, length + 1, (), generator=generator).item()
-        counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
-        counts = ((counts - 1) % length) + 1
-        ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
-        return ranks < counts[:, None]
 
     def _run(self, rows: List[_Row], totals: torch.Tensor, greedy: torch.Tensor) -> None:
         """One forward over `rows` (left-padded to the longest); adds each row's score to its pair.

@@ -71,11 +71,6 @@ def test_block_length_other_than_the_models_blocks_is_refused():
         build().generate(torch.stack(prompts([4])), gen_length=8, block_length=8)
 
 
-def test_scoring_a_block_diffusion_model_is_one_clear_error():
-    with pytest.raises(ValueError, match="block-diffusion checkpoint needs its"):
-        build().log_likelihood(torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
-
-
 def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_path):
     pytest.importorskip("transformers")
     from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
@@ -101,6 +96,11 @@ def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_p
     plain = model.inference_forward(batch, positions.expand(2, 12), blocks)[..., :HF_VOCAB]
     torch.testing.assert_close(ours_logits, theirs_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(ours_logits, plain, rtol=0, atol=1e-5)
+    # Scoring (test_likelihood.py checks the block-wise ELBO itself): the export's equals ours.
+    context, answer = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8, 9])
+    scores = [m.log_likelihood(context, answer, mc_num=8, batch_size=8, generator=torch.Generator().manual_seed(4))
+              for m in (model, hf)]
+    assert scores[0] == pytest.approx(scores[1], abs=1e-4)
     assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                                 "--no-progress"]) == 0
     _, back = checkpoint_io.configs_from_metadata(checkpoint_io.inference_metadata(str(tmp_path / "back")))

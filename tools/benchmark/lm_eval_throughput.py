@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
+from megatron.core.inference.likelihood import draw_masks  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
@@ -138,7 +139,7 @@ def distinct_tokens(items: list, args) -> float:
     for context, options in items:
         for continuation in options:
             generator = torch.Generator().manual_seed(pair_seed(args.seed, context))
-            masked = scorer._draws(len(continuation), generator)
+            masked = draw_masks(len(continuation), args.mc_num, generator)[1]
             width = len(context) + len(continuation)
             kept, total = kept + width * len(scorer._distinct(masked)), total + width * args.mc_num
     return kept / total

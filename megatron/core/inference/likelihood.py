@@ -11,6 +11,13 @@ expectation over the random draws is exact. ``cfg_scale`` > 0 applies LLaDA's cl
 guidance to the logits (the unconditional input masks the prompt). In ``difflm-shift`` the
 logits at position i score token i + 1, so the prompt must hold at least one token.
 
+For a block-diffusion model (BD3-LM, ``attention_mask_type="block_diffusion"``) the ELBO is a sum
+over the model's blocks (of ``attention_block_size`` positions, counted from the prompt's first
+token) that hold answer tokens: each block's answer tokens are masked as above (``l`` of its
+``A_b``, weight ``A_b / l``) while every earlier block stays clean, which is what the block sees in
+training's ``[x_t ; x_0]`` input; under the block-causal mask later blocks are never attended.
+One row per block and sample, all in one forward.
+
 For an autoregressive model (``vanilla``) the log-likelihood is exact: one causal forward,
 the sum of the answer tokens' log-probabilities; ``mc_num`` and ``batch_size`` are unused.
 
@@ -22,17 +29,14 @@ and its sizes, as for `generation.generate`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .generation import ModelFn, _build_layout, guided, resolve_options
 
-BLOCK_DIFFUSION_SCORING = ("the Monte Carlo ELBO of a block-diffusion checkpoint needs its [x_t ; x_0] forward, "
-                           "which scoring does not run yet; its generation works")
-
-__all__ = ["log_likelihood"]
+__all__ = ["log_likelihood", "answer_spans", "draw_masks"]
 
 
 @torch.no_grad()
@@ -53,8 +57,6 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
             raise ValueError(f"{name} must be a 1-D tensor of token ids, got {tuple(ids.shape)} {ids.dtype}")
     if answer.numel() == 0:
         raise ValueError("answer is empty: there is nothing to score")
-    if attention_mask_type == "block_diffusion":
-        raise ValueError(BLOCK_DIFFUSION_SCORING)
     opts = resolve_options(running_mode, gen_length=answer.numel(), attention_mask_type=attention_mask_type,
                            attention_block_size=attention_block_size, sliding_window=sliding_window)
     sequence = torch.cat([prompt, answer]).long()[None]
@@ -66,11 +68,37 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
         logits = model_fn(sequence, layout.positions, mask, None, 0)[0, prompt.numel() - 1:-1].float()
         return logits.log_softmax(dim=-1).gather(1, answer.long()[:, None]).sum().item()
     _check_diffusion(running_mode, prompt, mask_token_id, mc_num, batch_size, cfg_scale, answer)
+    spans = answer_spans(prompt.numel(), sequence.shape[1], opts.attention_block_size
+                         if opts.attention_mask_type == "block_diffusion" else None)
     total = torch.zeros((), dtype=torch.float64, device=answer.device)
     for _ in range(mc_num // batch_size):
-        total += _elbo_batch(model_fn, sequence, layout.positions, mask, prompt.numel(), running_mode == "difflm-shift",
+        total += _elbo_batch(model_fn, sequence, layout.positions, mask, spans, running_mode == "difflm-shift",
                              mask_token_id, batch_size, cfg_scale, generator)
     return -(total / (mc_num // batch_size)).item()
+
+
+def answer_spans(prompt_length: int, total: int, block: Optional[int]) -> List[Tuple[int, int]]:
+    """[start, end) slots masked together: the whole answer, or (block diffusion, blocks of `block`
+    from slot 0) its part in each block."""
+    if block is None:
+        return [(prompt_length, total)]
+    spans, start = [], prompt_length
+    while start < total:
+        end = min((start // block + 1) * block, total)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def draw_masks(length: int, batch: int, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(l [batch], masked [batch, length] bool) on the host: row i masks l_i of the `length` slots,
+    l_i stratified over the batch with one random offset, the slots uniformly at random."""
+    offset = torch.randint(1, length + 1, (), generator=generator).item()
+    counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
+    counts = ((counts - 1) % length) + 1  # l_i in [1, A], stratified over the batch
+    # A random permutation rank per slot: the l_i lowest ranks are masked.
+    ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
+    return counts, ranks < counts[:, None]
 
 
 def _check_diffusion(running_mode: str, prompt: torch.Tensor, mask_token_id: Optional[int], mc_num: int,
@@ -92,19 +120,20 @@ def _check_diffusion(running_mode: str, prompt: torch.Tensor, mask_token_id: Opt
 
 
 def _elbo_batch(model_fn: ModelFn, sequence: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                prompt_length: int, shift: bool, mask_token_id: int, batch: int, cfg_scale: float,
+                spans: List[Tuple[int, int]], shift: bool, mask_token_id: int, batch: int, cfg_scale: float,
                 generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Sum over `batch` samples of (A / l) * CE of the l masked answer tokens, divided by `batch`."""
-    device = sequence.device
-    length = sequence.shape[1] - prompt_length  # A
-    offset = torch.randint(1, length + 1, (), generator=generator).item()
-    counts = torch.linspace(offset, offset + (batch - 1) * length / batch, batch).round().long()
-    counts = ((counts - 1) % length) + 1  # l_i in [1, A], stratified over the batch
-    # A random permutation rank per answer slot: the l_i lowest ranks are masked.
-    ranks = torch.rand(batch, length, generator=generator).argsort(dim=1).argsort(dim=1)
-    masked_answer = (ranks < counts[:, None]).to(device)
-    masked = torch.cat([torch.zeros(batch, prompt_length, dtype=torch.bool, device=device), masked_answer], dim=1)
-    targets = sequence.expand(batch, -1)
+    """Sum over `batch` samples of, for each span, (A_s / l) * CE of its l masked tokens, divided by
+    `batch`; a span's rows keep every other slot clean."""
+    device, width, prompt_length = sequence.device, sequence.shape[1], spans[0][0]
+    masks, weights = [], []
+    for start, end in spans:
+        counts, drawn = draw_masks(end - start, batch, generator)
+        masked = torch.zeros(batch, width, dtype=torch.bool)
+        masked[:, start:end] = drawn
+        masks.append(masked)
+        weights.append(((end - start) / counts.double())[:, None].expand(batch, width))  # A_s / l_i
+    masked, weight = torch.cat(masks).to(device), torch.cat(weights).to(device)
+    targets = sequence.expand(masked.shape[0], -1)
     noisy = targets.masked_fill(masked, mask_token_id)
     ids = noisy
     if cfg_scale > 0:  # the unconditional rows: the prompt masked too
@@ -117,5 +146,4 @@ def _elbo_batch(model_fn: ModelFn, sequence: torch.Tensor, positions: torch.Tens
     if shift:  # the logits at i score token i + 1
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     cross_entropy = F.cross_entropy(logits[masked], targets[masked], reduction="none")
-    weights = (length / counts.to(device, torch.float64))[:, None].expand_as(masked)[masked]  # A / l_i
-    return (cross_entropy.double() * weights).sum() / batch
+    return (cross_entropy.double() * weight[masked]).sum() / batch
