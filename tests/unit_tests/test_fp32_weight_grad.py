@@ -102,3 +102,14 @@ def test_the_weight_gradient_is_at_least_as_exact_as_autocasts(device):
 def test_matmul_fp32_off_cuda_is_the_cast_product():
     a, b = torch.randn(4, 3).bfloat16(), torch.randn(3, 5).bfloat16()
     assert torch.equal(fp32_weight_grad.matmul_fp32(a, b), (a @ b).float())
+
+
+def test_only_the_gradients_asked_for_are_computed():
+    """A frozen weight gets no gradient and an input that needs none gets none; the rest are unchanged."""
+    x, weight, b, grad = _inputs("cpu")
+    reference = _grads(linear, x, weight, b, grad)
+    weight.requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear(x.detach(), weight, b)
+    out.backward(grad)
+    assert weight.grad is None and torch.equal(b.grad, reference[3])

@@ -43,10 +43,12 @@ class _LinearFp32WeightGrad(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x_low, weight_low = ctx.saved_tensors
         grad_output = grad_output.to(weight_low.dtype)
-        grad_input = grad_output @ weight_low  # autograd casts it to x's dtype, as autocast's cast does
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        # autograd casts grad_input to x's dtype, as autocast's cast does
+        grad_input = grad_output @ weight_low if needs_input else None
         rows = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = matmul_fp32(rows.t(), x_low.reshape(-1, x_low.shape[-1]))
-        grad_bias = rows.sum(0, dtype=torch.float32) if ctx.has_bias else None
+        grad_weight = matmul_fp32(rows.t(), x_low.reshape(-1, x_low.shape[-1])) if needs_weight else None
+        grad_bias = rows.sum(0, dtype=torch.float32) if ctx.has_bias and needs_bias else None
         return grad_input, grad_weight, grad_bias, None
 
 
