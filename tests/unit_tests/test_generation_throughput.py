@@ -259,3 +259,9 @@ def test_chat_without_a_forced_eos_runs_the_whole_canvas():
     row = result["rows"][0]
     assert row["forward_calls"] == 16 or row["eos_rate"] == 1.0
     assert 1 <= row["answer_tokens"] <= 16 and result["config"]["prompt"] == "chat"
+
+
+def test_a_perplexity_past_float_range_is_infinite_not_an_error():
+    import generation_quality as quality
+
+    assert quality.perplexity(1.0) == pytest.approx(math.e) and quality.perplexity(1e4) == math.inf

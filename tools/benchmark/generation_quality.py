@@ -50,6 +50,14 @@ def load_judge(path: str, device: torch.device, vocab_size: int, attention_backe
     return Judge(model.eval(), metadata["source"])
 
 
+def perplexity(nats_per_token: float) -> float:
+    """exp(nats per token); inf past float range (a model that has learnt nothing yet), not an error."""
+    try:
+        return math.exp(nats_per_token)
+    except OverflowError:
+        return math.inf
+
+
 def _tokens(rows) -> int:
     return sum(row.numel() for row in rows)
 
@@ -65,7 +73,7 @@ def judge_perplexity(judge: Judge, prompts: torch.Tensor, continuations: torch.T
     for prompt, continuation in zip(prompts, continuations):
         total -= log_likelihood(judge.model.inference_forward, prompt, continuation, running_mode="vanilla",
                                 **_causal_pattern(judge.model))
-    return math.exp(total / _tokens(continuations))
+    return perplexity(total / _tokens(continuations))
 
 
 def heldout_log_likelihood(model: GPTModel, pattern: dict, mask_token_id: int, prompts: torch.Tensor,
@@ -81,4 +89,4 @@ def heldout_log_likelihood(model: GPTModel, pattern: dict, mask_token_id: int, p
                                 generator=generator, **options)
     per_token = total / _tokens(continuations)
     return {"kind": "exact log-likelihood" if mode == "vanilla" else f"Monte Carlo ELBO ({mc_num} copies a row)",
-            "nats_per_token": per_token, "perplexity_bound": math.exp(-per_token), "tokens": _tokens(continuations)}
+            "nats_per_token": per_token, "perplexity_bound": perplexity(-per_token), "tokens": _tokens(continuations)}
