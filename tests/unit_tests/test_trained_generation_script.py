@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tools/benchmark/trained_generation.sh"
 
 
-def _stage(tmp_path: Path, stage: str, fail_on: str = "") -> list:
+def _stage(tmp_path: Path, stage: str, fail_on: str = "", **extra_env) -> list:
     """Each recorded call of `stage` as its argument list; a call whose arguments hold `fail_on` fails."""
     bin_dir, record = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(exist_ok=True)
@@ -23,7 +23,8 @@ def _stage(tmp_path: Path, stage: str, fail_on: str = "") -> list:
     for name in ("torchrun", "fakepython"):
         (bin_dir / name).write_text(stand_in)
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", WORK=str(tmp_path / "work"), PYTHON="fakepython")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", WORK=str(tmp_path / "work"), PYTHON="fakepython",
+               **extra_env)
     result = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     calls = [shlex.split(line) for line in record.read_text().splitlines()] if record.exists() else []
     return result.returncode, calls
@@ -80,3 +81,10 @@ def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_e
         assert _flag(call, "--prompt") == "chat" and _flag(call, "--judge") == f"{work}/ar_sft"
         assert _flag(call, "--prompt-file") == f"{work}/verses_valid.jsonl.gz"
     assert [_flag(c, "--json").rsplit("/", 1)[1] for c in measured] == ["dlm_chat.json", "ar_chat.json"]
+
+
+def test_no_extra_dlm_iterations_makes_the_first_fine_tuning_the_dlm(tmp_path):
+    code, calls = _stage(tmp_path, "train", DLM_EXTRA_ITERS="0")
+    work = tmp_path / "work"
+    assert code == 0 and [_flag(c, "--save") for c in calls] == [f"{work}/ar.new", f"{work}/dlm_first.new"]
+    assert (work / "dlm" / "written").exists() and not (work / "dlm.new").exists()

@@ -30,7 +30,7 @@
 # $WORK/SmolLM2-135M-Instruct.Q4_1.gguf); CORPUS (default $WORK/corpus: the *_train/_valid.jsonl.gz
 # prefix); TASK (default $WORK/verses: build_verse_task.py's prefix); RESULTS (default
 # $WORK/results: the JSON and logs of `measure`); TRAIN_ITERS (600),
-# DLM_EXTRA_ITERS (1200: the DLM's second fine-tuning), EVAL_INTERVAL, SEQ_LENGTH (1024),
+# DLM_EXTRA_ITERS (1200: the DLM's second fine-tuning; 0 skips it), EVAL_INTERVAL, SEQ_LENGTH (1024),
 # MICRO_BATCH_SIZE (32), GLOBAL_BATCH_SIZE (32), LR (1e-4); BATCH_SIZES (1,8),
 # GEN_LENGTH (256), BLOCK_LENGTH (32), THRESHOLDS (0.5,0.7,0.8,0.9,0.95), MEASURE_ARGS (appended,
 # e.g. "--cuda-graphs"); SFT_ITERS (1000), SFT_SEQ_LENGTH (384), SFT_FROM_AR / SFT_FROM_DLM (where
@@ -106,7 +106,13 @@ finetune() {
 train() {
     finetune ar "$WORK/init_ar" "$WORK/ar" "${TRAIN_ITERS:-600}"
     finetune dlm "$WORK/init_dlm" "$WORK/dlm_first" "${TRAIN_ITERS:-600}"
-    finetune dlm "$WORK/dlm_first" "$WORK/dlm" "${DLM_EXTRA_ITERS:-1200}"
+    if (( ${DLM_EXTRA_ITERS:-1200} > 0 )); then
+        finetune dlm "$WORK/dlm_first" "$WORK/dlm" "${DLM_EXTRA_ITERS:-1200}"
+    else  # DLM_EXTRA_ITERS=0: the first fine-tuning is the DLM (hard links, no copy of the weights)
+        rm -rf "$WORK/dlm.new"
+        cp -al "$WORK/dlm_first" "$WORK/dlm.new"
+        publish "$WORK/dlm.new" "$WORK/dlm"
+    fi
 }
 
 # Both fine-tuned models SFT_ITERS more on the verse task: LLaDA's SFT (the prompt never masked,
