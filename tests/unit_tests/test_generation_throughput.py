@@ -265,3 +265,18 @@ def test_a_perplexity_past_float_range_is_infinite_not_an_error():
     import generation_quality as quality
 
     assert quality.perplexity(1.0) == pytest.approx(math.e) and quality.perplexity(1e4) == math.inf
+
+
+@pytest.mark.parametrize("prompt, content, message", [
+    ("chat", b"\x1f\x8b\x08\x00broken", "unreadable after line 0 (EOFError)"),
+    ("text", b"\x1f\x8b\x08\x00broken", "unreadable after line 0"),
+    ("chat", b'{"prompt": "a", "response": "b"}\nnot json\n', "line 2: not JSON"),
+    ("text", b'{"title": "no text"}\n', 'line 1 has no string "text" field'),
+])
+def test_a_broken_prompt_file_is_one_line_before_any_work(prompt, content, message, tmp_path, capsys):
+    path = tmp_path / ("p.jsonl.gz" if content.startswith(b"\x1f\x8b") else "p.jsonl")
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        gt.main([*TINY, "--prompt", prompt, "--prompt-file", str(path), "--batch-sizes", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -20,10 +20,10 @@ def test_each_long_verse_is_split_in_half_and_held_out_with_its_chapter(tmp_path
                                   "--min-words", "9"]) == 0
     train, valid = (read_jsonl_gz(tmp_path / f"v_{split}.jsonl.gz") for split in ("train", "valid"))
     # Chapters in order: Genesis 1 (index 0, train), Genesis 2 (1, valid), Exodus 1 (2, train). Verses
-    # of fewer than 9 words (Genesis 1:2, 2:1, 2:2) are left out.
+    # of fewer than 9 words (Genesis 1:2 and 2:1) are left out.
     assert [r["prompt"].splitlines()[1].split(" ", 2)[:2] for r in train] == [
         ["Genesis", "1:1"], ["Genesis", "1:3"], ["Exodus", "1:1"]]
-    assert valid == [] or all("Genesis 2:" in r["prompt"] for r in valid)
+    assert [r["prompt"].splitlines()[1].split(" ", 2)[:2] for r in valid] == [["Genesis", "2:2"]]
     first = train[1]
     assert first["prompt"] == f"{build_verse_task.INSTRUCTION}\nGenesis 1:3 And God said, Let there"
     assert first["response"] == "be light: and there was light."

@@ -19,7 +19,8 @@ from __future__ import annotations
 import collections
 import gzip
 import json
-from typing import List, Optional, Sequence, Tuple
+import zlib
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,18 +40,32 @@ def chat_examples(tokenizer, path: str, template: str = "auto") -> List[Example]
     except ValueError as error:
         raise TaskError(str(error)) from None
     examples = []
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                [(ids, flags)] = encoder.encode_record(json.loads(line), number)[:1]
-            except (ValueError, chat_template.ChatError) as error:
-                raise TaskError(f"--prompt-file {path} line {number}: {error}; give chat records "
-                                "(prompt/response or messages)") from None
-            start = flags.index(1)
-            examples.append((ids[:start], ids[start:]))
+    for number, record in records(path):
+        try:
+            [(ids, flags)] = encoder.encode_record(record, number)[:1]
+        except (ValueError, chat_template.ChatError) as error:
+            raise TaskError(f"--prompt-file {path} line {number}: {error}; give chat records "
+                            "(prompt/response or messages)") from None
+        start = flags.index(1)
+        examples.append((ids[:start], ids[start:]))
     return examples
+
+
+def records(path: str) -> Iterator[Tuple[int, dict]]:
+    """(line number, JSON object) of every non-blank line of a JSONL(.gz) file; TaskError (one line
+    naming the file and the fix) on text that is not UTF-8, broken gzip data or a line that is not JSON."""
+    number = 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield number, json.loads(line)
+    except json.JSONDecodeError as error:
+        raise TaskError(f"--prompt-file {path} line {number}: not JSON ({error.msg}); give one JSON object "
+                        "a line") from None
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as error:
+        raise TaskError(f"--prompt-file {path}: unreadable after line {number} ({type(error).__name__}); "
+                        "give UTF-8 JSONL, or re-compress the .gz") from None
 
 
 def equal_length_batch(examples: Sequence[Example], batch_size: int, path: str) -> Tuple[torch.Tensor, List[List[int]]]:

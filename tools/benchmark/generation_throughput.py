@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
-import json
 import os
 import statistics
 import sys
@@ -118,6 +116,8 @@ class Bench:
     """With --prompt chat: the tokenizer's EOS, where each answer ends."""
     stop_at_eos: bool = False
     """--eos-stop: every variant stops a row at its first EOS (generate's eos_token_id)."""
+    text: Optional[torch.Tensor] = None
+    """With --prompt text: the prompt file's first tokens, enough for the largest batch (read once)."""
     task: Optional[Tuple[torch.Tensor, List[List[int]]]] = None
     """With --prompt chat: the largest batch's prompts and their reference answers (generation_tasks.py)."""
 
@@ -190,11 +190,13 @@ def _checkpoint_tokenizer(identity: dict, args: argparse.Namespace):
 def text_tokens(tokenizer, count: int, path: str = BUNDLED_TEXT) -> List[int]:
     """The first `count` tokens of a JSONL(.gz) file's "text" fields, document after document."""
     tokens: List[int] = []
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            tokens += [t for t in tokenizer.tokenize(json.loads(line)["text"]) if t != tokenizer.mask]
-            if len(tokens) >= count:
-                return tokens[:count]
+    for number, record in tasks.records(path):
+        if not isinstance(record.get("text") if isinstance(record, dict) else None, str):
+            raise UsageError(f"--prompt-file {path} line {number} has no string \"text\" field; give JSONL "
+                             "documents with one")
+        tokens += [t for t in tokenizer.tokenize(record["text"]) if t != tokenizer.mask]
+        if len(tokens) >= count:
+            return tokens[:count]
     raise UsageError(f"{path} has only {len(tokens)} tokens; lower --prompt-length, --gen-length or the batch size")
 
 
@@ -202,15 +204,14 @@ def prompt_batch(bench: Bench, args: argparse.Namespace, batch_size: int,
                  device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """([batch, prompt_length] prompts, their real continuations [batch, gen_length] or None): seeded
     random ids (never the mask id; no continuation), consecutive slices of real text, or chat prompts
-    and their reference answers (a list of id lists)."""
+    and their reference answers (a list of 1-D id tensors, each ending in EOS)."""
     length = args.prompt_length
     if args.prompt == "chat":
         prompts, answers = bench.task
         return prompts[:batch_size].to(device), [torch.tensor(answer, device=device) for answer in answers[:batch_size]]
     if args.prompt == "text":
         row = length + args.gen_length
-        flat = torch.tensor(text_tokens(bench.tokenizer, batch_size * row, args.prompt_file))
-        rows = flat.view(batch_size, row).to(device)
+        rows = bench.text[:batch_size * row].view(batch_size, row).to(device)
         return rows[:, :length].contiguous(), rows[:, length:].contiguous()
     vocab = bench.model.config.vocab_size
     ids = torch.randint(0, vocab - 1, (batch_size, length), generator=torch.Generator().manual_seed(args.seed))
@@ -514,6 +515,9 @@ def setup(args: argparse.Namespace, device: torch.device) -> Bench:
         if args.prompt_length + args.gen_length > bench.max_positions:
             raise UsageError(f"--prompt-length + --gen-length = {args.prompt_length + args.gen_length} exceeds the "
                              f"model's max positions {bench.max_positions}; shorten them")
+        if args.prompt == "text":
+            needed = max(args.batch_sizes) * (args.prompt_length + args.gen_length)
+            bench.text = torch.tensor(text_tokens(bench.tokenizer, needed, args.prompt_file))
         if args.judge:
             bench.judge = quality.load_judge(args.judge, device, bench.model.config.vocab_size, args.attention_backend)
     except (UsageError, quality.QualityError, tasks.TaskError) as error:
