@@ -26,6 +26,28 @@ def test_rows_count_the_bytes_of_the_real_parameter_set(tmp_path, capsys):
     assert "| adamw foreach |" in capsys.readouterr().out
 
 
+def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
+    """The fused loss's rows: torch.compile's kernel and, under Triton's interpreter (tests/conftest.py),
+    the Triton kernel at each configuration named (restored afterwards), each moving the logits 3 times."""
+    kernel = step_parts.triton_cross_entropy
+    default = (kernel.BLOCK, kernel.NUM_WARPS)
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
+                              "--loss-kernels", "64x4,256x8", "--loss-chunk", "3"])
+    vocab = step_parts.shapes.MODELS["tiny"].vocab_size
+    names = [name for name in result["rows"] if name.startswith("loss kernel")]
+    assert names == [f"loss kernel, torch.compile (3 x {vocab})", "loss kernel, Triton, block 64, 4 warps",
+                     "loss kernel, Triton, block 256, 8 warps"]
+    assert all(result["rows"][name]["bytes"] == 3 * 3 * vocab * 2 for name in names)
+    assert (kernel.BLOCK, kernel.NUM_WARPS) == default
+
+
+@pytest.mark.parametrize("flags", [["--loss-kernels", "64"], ["--loss-kernels", "64x4,x"], ["--loss-chunk", "0"]])
+def test_bad_loss_kernel_flags_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        step_parts.main(["--model", "tiny", *flags])
+    assert exit_info.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
 def test_bad_repeats_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         step_parts.main(["--model", "tiny", "--repeats", "0"])

@@ -10,9 +10,13 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * adamw compiled (`--compiled`): `torch.compile` of the foreach step (Triton, fused per group);
 * grad norm: the clip's `_foreach_norm` over every gradient;
 * bf16 weight copy: what bf16 autocast does to every fp32 weight in each forward;
-* bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype.
+* bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype;
+* loss kernel (`--loss-kernels`): the chunked loss's softmax, loss and logits gradient over one
+  chunk of bf16 logits [--loss-chunk, vocabulary], torch.compile's kernel and the Triton kernel at
+  each BLOCKxWARPS configuration named, against the 2 reads and 1 write of the logits both need.
 
-    python tools/benchmark/step_parts.py --model qwen3-1.7b --repeats 10 --compiled
+    python tools/benchmark/step_parts.py --model qwen3-1.7b --repeats 10 --compiled \
+        --loss-kernels 4096x8,8192x16 --loss-chunk 4096
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
+
+from megatron.core.tensor_parallel import linear_cross_entropy, triton_cross_entropy  # noqa: E402
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
@@ -106,6 +112,36 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     result["bf16 weight copy, one multi-tensor copy"] = (measure(lambda: torch._foreach_copy_(half, weights)),
                                                          6 * matrix)
     result["bf16 grad to fp32"] = (measure(lambda: [h.float() for h in half]), 6 * matrix)
+    if args.loss_kernels:
+        result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
+    return result
+
+
+def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[str, tuple]:
+    """The fused loss over one chunk of random bf16 logits: torch.compile's, then the Triton kernel's
+    configurations (where Triton runs); every row moves the logits 3 times (2 reads, 1 write)."""
+    generator = torch.Generator(device).manual_seed(0)
+    logits = torch.randn(args.loss_chunk, vocab, device=device, generator=generator).to(torch.bfloat16) * 4
+    targets = torch.randint(0, vocab, (args.loss_chunk,), device=device, generator=generator)
+    scale = torch.rand(args.loss_chunk, device=device, generator=generator)
+    moved = 3 * logits.numel() * logits.element_size()
+    compiled = linear_cross_entropy._compiled_softmax_loss_gradient()
+    name = f"loss kernel, torch.compile ({args.loss_chunk} x {vocab})"
+    result = {name: (measure(lambda: compiled(logits, targets, scale, vocab)), moved)}
+    if not triton_cross_entropy.available(logits):
+        print("loss kernel: Triton does not run here; only torch.compile's row")
+        return result
+    work, default = logits.clone(), (triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS)
+    for config in args.loss_kernels.split(","):
+        block, warps = (int(value) for value in config.split("x"))
+        triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = block, warps
+
+        def run():  # each call overwrites its input: start from the same logits every time
+            work.copy_(logits)
+            triton_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab)
+        copy_ms = measure(lambda: work.copy_(logits))
+        result[f"loss kernel, Triton, block {block}, {warps} warps"] = (measure(run) - copy_ms, moved)
+    triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = default
     return result
 
 
@@ -122,10 +158,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compiled", action="store_true", help="Also time the torch.compile'd foreach step.")
+    parser.add_argument("--loss-kernels", metavar="BxW,...",
+                        help="Also time the fused loss: torch.compile's and the Triton kernel with these "
+                             "column blocks x warps (e.g. 4096x8,8192x16).")
+    parser.add_argument("--loss-chunk", type=int, default=4096, help="Tokens of the loss chunk timed.")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
+    if args.loss_kernels and not all(part.count("x") == 1 and part.replace("x", "").isdigit()
+                                     for part in args.loss_kernels.split(",")):
+        parser.error(f"--loss-kernels {args.loss_kernels!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
+    if args.loss_chunk < 1:
+        parser.error("--loss-chunk must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)

@@ -78,6 +78,7 @@ from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
                                               forget_gradient_scale)
+from megatron.core.tensor_parallel import linear_cross_entropy  # noqa: E402
 from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
@@ -210,6 +211,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
                                 args.gradient_accumulation_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
+    linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile-loss", action="store_true",
                         help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
                              "(DLMConfig.compile_loss).")
+    parser.add_argument("--loss-kernel", choices=("triton", "inductor"), default="triton",
+                        help="With --compile-loss: the hand-written Triton kernel (the default, where Triton "
+                             "runs) or torch.compile's kernel of the same function.")
     parser.add_argument("--compile-optimizer-step", action="store_true",
                         help="Our AdamW step compiled (CompiledAdamW, --compile-optimizer-step) instead of fused.")
     parser.add_argument("--block-diffusion", type=int, metavar="B",
@@ -486,6 +491,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
             levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
                       (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),
+                      (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
@@ -501,7 +507,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
                    "torch_compile": args.torch_compile, "torch_compile_mode": args.torch_compile_mode,
                    "masked_only_loss": args.masked_only_loss,
-                   "compile_loss": args.compile_loss, "compile_optimizer_step": args.compile_optimizer_step,
+                   "compile_loss": args.compile_loss, "loss_kernel": args.loss_kernel,
+                   "compile_optimizer_step": args.compile_optimizer_step,
                    "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,

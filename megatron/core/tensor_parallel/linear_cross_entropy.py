@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.tensor_parallel import triton_cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 
@@ -40,7 +41,7 @@ class _Layout:
     compute_dtype: torch.dtype
     chunk_size: int
     compiled: bool = False
-    """Single rank only: each chunk's softmax, loss and logits gradient as one compiled function."""
+    """Single rank only: each chunk's softmax, loss and logits gradient as one fused kernel."""
 
 
 def _chunks(count: int, chunk_size: int):
@@ -107,6 +108,19 @@ def _compiled_softmax_loss_gradient():
     return torch.compile(_softmax_loss_gradient, dynamic=True)
 
 
+TRITON_KERNEL = True
+"""The fused loss uses the hand-written Triton kernel where it can run (False: always torch.compile's;
+the training benchmark's `--loss-kernel inductor` sets it to time one against the other)."""
+
+
+def _fused_softmax_loss_gradient(logits, targets, scale, valid_rows: int):
+    """_softmax_loss_gradient in one fused kernel: Triton's (two passes over the logits, the gradient
+    written over them) where it can run, else torch.compile's."""
+    if TRITON_KERNEL and triton_cross_entropy.available(logits) and logits.dtype != torch.float32:
+        return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, valid_rows)
+    return _compiled_softmax_loss_gradient()(logits, targets, scale, valid_rows)
+
+
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """out (fp32) = a @ b, or += with `accumulate`; a and b in the compute dtype. On CUDA the GEMM
     writes or accumulates the fp32 result itself (out_dtype), with no low-precision product and
@@ -142,7 +156,7 @@ def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, need
     for index, (start, end) in enumerate(chunks):
         chunk = hidden[start:end].to(layout.compute_dtype)
         if layout.compiled and needs_grad:
-            losses[start:end], log_sum_exp[start:end], grad_logits = _compiled_softmax_loss_gradient()(
+            losses[start:end], log_sum_exp[start:end], grad_logits = _fused_softmax_loss_gradient(
                 chunk @ compute_weight.t(), targets[start:end], loss_weights[start:end], layout.valid_rows)
             _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end,
                         add_hidden=False, add_weight=index > 0)
@@ -237,7 +251,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     `targets` are global ids, already checked to lie in the vocabulary. `loss_weights` [n] are
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
     the softmax in fp32. `compiled` (one tensor-parallel rank): each chunk's softmax and logits
-    gradient run as one torch.compile'd function. Not for a second backward of the same graph.
+    gradient run as one fused kernel (Triton's on CUDA, else torch.compile's). Not for a second
+    backward of the same graph.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "

@@ -1,0 +1,84 @@
+"""The fused loss's Triton kernel (triton_cross_entropy): the same losses, log-sum-exp and logits
+gradient as the plain tensor math it replaces, and through linear_cross_entropy the same loss and
+gradients as torch.compile's kernel. On CPU it runs under Triton's interpreter (the dev extras
+install Triton); on a GPU the CUDA cases run the compiled kernel."""
+
+import pytest
+import torch
+
+from megatron.core.tensor_parallel import linear_cross_entropy as lce
+from megatron.core.tensor_parallel import triton_cross_entropy as kernel
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    # on CPU the kernel runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+    monkeypatch.setattr(kernel, "BLOCK", 64)  # several steps per row, and a ragged last one
+    return torch.device(request.param)
+
+
+def rows(device, count=6, columns=300, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(count, columns, generator=generator) * 4).to(torch.bfloat16)
+    logits[1] += 30.0  # a large offset: the online max must keep the sum finite
+    targets = torch.randint(0, columns - 11, (count,), generator=generator)
+    scale = torch.rand(count, generator=generator)
+    scale[2] = 0.0  # a token with no loss weight
+    return logits.to(device), targets.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("padding", [0, 11])
+def test_kernel_matches_the_tensor_math(device, padding):
+    logits, targets, scale = rows(device)
+    valid = logits.shape[1] - padding
+    assert kernel.available(logits)
+    expected = lce._softmax_loss_gradient(logits, targets, scale, valid)
+    buffer = logits.clone()
+    losses, lse, grad = kernel.softmax_loss_gradient_(buffer, targets, scale, valid)
+    assert grad.data_ptr() == buffer.data_ptr(), "the gradient is written over the logits"
+    torch.testing.assert_close(losses, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+    # bf16 gradients: one rounding step apart at most
+    torch.testing.assert_close(grad.float(), expected[2].float(), rtol=0, atol=2 ** -8)
+    assert not grad[:, valid:].any(), "no gradient into the vocabulary padding"
+    assert not grad[2].any(), "a token with no weight has no gradient"
+    assert abs(grad[0].float().sum().item()) < 0.02, "softmax - one-hot sums to zero"
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_linear_cross_entropy_same_as_the_compiled_kernel(device, monkeypatch):
+    """Both fused kernels inside the chunked output layer (bf16 GEMMs over fp32 parameters)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(13, 32, generator=generator).to(device)
+    weight = (torch.randn(320, 32, generator=generator) * 0.5).to(device)
+    targets = torch.randint(0, 300, (13,), generator=generator).to(device)
+    loss_weights = torch.rand(13, generator=generator).to(device)
+    calls = []
+    real = kernel.softmax_loss_gradient_
+    monkeypatch.setattr(kernel, "softmax_loss_gradient_", lambda *args: calls.append(1) or real(*args))
+    results = {}
+    for triton in (True, False):
+        monkeypatch.setattr(lce, "TRITON_KERNEL", triton)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        losses, total = lce.linear_cross_entropy(h, w, targets, loss_weights, unpadded_vocab_size=300,
+                                                 compute_dtype=torch.bfloat16, chunk_size=5, compiled=True)
+        (2.0 * total).backward()
+        results[triton] = (losses, total, h.grad, w.grad)
+        assert len(calls) == 3, "three chunks of at most 5 tokens went through the Triton kernel"
+    for got, want in zip(results[True][:2], results[False][:2]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(results[True][2:], results[False][2:]):
+        # the bf16 logits gradients may round apart by one step, and a CPU bf16 GEMM rounds its product
+        torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
+
+
+def test_bad_logits_are_refused():
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernel.softmax_loss_gradient_(torch.zeros(4, 8, dtype=torch.bfloat16).t(), torch.zeros(8, dtype=torch.long),
+                                      torch.ones(8), 4)
+    with pytest.raises(ValueError, match="valid_columns"):
+        kernel.softmax_loss_gradient_(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long),
+                                      torch.ones(4), 0)
