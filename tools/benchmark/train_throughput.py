@@ -211,6 +211,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
                                 args.gradient_accumulation_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
+    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size)
     linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
@@ -384,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss-kernel", choices=("triton", "inductor"), default="triton",
                         help="With --compile-loss: the hand-written Triton kernel (the default, where Triton "
                              "runs) or torch.compile's kernel of the same function.")
+    parser.add_argument("--loss-chunk-size", type=int, default=DLMConfig.loss_chunk_size,
+                        help="With --masked-only-loss: tokens per chunk of the output layer "
+                             "(--difflm-loss-chunk-size).")
     parser.add_argument("--compile-optimizer-step", action="store_true",
                         help="Our AdamW step compiled (CompiledAdamW, --compile-optimizer-step) instead of fused.")
     parser.add_argument("--block-diffusion", type=int, metavar="B",
@@ -421,6 +425,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"of {args.model}; pass a shorter --seq-length")
     if args.compile_loss and not args.masked_only_loss:
         raise UsageError("--compile-loss needs --masked-only-loss")
+    if args.loss_chunk_size < 1:
+        raise UsageError(f"--loss-chunk-size {args.loss_chunk_size} must be at least 1")
     if args.torch_compile_mode != "default" and not args.torch_compile:
         raise UsageError(f"--torch-compile-mode {args.torch_compile_mode} needs --torch-compile")
     block_error = _block_diffusion_error(args)
@@ -492,6 +498,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),
                       (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),
+                      (args.loss_chunk_size != DLMConfig.loss_chunk_size, f" chunk-{args.loss_chunk_size}"),
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
@@ -508,6 +515,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                    "torch_compile": args.torch_compile, "torch_compile_mode": args.torch_compile_mode,
                    "masked_only_loss": args.masked_only_loss,
                    "compile_loss": args.compile_loss, "loss_kernel": args.loss_kernel,
+                   "loss_chunk_size": args.loss_chunk_size,
                    "compile_optimizer_step": args.compile_optimizer_step,
                    "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
