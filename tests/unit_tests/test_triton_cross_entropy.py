@@ -84,6 +84,7 @@ def test_linear_cross_entropy_same_as_the_compiled_kernel(device, monkeypatch):
 
 
 def test_bad_logits_are_refused():
+    assert not kernel.available(torch.zeros(2, 8)), "fp32 logits keep torch.compile's kernel"
     with pytest.raises(ValueError, match="contiguous rows"):
         kernel.softmax_loss_gradient_(torch.zeros(4, 8, dtype=torch.bfloat16).t(), torch.zeros(8, dtype=torch.long),
                                       torch.ones(8), 4)

@@ -116,7 +116,7 @@ the training benchmark's `--loss-kernel inductor` sets it to time one against th
 def _fused_softmax_loss_gradient(logits, targets, scale, valid_rows: int):
     """_softmax_loss_gradient in one fused kernel: Triton's (two passes over the logits, the gradient
     written over them) where it can run, else torch.compile's."""
-    if TRITON_KERNEL and triton_cross_entropy.available(logits) and logits.dtype != torch.float32:
+    if TRITON_KERNEL and triton_cross_entropy.available(logits):
         return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, valid_rows)
     return _compiled_softmax_loss_gradient()(logits, targets, scale, valid_rows)
 

@@ -10,8 +10,8 @@ exponentials, then once more to write the gradient over it. That is 2 reads and 
 the low-precision logits, the floor for a loss whose gradient needs the whole row's sum.
 
 Triton is imported on first use, so the package imports without it. `available(tensor)` says
-whether this kernel can run on that tensor: a CUDA tensor with Triton installed, or any tensor
-under Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run it).
+whether this kernel can run on that tensor: low-precision logits on CUDA with Triton installed,
+or on CPU under Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run it).
 """
 
 from __future__ import annotations
@@ -31,9 +31,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
+def _has_triton() -> bool:
+    """Looked up once: the loss asks for every chunk."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(tensor: torch.Tensor) -> bool:
-    """True where the kernel can run on `tensor`'s device."""
-    if importlib.util.find_spec("triton") is None:
+    """True where the kernel can run on `tensor`: bf16/fp16 logits on CUDA with Triton installed, or on
+    CPU under Triton's interpreter."""
+    if tensor.dtype not in (torch.bfloat16, torch.float16) or not _has_triton():
         return False
     return tensor.is_cuda or (_interpreting() and tensor.device.type == "cpu")
 
