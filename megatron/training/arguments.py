@@ -172,6 +172,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    help="Under bf16/fp16 the weight-gradient GEMMs of the linear layers write fp32 (cuBLAS, on CUDA); "
                         "this flag makes them write the compute dtype and cast, as plain autocast does.")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="SwiGLU runs as plain tensor math instead of its Triton kernels (used on CUDA where Triton "
+                        "is installed).")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
                    help="Train the transformer layers' linear layers in fp8 (torchao float8): e4m3 everywhere, "
                         "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
@@ -549,7 +552,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         params_dtype=torch.float32, bf16=args.bf16, fp16=args.fp16,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion, bias_swiglu_fusion=args.bias_swiglu_fusion,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
         sliding_window=args.sliding_window,

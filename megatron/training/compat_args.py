@@ -51,7 +51,6 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
              {"choices": ["transformer_engine", "local", "inference_optimized"], "default": "transformer_engine"}),
     NoEffect("--no-bias-gelu-fusion", _FUSION),
     NoEffect("--no-bias-dropout-fusion", _FUSION),
-    NoEffect("--no-bias-swiglu-fusion", _FUSION),
     NoEffect("--no-masked-softmax-fusion", _FUSION),
     NoEffect("--no-rope-fusion", _FUSION),
     NoEffect("--no-persist-layer-norm", _FUSION),

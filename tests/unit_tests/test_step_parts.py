@@ -44,7 +44,26 @@ def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     assert (kernel.BLOCK, kernel.NUM_WARPS) == default
 
 
-@pytest.mark.parametrize("flags", [["--loss-kernels", "64"], ["--loss-kernels", "64x4,x"], ["--loss-chunk", "0"]])
+def test_swiglu_rows_time_both_implementations(monkeypatch):
+    """SwiGLU's rows: torch.compile's kernels and, where the Triton kernels run (under the interpreter on
+    CPU, when a test allows it), each configuration named (restored afterwards), each moving 8 passes."""
+    kernel = step_parts.triton_swiglu
+    monkeypatch.setattr(kernel, "interpreter_allowed", True)
+    default = (kernel.BLOCK, kernel.NUM_WARPS)
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
+                              "--swiglu-kernels", "64x4,128x8", "--swiglu-tokens", "5"])
+    ffn = step_parts.shapes.MODELS["tiny"].ffn_hidden_size
+    names = [name for name in result["rows"] if name.startswith("swiglu")]
+    triton_rows = ["swiglu forward+backward, Triton, block 64, 4 warps",
+                   "swiglu forward+backward, Triton, block 128, 8 warps"]
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert names == [f"swiglu forward+backward, torch.compile (5 x {ffn})", *(triton_rows if has_triton else [])]
+    assert all(result["rows"][name]["bytes"] == 8 * 5 * ffn * 2 for name in names)
+    assert (kernel.BLOCK, kernel.NUM_WARPS) == default
+
+
+@pytest.mark.parametrize("flags", [["--loss-kernels", "64"], ["--loss-kernels", "64x4,x"], ["--loss-chunk", "0"],
+                                   ["--swiglu-kernels", "1024"], ["--swiglu-tokens", "0"]])
 def test_bad_loss_kernel_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
         step_parts.main(["--model", "tiny", *flags])

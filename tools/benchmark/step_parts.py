@@ -13,10 +13,14 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype;
 * loss kernel (`--loss-kernels`): the chunked loss's softmax, loss and logits gradient over one
   chunk of bf16 logits [--loss-chunk, vocabulary], torch.compile's kernel and the Triton kernel at
-  each BLOCKxWARPS configuration named, against the 2 reads and 1 write of the logits both need.
+  each BLOCKxWARPS configuration named, against the 2 reads and 1 write of the logits both need;
+* SwiGLU (`--swiglu-kernels`): the MLP's silu(gate) * up, forward and backward, over fc1's bf16
+  output [--swiglu-tokens, 2 x ffn]: torch.compile's kernels and the Triton kernels at each
+  BLOCKxWARPS named, against the 8 passes both need (forward: read gate and up, write the output;
+  backward: read gate, up and the output gradient, write both gradients).
 
     python tools/benchmark/step_parts.py --model qwen3-1.7b --repeats 10 --compiled \
-        --loss-kernels 4096x8,8192x16 --loss-chunk 4096
+        --loss-kernels 4096x8,8192x16 --loss-chunk 4096 --swiglu-kernels 1024x4,2048x8
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from megatron.core.tensor_parallel import linear_cross_entropy, triton_cross_ent
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
+from megatron.core.transformer import triton_swiglu  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
 
 
@@ -114,6 +119,8 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     result["bf16 grad to fp32"] = (measure(lambda: [h.float() for h in half]), 6 * matrix)
     if args.loss_kernels:
         result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
+    if args.swiglu_kernels:
+        result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
     return result
 
 
@@ -145,6 +152,35 @@ def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[st
     return result
 
 
+def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tuple]:
+    """SwiGLU forward + backward over random bf16 fc1 output [tokens, 2 x ffn]: torch.compile's kernels
+    (the forward and the backward autograd makes of them, as in a compiled layer), then the Triton kernels'
+    configurations (where they run); every row moves tokens x ffn bf16 values 8 times."""
+    generator = torch.Generator(device).manual_seed(0)
+    x = torch.randn(args.swiglu_tokens, 2 * ffn, device=device, generator=generator).to(torch.bfloat16)
+    x.requires_grad_()
+    grad = torch.randn(args.swiglu_tokens, ffn, device=device, generator=generator).to(torch.bfloat16)
+    moved = 8 * args.swiglu_tokens * ffn * x.element_size()
+
+    def timed(function):
+        def step():
+            x.grad = None
+            function(x).backward(grad)
+        return measure(step)
+    name = f"swiglu forward+backward, torch.compile ({args.swiglu_tokens} x {ffn})"
+    result = {name: (timed(torch.compile(triton_swiglu.reference)), moved)}
+    if not triton_swiglu.available(x):
+        print("swiglu: its Triton kernels do not run here; only torch.compile's row")
+        return result
+    default = (triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS)
+    for config in args.swiglu_kernels.split(","):
+        triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = (int(value) for value in config.split("x"))
+        label = f"swiglu forward+backward, Triton, block {triton_swiglu.BLOCK}, {triton_swiglu.NUM_WARPS} warps"
+        result[label] = (timed(triton_swiglu.swiglu), moved)
+    triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = default
+    return result
+
+
 def bandwidth(device: torch.device, measure: Callable[[Callable[[], None]], float], size: int) -> float:
     """Bytes per ms of one large device copy (read + write)."""
     source = torch.empty(size, dtype=torch.uint8, device=device)
@@ -162,15 +198,19 @@ def main(argv=None) -> dict:
                         help="Also time the fused loss: torch.compile's and the Triton kernel with these "
                              "column blocks x warps (e.g. 4096x8,8192x16).")
     parser.add_argument("--loss-chunk", type=int, default=4096, help="Tokens of the loss chunk timed.")
+    parser.add_argument("--swiglu-kernels", metavar="BxW,...",
+                        help="Also time SwiGLU forward+backward: torch.compile's and the Triton kernels with these "
+                             "column blocks x warps (e.g. 1024x4,2048x8).")
+    parser.add_argument("--swiglu-tokens", type=int, default=8192, help="Tokens of the SwiGLU input timed.")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
-    if args.loss_kernels and not all(part.count("x") == 1 and part.replace("x", "").isdigit()
-                                     for part in args.loss_kernels.split(",")):
-        parser.error(f"--loss-kernels {args.loss_kernels!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
-    if args.loss_chunk < 1:
-        parser.error("--loss-chunk must be >= 1")
+    for flag, value in (("--loss-kernels", args.loss_kernels), ("--swiglu-kernels", args.swiglu_kernels)):
+        if value and not all(part.count("x") == 1 and part.replace("x", "").isdigit() for part in value.split(",")):
+            parser.error(f"{flag} {value!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
+    if args.loss_chunk < 1 or args.swiglu_tokens < 1:
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)

@@ -143,12 +143,13 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
                        recompute: str = "none", grouped_gemm: Optional[bool] = True,
-                       gradient_accumulation_fusion: bool = True) -> TransformerConfig:
+                       gradient_accumulation_fusion: bool = True, swiglu_fusion: bool = True) -> TransformerConfig:
     """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
     batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
     `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
     --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config).
-    `gradient_accumulation_fusion`: weight gradients written in fp32 by their GEMM (the default)."""
+    `gradient_accumulation_fusion`: weight gradients written in fp32 by their GEMM (the default).
+    `swiglu_fusion`: SwiGLU as its Triton kernels where they run (the default)."""
     full = recompute == "full"
     moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
     return TransformerConfig(
@@ -160,7 +161,8 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
         layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
         activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
         params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
-        check_token_ids=False, moe=moe, gradient_accumulation_fusion=gradient_accumulation_fusion)
+        check_token_ids=False, moe=moe, gradient_accumulation_fusion=gradient_accumulation_fusion,
+        bias_swiglu_fusion=swiglu_fusion)
 
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
@@ -209,7 +211,7 @@ def _compile_mode(args: argparse.Namespace) -> dict:
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
-                                args.gradient_accumulation_fusion)
+                                args.gradient_accumulation_fusion, args.bias_swiglu_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
     dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size)
     linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
@@ -402,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                         action="store_false", help="Our weight gradients in bf16 then cast (plain autocast), "
                                                    "not written in fp32 by their GEMM.")
+    parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                        help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
@@ -502,6 +506,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
+                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
                       (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
                       (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),

@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron.core.parallel_state import ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import triton_swiglu
 from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -32,10 +33,13 @@ class MLP(MegatronModule):
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, init_std=output_init_std(config),
                                             init_seed=parameter_seed(layer_number, "linear_fc2"), **common)
         self.activation = _ACTIVATIONS[config.activation]
+        self.swiglu_kernel = self.gated and config.activation == "silu" and config.bias_swiglu_fusion
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden_states)
-        if self.gated:
+        if self.swiglu_kernel and triton_swiglu.available(intermediate):
+            intermediate = triton_swiglu.swiglu(intermediate)
+        elif self.gated:
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = self.activation(gate) * up
         else:

@@ -143,6 +143,9 @@ class TransformerConfig:
     gradient_accumulation_fusion: bool = True
     """Under bf16/fp16, the linear layers' weight-gradient GEMMs write the fp32 gradient themselves
     (on CUDA; tensor_parallel/fp32_weight_grad.py) instead of the compute dtype and a cast."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU's forward and backward as Triton kernels on CUDA (transformer/triton_swiglu.py) instead of
+    the tensor math; Megatron's flag name (there is no fc1 bias to fuse when biases are off)."""
 
     recompute_granularity: Optional[str] = None
     """None, 'selective' (recompute core attention only) or 'full' (whole layers)."""

@@ -1,0 +1,125 @@
+"""SwiGLU's Triton kernels (triton_swiglu): the same output and input gradient as the tensor math, in the
+MLP when the fusion is on, traced whole by torch.compile. On a GPU the CUDA cases run the compiled kernels;
+on CPU, where Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron.core.transformer import triton_swiglu as kernel
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
+                         reason="the CUDA cases run the kernels" if HAS_TRITON else "Triton is not installed")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    # on CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
+    monkeypatch.setattr(kernel, "BLOCK", 64)  # several programs per row, and a ragged last one
+    monkeypatch.setattr(kernel, "interpreter_allowed", True)
+    return torch.device(request.param)
+
+
+def fc1_output(device, dtype, shape=(5, 3, 2 * 150), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * 3
+    return x.to(device=device, dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_the_tensor_math(device, dtype):
+    x = fc1_output(device, dtype)
+    assert kernel.available(x)
+    out = kernel.swiglu(x)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    # the reference in fp32 arithmetic: the kernels round once, at the end
+    x32 = x.detach().float().requires_grad_()
+    expected = kernel.reference(x32)
+    (expected_dx,) = torch.autograd.grad(expected, x32, grad.float())
+    assert out.shape == (5, 3, 150) and out.dtype == dtype and dx.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    torch.testing.assert_close(dx.float(), expected_dx, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_a_non_contiguous_gradient_and_an_empty_batch(device):
+    x = fc1_output(device, torch.float32, shape=(4, 2 * 70))
+    out = kernel.swiglu(x)
+    grad = torch.randn(70, 4, generator=torch.Generator().manual_seed(3)).to(device).t()  # a transposed view
+    (dx,) = torch.autograd.grad(out, x, grad)
+    x32 = x.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(kernel.reference(x32), x32, grad)
+    torch.testing.assert_close(dx, expected, rtol=1e-5, atol=1e-5)
+    empty = fc1_output(device, torch.float32, shape=(0, 2 * 70))
+    assert kernel.swiglu(empty).shape == (0, 70)
+
+
+def test_an_odd_width_is_refused():
+    with pytest.raises(ValueError, match="even last dimension"):
+        kernel.swiglu(torch.zeros(2, 7))
+
+
+def mlp(fusion, device, bias=False):
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=96,
+                               gated_linear_unit=True, activation="silu", add_bias_linear=bias,
+                               bias_swiglu_fusion=fusion)
+    return MLP(config).to(device)
+
+
+def forward_backward(module, hidden):
+    hidden = hidden.detach().requires_grad_()
+    out = module(hidden)
+    out.square().sum().backward()
+    return out, hidden.grad, {name: p.grad for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_mlp_uses_the_kernels_and_trains_the_same(device, bias, monkeypatch):
+    calls = []
+    original = kernel.swiglu
+    monkeypatch.setattr(kernel, "swiglu", lambda x: calls.append(x.shape) or original(x))
+    hidden = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(4)).to(device)
+    fused = forward_backward(mlp(True, device, bias), hidden)
+    assert calls == [(6, 2, 192)], "the fused MLP must call the kernels"
+    plain = forward_backward(mlp(False, device, bias), hidden)
+    assert calls == [(6, 2, 192)], "--no-bias-swiglu-fusion must keep the tensor math"
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(fused[2][name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@CUDA
+def test_torch_compile_traces_the_kernels_whole():
+    """fullgraph=True fails on any graph break: the ops must be traced into the compiled MLP."""
+    hidden = torch.randn(64, 2, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    compiled = mlp(True, "cuda")
+    compiled.compile(fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = forward_backward(compiled, hidden)
+        plain = forward_backward(mlp(False, "cuda"), hidden)
+    torch.testing.assert_close(fused[0].float(), plain[0].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused[1], plain[1], rtol=2e-2, atol=2e-2)
+
+
+def test_the_flag_turns_the_fusion_off():
+    from megatron.training.arguments import parse_args, transformer_config_from_args
+    from custom_args.difflm import add_difflm_args
+    from tests.unit_tests.test_bad_inputs_training import TINY
+
+    def config(extra):
+        return transformer_config_from_args(parse_args(TINY + ["--swiglu"] + extra, add_difflm_args, world_size=1))
+
+    assert config([]).bias_swiglu_fusion
+    assert not config(["--no-bias-swiglu-fusion"]).bias_swiglu_fusion
