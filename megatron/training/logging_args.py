@@ -52,8 +52,10 @@ def _add_tensorboard_args(g) -> None:
                         "the --save directory when the job starts and at every save.")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="Which phases are timed: 0 only the iteration (no overhead), 1 also forward-backward, "
-                        "gradient sync and optimizer once per step, 2 also every data fetch. Levels 1 and 2 "
-                        "synchronise the device at each phase boundary and print the times every --log-interval.")
+                        "gradient sync and optimizer once per step, 2 also every data fetch and, in a pipeline, "
+                        "each stage's forward-compute and backward-compute with its measured bubble (CUDA events, "
+                        "no extra synchronisation). Levels 1 and 2 synchronise the device at each phase boundary "
+                        "and print the times every --log-interval.")
     g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
                    help="Timers on the console: the max over ranks, (min, max), or every rank's.")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,

@@ -1,7 +1,10 @@
 """Per-phase wall-clock timers of the training step (--timing-log-level, --timing-log-option).
 
 Megatron's names and levels: level 1 times forward-backward, all-grads-sync and optimizer once
-per step, level 2 also every batch fetch (batch-generator, which forward-backward contains).
+per step, level 2 also every batch fetch (batch-generator, which forward-backward contains) and,
+under pipeline parallelism, the stage's forward-compute and backward-compute within forward-backward
+(a ComputeClock the schedule fills, megatron/core/pipeline_parallel/compute_clock.py), from which
+the report derives the stage's measured pipeline bubble.
 The loop marks phase boundaries (`step_start`, `lap`); at each --log-interval the logger
 gathers every rank's totals (one all-gather) and reports seconds per step. Each boundary
 synchronises the device, which is why timing is off (level 0) unless asked for.
@@ -16,8 +19,11 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.pipeline_parallel.compute_clock import ComputeClock
+
 # Every timer and its level, in the order reports list them; ranks gather them in this order.
-TIMER_LEVELS = {"forward-backward": 1, "all-grads-sync": 1, "optimizer": 1, "batch-generator": 2}
+TIMER_LEVELS = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2, "all-grads-sync": 1,
+                "optimizer": 1, "batch-generator": 2}
 
 
 class Timers:
@@ -26,6 +32,7 @@ class Timers:
         self.device = device or torch.device("cpu")
         self.totals: Dict[str, float] = {}
         self._last: Optional[float] = None
+        self._clock: Optional[ComputeClock] = None
 
     def names(self) -> List[str]:
         return [name for name, level in TIMER_LEVELS.items() if level <= self.level]
@@ -49,6 +56,18 @@ class Timers:
             now = self._now()
             self.add(name, now - self._last)
             self._last = now
+            if name == "forward-backward" and self._clock is not None:  # the device is synchronised
+                for part, seconds in self._clock.collect().items():
+                    self.add(part, seconds)
+
+    def compute_clock(self) -> Optional[ComputeClock]:
+        """At level 2, the clock a pipeline schedule times its compute with (read at forward-backward's
+        lap); None below it."""
+        if self.level < 2:
+            return None
+        if self._clock is None:
+            self._clock = ComputeClock(self.device)
+        return self._clock
 
     @contextmanager
     def timed(self, name: str):
@@ -90,13 +109,29 @@ class Timers:
             for name, times in gathered.items():
                 lines.append(f"  {name}:")
                 lines += [f"     rank {rank:2d}: {t * scale:.2f}" for rank, t in enumerate(times) if t > 0]
-            return "\n".join(lines)
-        lines = ["max time across ranks (ms):" if self.option == "max" else "(min, max) time across ranks (ms):"]
-        for name, times in gathered.items():
-            ran = [t * scale for t in times if t > 0]
-            value = f"{max(ran):.2f}" if self.option == "max" else f"({min(ran):.2f}, {max(ran):.2f})"
-            lines.append(f"    {(name + ' ').ljust(48, '.')}: {value}")
+        else:
+            lines = ["max time across ranks (ms):" if self.option == "max" else
+                     "(min, max) time across ranks (ms):"]
+            for name, times in gathered.items():
+                ran = [t * scale for t in times if t > 0]
+                value = f"{max(ran):.2f}" if self.option == "max" else f"({min(ran):.2f}, {max(ran):.2f})"
+                lines.append(f"    {(name + ' ').ljust(48, '.')}: {value}")
+        bubbles = pipeline_bubbles(gathered)
+        if bubbles:  # the schedule's share spent waiting (and not computing), per stage
+            lines.append(f"pipeline bubble (1 - compute / forward-backward): min {100 * min(bubbles):.1f}%, "
+                         f"mean {100 * sum(bubbles) / len(bubbles):.1f}%, max {100 * max(bubbles):.1f}% over "
+                         f"{len(bubbles)} ranks")
         return "\n".join(lines)
+
+
+def pipeline_bubbles(gathered: Dict[str, List[float]]) -> List[float]:
+    """Each rank's measured bubble, 1 - (forward-compute + backward-compute) / forward-backward, for the
+    ranks that timed their compute (pipeline stages at level 2); empty otherwise."""
+    if "forward-compute" not in gathered or "forward-backward" not in gathered:
+        return []
+    backward = gathered.get("backward-compute", [0.0] * len(gathered["forward-compute"]))
+    return [1.0 - (forward + back) / total for forward, back, total
+            in zip(gathered["forward-compute"], backward, gathered["forward-backward"]) if forward > 0 and total > 0]
 
 
 class _TimedIterator:

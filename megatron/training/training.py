@@ -179,9 +179,12 @@ class Trainer:
             ctx = StepContext(iteration, first_sample, global_batch_size, microbatch, training, stream, loss_scale)
             return self.forward_step(iterator, model, ctx)
 
+        # the level-2 timers time a pipeline stage's compute (its measured bubble, timers.py)
+        clock = self.hooks.timers.compute_clock() if training and self.config.pipeline_model_parallel_size > 1 else None
         loss = self.schedule(forward_step, data_iterator, self.model, num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
-                             scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale))
+                             scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale),
+                             **({} if clock is None else {"clock": clock}))
         # Tensor-parallel peers hold the same values: sum over the data-parallel replicas (the loss
         # sums also over the context-parallel ranks, which hold parts of the same sequences; the
         # normalizers, computed on whole sequences, are the same there), then hand the last

@@ -9,6 +9,8 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
+BUBBLE = re.compile(r"pipeline bubble \(1 - compute / forward-backward\): min ([0-9.]+)%, mean ([0-9.]+)%, "
+                    r"max ([0-9.]+)% over (\d+) ranks")
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
@@ -54,10 +56,11 @@ def test_two_process_training_lowers_the_loss(mode, tmp_path, data_dir):
 
 def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path, data_dir):
     """The README's pipeline command: 2 stages x 2 tensor-parallel ranks train the bundled corpus.
-    (TP+SP with ZeRO-1 and every other layout are proven equal to one process in test_layout_matrix.py.)"""
+    (TP+SP with ZeRO-1 and every other layout are proven equal to one process in test_layout_matrix.py.)
+    With the level-2 timers every rank times its compute and the log states the measured bubble."""
     env = dict(os.environ, NPROC="4", TRAIN_ITERS="20", TENSORBOARD_DIR=str(tmp_path / "tb"),
                DATA_DIR=str(data_dir), OMP_NUM_THREADS="1")
-    flags = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+    flags = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--timing-log-level", "2"]
     result = subprocess.run(["bash", "examples/quickstart.sh", *flags], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -65,3 +68,7 @@ def test_four_processes_with_pipeline_and_tensor_parallelism(tmp_path, data_dir)
     console = {int(step): float(loss) for step, loss in LOSS.findall(result.stdout)}
     first, last = [console[i] for i in range(1, 6)], [console[i] for i in range(16, 21)]
     assert sum(last) / 5 < 0.85 * sum(first) / 5, (first, last)
+    assert result.stdout.count("    forward-compute ....") == result.stdout.count("    backward-compute ....") == 20
+    bubbles = BUBBLE.findall(result.stdout)
+    assert len(bubbles) == 20 and all(0 < float(low) <= float(high) < 100 for low, _, high, _ in bubbles), bubbles
+    assert {ranks for *_, ranks in bubbles} == {"4"}, "every rank is a stage that timed its compute"

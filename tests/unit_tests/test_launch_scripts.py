@@ -21,6 +21,8 @@ SCRIPTS = {
     "examples/dlm_training/dlm_pretrain_125m.sh": (1, {"pipeline_model_parallel_size": 1}),
     "examples/ar_training/ar_pretrain_1.7b.sh": (1, {"model_running_mode": "vanilla"}),
     "examples/dlm_training/dlm_sft_1.7b.sh": (1, {"sft": True, "difflm_loss_normalizer": "sequence"}),
+    "examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh": (1, {"num_experts": 64, "moe_router_topk": 8,
+                                                              "expert_model_parallel_size": 1}),
 }
 
 
@@ -31,3 +33,12 @@ def test_launch_script_flags_validate_at_its_layout(script, tmp_path):
     args = parse_args(flags, add_difflm_args, world_size=gpus)
     for name, value in expected.items():
         assert getattr(args, name) == value, (name, getattr(args, name))
+
+
+def test_the_moe_script_spreads_its_experts_over_the_gpus(tmp_path):
+    """EP=4 on 4 GPUs: the [scale] issue's expert-parallel run."""
+    flags = recorded_flags("examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh", tmp_path,
+                           {"GPUS_PER_NODE": "4", "EP": "4", "TENSORBOARD_DIR": str(tmp_path / "tb")})
+    args = parse_args(flags, add_difflm_args, world_size=4)
+    assert (args.expert_model_parallel_size, args.data_parallel_size, args.num_experts) == (4, 4, 64)
+    assert args.moe_token_dispatcher_type == "alltoall" and args.padded_vocab_size >= 50304

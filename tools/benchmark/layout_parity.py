@@ -1,13 +1,23 @@
-"""Train the same model under several parallel layouts and compare losses and throughput.
+"""Train the same model under several parallel layouts and compare losses, throughput and the
+pipeline bubble.
 
-    python tools/benchmark/layout_parity.py --script examples/dlm_training/dlm_pretrain_1.7b.sh \
-        --iters 20 --extra "--num-layers 16" --layouts 1gpu dp2 tp2 [--json OUT]
+    python tools/benchmark/layout_parity.py --script examples/dlm_training/dlm_pretrain_1.7b.sh \\
+        --iters 20 --extra "--num-layers 16" --layouts 1gpu dp2 tp2sp pp2 pp2v2 [--json OUT]
 
-Each layout runs the launch script through torchrun with the same data, seed and global
-batch (micro-batch 2, --global-batch-size 4 by default), logging every iteration. Prints per-step `lm loss`
-of each layout next to the single-GPU run, the largest relative difference, and the median
-tokens/s/GPU and TFLOP/s/GPU over the second half of the steps (after warm-up).
+A layout is named by its sizes, in any order: `tp2` (tensor parallel; `sp` adds sequence
+parallelism), `pp4` (pipeline stages; `v2`: two interleaved virtual stages per rank), `cp2`
+(context parallel), `ep4` (expert parallel, within the data-parallel ranks), `dp2` (data
+parallel); `1gpu` is all ones. The layout's GPUs are tp x pp x cp x dp, e.g. `tp2pp2dp2` = 8.
+Each layout runs the launch script through torchrun (GPUS_PER_NODE, the script's environment
+variables of examples/launch_common.sh) with the same data, seed and global batch, logging every
+iteration; pipelined layouts also run the level-2 timers, whose report states each stage's
+measured bubble. Prints every step's `lm loss` next to the first layout's, and per layout: the
+largest relative loss difference, the median tokens/s/GPU and TFLOP/s/GPU over the second half
+of the steps, the total against the first layout's (speed-up and its efficiency per GPU) and,
+for pipelines, the median measured bubble against 1F1B's (p - 1) / (m * v + p - 1).
 """
+
+from __future__ import annotations
 
 import argparse
 import json
@@ -16,66 +26,171 @@ import re
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
-LAYOUTS = {
-    "1gpu": (1, ""),
-    "dp2": (2, ""),
-    "tp2": (2, "--tensor-model-parallel-size 2"),
-    "tp2_sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
-}
 LINE = re.compile(r"iteration +(\d+)/.*?tokens per second per GPU: ([0-9.]+).*?lm loss: ([0-9.E+-]+)")
 TFLOPS = re.compile(r"iteration +(\d+)/.*?\(TFLOP/s/GPU\): ([0-9.]+)")
+BUBBLE = re.compile(r"pipeline bubble \(1 - compute / forward-backward\): min [0-9.]+%, mean ([0-9.]+)%")
+TOKEN = re.compile(r"(tp|pp|cp|ep|dp|v)(\d+)|sp")
 
 
-def run_layout(name: str, script: str, iters: int, extra: str, log_dir: str, global_batch: int) -> dict:
-    gpus, flags = LAYOUTS[name]
-    env = dict(os.environ, GPUS_PER_NODE=str(gpus), TRAIN_ITERS=str(iters), LR_WARMUP_ITERS="2",
-               WSD_DECAY_ITERS="2", MICRO_BATCH_SIZE="2", GLOBAL_BATCH_SIZE=str(global_batch), LOG_INTERVAL="1",
-               EXTRA_ARGS=f"{extra} {flags} --eval-iters 0", MASTER_PORT=str(29500 + len(name)))
-    log_path = os.path.join(log_dir, f"{name}.log")
-    with open(log_path, "w") as log:
-        code = subprocess.run(["bash", script], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    text = open(log_path).read()
-    if code != 0:
-        sys.exit(f"{name}: exit code {code}\n{text[-3000:]}")
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    virtual: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def flags(self) -> List[str]:
+        """pretrain_difflm.py's flags for this layout (data parallelism is what the GPUs leave). Every
+        size is given, 1 included, so a script's own layout (the 7B script's TP=2 x PP=2) gives way."""
+        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                 "--context-parallel-size", str(self.cp), "--expert-model-parallel-size", str(self.ep)]
+        if self.virtual > 1:
+            flags += ["--num-virtual-stages-per-pipeline-rank", str(self.virtual)]
+        if self.sequence_parallel:
+            flags.append("--sequence-parallel")
+        if self.pp > 1:  # each stage times its compute: the measured bubble
+            flags += ["--timing-log-level", "2"]
+        return flags
+
+    def bubble_formula(self, global_batch: int, micro_batch: int) -> Optional[float]:
+        """1F1B's bubble for this layout's micro-batches per replica; None without a pipeline."""
+        if self.pp == 1:
+            return None
+        microbatches = global_batch // (micro_batch * self.dp)
+        return (self.pp - 1) / (microbatches * self.virtual + self.pp - 1)
+
+
+def parse_layout(name: str) -> Layout:
+    """`tp2pp2dp2` -> Layout(tp=2, pp=2, dp=2); raises ValueError naming what is wrong."""
+    if name == "1gpu":
+        return Layout(name)
+    sizes: Dict[str, int] = {}
+    position = 0
+    for match in TOKEN.finditer(name):
+        if match.start() != position:
+            break
+        key = match.group(1) or "sp"
+        if key in sizes:
+            raise ValueError(f"layout {name!r} names {key} twice")
+        sizes[key] = int(match.group(2)) if match.group(2) else 1
+        position = match.end()
+    if position != len(name) or not sizes:
+        raise ValueError(f"layout {name!r}: use sizes such as tp2, pp4, v2, cp2, ep4, dp2 and sp (e.g. tp2sppp2), "
+                         "or 1gpu")
+    if any(size < 1 for key, size in sizes.items() if key != "sp"):
+        raise ValueError(f"layout {name!r}: every size must be >= 1")
+    if "v" in sizes and sizes.get("pp", 1) == 1:
+        raise ValueError(f"layout {name!r}: virtual stages (v) need a pipeline (pp2 or more)")
+    if "sp" in sizes and sizes.get("tp", 1) == 1:
+        raise ValueError(f"layout {name!r}: sequence parallelism (sp) needs tensor parallelism (tp2 or more)")
+    layout = Layout(name, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
+                    ep=sizes.get("ep", 1), dp=sizes.get("dp", 1), virtual=sizes.get("v", 1),
+                    sequence_parallel="sp" in sizes)
+    if (layout.dp * layout.cp) % layout.ep:
+        raise ValueError(f"layout {name!r}: expert parallelism ep{layout.ep} must divide dp x cp "
+                         f"({layout.dp * layout.cp})")
+    return layout
+
+
+def parse_log(text: str, iters: int) -> dict:
+    """Losses of every step, and the medians over the second half of the steps."""
     steps = {int(i): (float(tok), float(loss)) for i, tok, loss in LINE.findall(text)}
     tflops = {int(i): float(v) for i, v in TFLOPS.findall(text)}
+    if sorted(steps) != list(range(1, iters + 1)):
+        raise ValueError(f"the log has iterations {sorted(steps)[:5]}... of {iters}")
     later = [i for i in sorted(steps) if i > iters // 2]
+    bubbles = [float(mean) / 100 for mean in BUBBLE.findall(text)]
     return {"losses": [steps[i][1] for i in sorted(steps)],
             "tokens_per_s_per_gpu": statistics.median(steps[i][0] for i in later),
-            "tflops_per_gpu": statistics.median(tflops[i] for i in later), "gpus": gpus}
+            "tflops_per_gpu": statistics.median(tflops[i] for i in later) if tflops else None,
+            "bubble": statistics.median(bubbles[len(bubbles) // 2:]) if bubbles else None}
 
 
-def main() -> None:
+def run_layout(layout: Layout, args: argparse.Namespace, port: int) -> dict:
+    env = dict(os.environ, GPUS_PER_NODE=str(layout.gpus), TRAIN_ITERS=str(args.iters), LR_WARMUP_ITERS="2",
+               WSD_DECAY_ITERS="2", MICRO_BATCH_SIZE=str(args.micro_batch_size),
+               GLOBAL_BATCH_SIZE=str(args.global_batch_size), LOG_INTERVAL="1",
+               EXTRA_ARGS=" ".join([args.extra, *layout.flags(), "--eval-iters 0"]), MASTER_PORT=str(port))
+    log_path = os.path.join(args.log_dir, f"{layout.name}.log")
+    with open(log_path, "w") as log:
+        code = subprocess.run(["bash", args.script], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    text = open(log_path).read()
+    if code != 0:
+        sys.exit(f"{layout.name}: exit code {code} (log: {log_path})\n{text[-3000:]}")
+    result = parse_log(text, args.iters)
+    result.update(gpus=layout.gpus, flags=layout.flags(),
+                  bubble_formula=layout.bubble_formula(args.global_batch_size, args.micro_batch_size))
+    return result
+
+
+def _percent(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def table(layouts: List[Layout], results: Dict[str, dict]) -> List[str]:
+    """The per-step losses, then one row per layout against the first."""
+    names = [layout.name for layout in layouts]
+    base = results[names[0]]
+    lines = ["step | " + " | ".join(names)]
+    lines += [f"{step + 1:4d} | " + " | ".join(f"{results[n]['losses'][step]:.6f}" for n in names)
+              for step in range(len(base["losses"]))]
+    lines += ["", f"| layout | GPUs | max rel. loss diff vs {names[0]} | tokens/s/GPU (median) | total tokens/s | "
+              "speed-up | per-GPU efficiency | TFLOP/s/GPU | bubble measured | bubble 1F1B |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    base_total = base["tokens_per_s_per_gpu"] * base["gpus"]
+    for name in names:
+        r = results[name]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"]))
+        total = r["tokens_per_s_per_gpu"] * r["gpus"]
+        speedup = total / base_total
+        tflops = "-" if r["tflops_per_gpu"] is None else f"{r['tflops_per_gpu']:.1f}"
+        lines.append(f"| {name} | {r['gpus']} | {diff:.2e} | {r['tokens_per_s_per_gpu']:,.0f} | {total:,.0f} | "
+                     f"{speedup:.2f}x | {speedup * base['gpus'] / r['gpus']:.1%} | {tflops} | "
+                     f"{_percent(r['bubble'])} | {_percent(r['bubble_formula'])} |")
+    return lines
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--script", required=True)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--extra", default="", help="Flags appended to the script's (e.g. a smaller depth).")
-    parser.add_argument("--global-batch-size", type=int, default=4, help="Sequences per step (micro-batch 2).")
-    parser.add_argument("--layouts", nargs="+", default=["1gpu", "dp2", "tp2"], choices=list(LAYOUTS))
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=4, help="Sequences per step.")
+    parser.add_argument("--layouts", nargs="+", default=["1gpu", "dp2", "tp2"],
+                        help="Layout names (see the module docstring); the first is the reference.")
     parser.add_argument("--log-dir", default="runs/layout_parity")
+    parser.add_argument("--port", type=int, default=29500, help="torchrun's master port of the first layout.")
     parser.add_argument("--json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        layouts = [parse_layout(name) for name in args.layouts]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.iters < 2 or not os.path.isfile(args.script):
+        parser.error(f"--iters must be >= 2 and --script a launch script (got {args.iters}, {args.script!r})")
+    for layout in layouts:
+        if args.global_batch_size % (args.micro_batch_size * layout.dp):
+            parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
+                         f"x dp ({args.micro_batch_size} x {layout.dp}) for {layout.name}")
     os.makedirs(args.log_dir, exist_ok=True)
-    results = {name: run_layout(name, args.script, args.iters, args.extra, args.log_dir, args.global_batch_size)
-               for name in args.layouts}
-    base = results[args.layouts[0]]
-    print("\nstep | " + " | ".join(args.layouts))
-    for step in range(args.iters):
-        print(f"{step + 1:4d} | " + " | ".join(f"{results[n]['losses'][step]:.6f}" for n in args.layouts))
-    print("\n| layout | GPUs | max rel. loss diff vs " + args.layouts[0] +
-          " | tokens/s/GPU (median) | total tokens/s | speed-up | TFLOP/s/GPU |")
-    print("|---|---|---|---|---|---|---|")
-    base_total = base["tokens_per_s_per_gpu"] * base["gpus"]
-    for name in args.layouts:
-        r = results[name]
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"]))
-        total = r["tokens_per_s_per_gpu"] * r["gpus"]
-        print(f"| {name} | {r['gpus']} | {diff:.2e} | {r['tokens_per_s_per_gpu']:,.0f} | {total:,.0f} | "
-              f"{total / base_total:.2f}x | {r['tflops_per_gpu']:.1f} |")
+    results = {layout.name: run_layout(layout, args, args.port + index) for index, layout in enumerate(layouts)}
+    print("\n" + "\n".join(table(layouts, results)))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
+    return results
 
 
 if __name__ == "__main__":

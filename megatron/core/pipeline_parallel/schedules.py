@@ -28,6 +28,7 @@ approach (p2p between neighbours, a schedule per rank) keeps every contract abov
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -37,6 +38,7 @@ from torch import nn
 from megatron.core.distributed.data_parallel import is_fully_sharded, no_sync, unwrap
 from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 from megatron.core.pipeline_parallel.chunks import model_chunks
+from megatron.core.pipeline_parallel.compute_clock import ComputeClock
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
 
 LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
@@ -136,34 +138,41 @@ def _backward(output: torch.Tensor, output_grad: Optional[torch.Tensor], chunk: 
 def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterator, model: nn.Module,
                                 num_microbatches: int, loss: GlobalBatchLoss, forward_only: bool = False,
                                 scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
-                                links: PipelineLinks, order: List[Action]) -> GlobalBatchLoss:
+                                links: PipelineLinks, order: List[Action],
+                                clock: Optional[ComputeClock] = None) -> GlobalBatchLoss:
     """Run this rank's `order` of forwards and backwards, receiving each input and output gradient
     just before it is needed and sending each result as soon as it exists. The loss (on the last
     virtual stage) goes into `loss`. Gradients are left unsynchronised over data-parallel
-    replicas except by FSDP2 on each chunk's last micro-batch (finalize_gradients does the rest)."""
+    replicas except by FSDP2 on each chunk's last micro-batch (finalize_gradients does the rest).
+    `clock` (the level-2 timers) times each forward and backward between its receive and its send."""
     chunks = model_chunks(model)
     last_chunk = len(chunks) - 1
     shared = SharedMicrobatches(data_iterator, len(chunks)) if len(chunks) > 1 else None
     iterators = [shared.for_chunk() for _ in chunks] if shared else [data_iterator]
     saved: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+
+    def computing(name: str):
+        return clock.span(name) if clock is not None else contextlib.nullcontext()
     for kind, chunk, microbatch in order:
         first, last = links.is_first and chunk == 0, links.is_last and chunk == last_chunk
         if kind == "F":
             received = None if first else links.recv_forward()
             unwrap(chunks[chunk]).set_input_tensor(received)
-            output, loss_func = forward_step(iterators[chunk], chunks[chunk], microbatch)
-            if last:
-                loss_sum, normalizer = loss_func(output)
-                loss.add(loss_sum, normalizer)
-                output = scale_loss(loss_sum) if scale_loss is not None else loss_sum
-            else:
+            with computing("forward-compute"):
+                output, loss_func = forward_step(iterators[chunk], chunks[chunk], microbatch)
+                if last:
+                    loss_sum, normalizer = loss_func(output)
+                    loss.add(loss_sum, normalizer)
+                    output = scale_loss(loss_sum) if scale_loss is not None else loss_sum
+            if not last:
                 links.send_forward(output)
             if not forward_only:
                 saved[chunk, microbatch] = (received, output)
             continue
         received, output = saved.pop((chunk, microbatch))
         output_grad = None if last else links.recv_backward(output)
-        _backward(output, output_grad, chunks[chunk], sync=microbatch == num_microbatches - 1)
+        with computing("backward-compute"):
+            _backward(output, output_grad, chunks[chunk], sync=microbatch == num_microbatches - 1)
         if not first:
             links.send_backward(received.grad)
     links.wait_all()
@@ -176,19 +185,21 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               links: Optional[PipelineLinks] = None) -> Callable:
     """The schedule for this layout (Megatron's name for the choice): no pipelining, 1F1B, or
-    interleaved 1F1B with `virtual_pipeline_model_parallel_size` chunks per rank."""
+    interleaved 1F1B with `virtual_pipeline_model_parallel_size` chunks per rank. A pipelined
+    schedule also takes `clock=` (a ComputeClock) to time its compute."""
     if pipeline_model_parallel_size == 1:
         return forward_backward_no_pipelining
     if links is None or links.size != pipeline_model_parallel_size:
         raise ValueError(f"a pipeline of {pipeline_model_parallel_size} stages needs this rank's PipelineLinks")
     chunks = virtual_pipeline_model_parallel_size or 1
 
-    def schedule(forward_step, data_iterator, model, num_microbatches, loss, forward_only=False, scale_loss=None):
+    def schedule(forward_step, data_iterator, model, num_microbatches, loss, forward_only=False, scale_loss=None,
+                 clock=None):
         if chunks == 1:
             order = one_f_one_b_order(links.size, links.stage, num_microbatches, forward_only)
         else:
             order = interleaved_order(links.size, links.stage, chunks, num_microbatches, forward_only)
         return forward_backward_pipelining(forward_step, data_iterator, model, num_microbatches, loss,
-                                           forward_only, scale_loss, links=links, order=order)
+                                           forward_only, scale_loss, links=links, order=order, clock=clock)
 
     return schedule
