@@ -6,7 +6,8 @@
 # state 15.2 GB / DP = 7.6 GB, activations with selective recompute about 34*s*h/TP bytes a layer
 # (0.25 GB) x 14 layers x at most 2 micro-batches in flight on stage 0 = 7 GB: about 30 GB plus
 # buffers and the output layer's chunks. (An estimate; measured runs go to docs/performance.md.)
-# The compiled loss (--difflm-compile-loss) is TP=1 only: with TP=1 add it through EXTRA_ARGS.
+# The fused loss (--difflm-compile-loss) also runs under TP (two Triton kernels and an all-gather per
+# chunk); not yet measured on several GPUs, so add it through EXTRA_ARGS.
 # --compile-optimizer-step: 551.4 -> 571.7 TFLOP/s at this shape on one H200 (docs/performance.md).
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}

@@ -23,8 +23,6 @@ def validate_parallel(args: argparse.Namespace) -> None:
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
-    if getattr(args, "difflm_compile_loss", False) and args.tensor_model_parallel_size != 1:
-        raise ValueError("--difflm-compile-loss supports --tensor-model-parallel-size 1; drop one of them")
     if args.fp8_format:
         from megatron.core.transformer.fp8 import float8_config
 

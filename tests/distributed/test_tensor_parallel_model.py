@@ -21,13 +21,16 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout,mode", [("tp2_tied", "difflm-noshift"), ("tp2_sp", "difflm-shift")])
-def test_masked_only_loss_under_tensor_parallel_matches_full_logits_in_one_process(layout, mode, tmp_path):
+@pytest.mark.parametrize("layout,mode,fused", [("tp2_tied", "difflm-noshift", []),
+                                               ("tp2_sp", "difflm-shift", ["--difflm-compile-loss"])])
+def test_masked_only_loss_under_tensor_parallel_matches_full_logits_in_one_process(layout, mode, fused, tmp_path):
     """The chunked vocab-parallel output layer + cross-entropy at the masked positions only (chunks
-    of 16 tokens, vocabulary padded 121 -> 128) against one process computing every logit."""
+    of 16 tokens, vocabulary padded 121 -> 128) against one process computing every logit; with
+    --difflm-compile-loss too (fp32 on CPU: the eager passes; test_vocab_parallel_fused_loss.py has
+    the Triton kernels over tp ranks)."""
     world_size, model_flags, parallel_flags = LAYOUTS[layout]
     argv = ARGV + model_flags + ["--model-running-mode", mode]
-    masked_only = ["--difflm-masked-only-loss", "--difflm-loss-chunk-size", "16"]
+    masked_only = ["--difflm-masked-only-loss", "--difflm-loss-chunk-size", "16"] + fused
     assert_same_training(run(1, argv, tmp_path, "reference"),
                          run(world_size, argv + parallel_flags + masked_only, tmp_path, layout))
 

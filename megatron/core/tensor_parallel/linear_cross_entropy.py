@@ -41,7 +41,9 @@ class _Layout:
     compute_dtype: torch.dtype
     chunk_size: int
     compiled: bool = False
-    """Single rank only: each chunk's softmax, loss and logits gradient as one fused kernel."""
+    """Each chunk's softmax, loss and logits gradient fused: on one rank one kernel (Triton's, else
+    torch.compile's); over tensor-parallel ranks Triton's two kernels with one all-gather between
+    (where Triton does not run there, the eager passes)."""
 
 
 def _chunks(count: int, chunk_size: int):
@@ -113,12 +115,38 @@ TRITON_KERNEL = True
 the training benchmark's `--loss-kernel inductor` sets it to time one against the other)."""
 
 
-def _fused_softmax_loss_gradient(logits, targets, scale, valid_rows: int):
-    """_softmax_loss_gradient in one fused kernel: Triton's (two passes over the logits, the gradient
-    written over them) where it can run, else torch.compile's."""
+def _fuses(layout: _Layout, chunk: torch.Tensor) -> bool:
+    """Whether this chunk's loss runs fused (`_Layout.compiled`): always on one rank; over tensor-parallel
+    ranks where Triton's kernels run on it."""
+    if not layout.compiled:
+        return False
+    return group_size(layout.group) == 1 or (TRITON_KERNEL and triton_cross_entropy.available(chunk))
+
+
+def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
+    """_softmax_loss_gradient fused: on one rank Triton's kernel (two passes over the logits, the gradient
+    written over them) where it can run, else torch.compile's; over tensor-parallel ranks Triton's pair."""
+    if group_size(layout.group) > 1:
+        return _vocab_parallel_fused(logits, targets, scale, layout)
     if TRITON_KERNEL and triton_cross_entropy.available(logits):
-        return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, valid_rows)
-    return _compiled_softmax_loss_gradient()(logits, targets, scale, valid_rows)
+        return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, layout.valid_rows)
+    return _compiled_softmax_loss_gradient()(logits, targets, scale, layout.valid_rows)
+
+
+def _vocab_parallel_fused(logits, targets, scale, layout: _Layout):
+    """The fused loss over this rank's vocabulary slice: each rank's row statistics (log-sum-exp over
+    its columns, the target's logit where it owns it), one all-gather of them, the global log-sum-exp
+    and loss, then the gradient written over the logits. (losses, log-sum-exp, gradient) as on one rank."""
+    local_target, foreign = _local_targets(targets, logits.shape[1], layout)
+    owned = local_target.masked_fill(foreign, -1)
+    statistics = torch.stack(triton_cross_entropy.row_statistics(logits, owned, layout.valid_rows))
+    ranks = [torch.empty_like(statistics) for _ in range(group_size(layout.group))]
+    dist.all_gather(ranks, statistics, group=layout.group)
+    ranks = torch.stack(ranks)  # [tp, 2, c]: log-sum-exp and target logit of each rank
+    log_sum_exp = torch.logsumexp(ranks[:, 0], dim=0)
+    losses = log_sum_exp - ranks[:, 1].sum(dim=0)
+    return losses, log_sum_exp, triton_cross_entropy.logits_gradient_(logits, owned, log_sum_exp, scale,
+                                                                        layout.valid_rows)
 
 
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
@@ -155,9 +183,9 @@ def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, need
     chunks = _chunks(count, layout.chunk_size)
     for index, (start, end) in enumerate(chunks):
         chunk = hidden[start:end].to(layout.compute_dtype)
-        if layout.compiled and needs_grad:
+        if needs_grad and _fuses(layout, chunk):
             losses[start:end], log_sum_exp[start:end], grad_logits = _fused_softmax_loss_gradient(
-                chunk @ compute_weight.t(), targets[start:end], loss_weights[start:end], layout.valid_rows)
+                chunk @ compute_weight.t(), targets[start:end], loss_weights[start:end], layout)
             _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end,
                         add_hidden=False, add_weight=index > 0)
             continue
@@ -250,9 +278,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     slice of the (padded) vocabulary; ids >= `unpadded_vocab_size` are never predicted.
     `targets` are global ids, already checked to lie in the vocabulary. `loss_weights` [n] are
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
-    the softmax in fp32. `compiled` (one tensor-parallel rank): each chunk's softmax and logits
-    gradient run as one fused kernel (Triton's on CUDA, else torch.compile's). Not for a second
-    backward of the same graph.
+    the softmax in fp32. `compiled`: each chunk's softmax and logits gradient run fused (see
+    `_Layout.compiled`). Not for a second backward of the same graph.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "
@@ -262,9 +289,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     local = weight.shape[0]
     vocab_start = group_rank(tp_group) * local
     valid_rows = local if unpadded_vocab_size is None else max(0, min(local, unpadded_vocab_size - vocab_start))
-    if compiled and group_size(tp_group) > 1:
-        raise ValueError("the compiled loss kernel supports one tensor-parallel rank (its softmax needs "
-                         "all-reduces between passes); drop --difflm-compile-loss or tensor parallelism")
     layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad)

@@ -9,6 +9,11 @@ this kernel makes two: one program per row reads the row once for an online max 
 exponentials, then once more to write the gradient over it. That is 2 reads and 1 write of
 the low-precision logits, the floor for a loss whose gradient needs the whole row's sum.
 
+Under tensor parallelism each rank holds a slice of the vocabulary and the row's sum spans the
+ranks, so the same two passes are two kernels with a collective between them: `row_statistics`
+(each rank's log-sum-exp and, where it owns the target, the target's logit), then, once the
+caller has combined the ranks' statistics, `logits_gradient_` against the global log-sum-exp.
+
 Triton is imported on first use, so the package imports without it. `available(tensor)` says
 whether this kernel can run on that tensor: low-precision logits on CUDA with Triton installed,
 or on CPU under Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run it).
@@ -46,53 +51,59 @@ def available(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernel(interpreting: bool):
-    """The jitted kernel, built on first use (once per interpreter setting: triton.jit reads it)."""
+def _kernels(interpreting: bool):
+    """(the one-rank fused kernel, the row statistics and the gradient of the tensor-parallel pair),
+    imported on first use (once per interpreter setting: triton.jit reads it at import)."""
     del interpreting  # part of the cache key only
-    import triton
-    import triton.language as tl
+    from megatron.core.tensor_parallel import triton_cross_entropy_kernels as kernels
 
-    @triton.jit
-    def softmax_loss_gradient(logits_ptr, row_stride, targets_ptr, scale_ptr, losses_ptr, lse_ptr,
-                              columns, valid_columns, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * row_stride
-        offsets = tl.arange(0, BLOCK)
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.zeros((), tl.float32)
-        for start in range(0, valid_columns, BLOCK):
-            x = tl.load(base + start + offsets, mask=start + offsets < valid_columns,
-                        other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            running_max = new_max
-        lse = running_max + tl.log(running_sum)
-        target = tl.load(targets_ptr + row)
-        tl.store(losses_ptr + row, lse - tl.load(base + target).to(tl.float32))
-        tl.store(lse_ptr + row, lse)
-        scale = tl.load(scale_ptr + row)
-        for start in range(0, columns, BLOCK):
-            cols = start + offsets
-            x = tl.load(base + cols, mask=cols < valid_columns, other=float("-inf")).to(tl.float32)
-            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
-            tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < columns)
+    return kernels.softmax_loss_gradient, kernels.row_statistics, kernels.logits_gradient
 
-    return softmax_loss_gradient
+
+def _check_logits(logits: torch.Tensor, valid_columns: int, least: int) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be [c, V] bf16/fp16 with contiguous rows, got {tuple(logits.shape)} "
+                         f"{logits.dtype} strides {logits.stride()}")
+    if not least <= valid_columns <= logits.shape[1]:
+        raise ValueError(f"valid_columns={valid_columns} must lie in [{least}, {logits.shape[1]}]")
 
 
 def softmax_loss_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, valid_columns: int):
     """(losses [c] fp32, log-sum-exp [c] fp32, logits overwritten by their gradient). `targets`
     must lie below `valid_columns` (>= 1); `scale` is fp32."""
-    if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"logits must be [c, V] bf16/fp16 with contiguous rows, got {tuple(logits.shape)} "
-                         f"{logits.dtype} strides {logits.stride()}")
-    if not 1 <= valid_columns <= logits.shape[1]:
-        raise ValueError(f"valid_columns={valid_columns} must lie in [1, {logits.shape[1]}]")
+    _check_logits(logits, valid_columns, least=1)
     rows = logits.shape[0]
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(losses)
     if rows:
-        _kernel(_interpreting())[(rows,)](
+        _kernels(_interpreting())[0][(rows,)](
             logits, logits.stride(0), targets.contiguous(), scale.float().contiguous(), losses, lse,
             logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return losses, lse, logits
+
+
+def row_statistics(logits: torch.Tensor, targets: torch.Tensor, valid_columns: int):
+    """A tensor-parallel rank's half of the loss: (log-sum-exp of each row over this rank's valid
+    columns [c] fp32, -inf where it has none; the target's logit [c] fp32, 0 where `targets` is -1,
+    i.e. another rank owns the target). `targets` index this rank's columns. One pass over the logits."""
+    _check_logits(logits, valid_columns, least=0)
+    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    target_logit = torch.empty_like(lse)
+    if logits.shape[0]:
+        _kernels(_interpreting())[1][(logits.shape[0],)](
+            logits, logits.stride(0), targets.contiguous(), lse, target_logit, valid_columns,
+            BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return lse, target_logit
+
+
+def logits_gradient_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                     valid_columns: int) -> torch.Tensor:
+    """The other half: overwrites `logits` with (softmax - one-hot) * scale, the softmax taken against
+    the whole vocabulary's log-sum-exp `lse` [c] fp32 (all ranks' statistics combined), the one-hot only
+    where `targets` (this rank's column, or -1) is owned, zero at the columns >= valid_columns."""
+    _check_logits(logits, valid_columns, least=0)
+    if logits.shape[0]:
+        _kernels(_interpreting())[2][(logits.shape[0],)](
+            logits, logits.stride(0), targets.contiguous(), lse.contiguous(), scale.float().contiguous(),
+            logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return logits
