@@ -80,7 +80,8 @@ def forward_backward(module, hidden):
     hidden = hidden.detach().requires_grad_()
     out = module(hidden)
     out.square().sum().backward()
-    return out, hidden.grad, {name: p.grad for name, p in module.named_parameters()}
+    parameters = module.named_parameters() if isinstance(module, torch.nn.Module) else []  # or a function
+    return out, hidden.grad, {name: p.grad for name, p in parameters}
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -98,6 +99,31 @@ def test_the_mlp_uses_the_kernels_and_trains_the_same(device, bias, monkeypatch)
     torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
     for name, grad in plain[2].items():
         torch.testing.assert_close(fused[2][name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_the_experts_use_the_kernels_and_train_the_same(device, monkeypatch):
+    """The grouped experts share the MLP's activation: [gate; up] rows per expert, empty experts included."""
+    from megatron.core.transformer.moe.config import MoEConfig
+    from megatron.core.transformer.moe.experts import GroupedExperts
+
+    calls = []
+    original = kernel.swiglu
+    monkeypatch.setattr(kernel, "swiglu", lambda x: calls.append(x.shape) or original(x))
+    tokens = torch.randn(9, 16, generator=torch.Generator().manual_seed(6)).to(device)
+    counts = torch.tensor([4, 0, 5], device=device)  # the middle expert gets no token
+    results = []
+    for fusion in (True, False):
+        torch.manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
+                                   gated_linear_unit=True, activation="silu", bias_swiglu_fusion=fusion,
+                                   moe=MoEConfig(num_experts=3, router_topk=1))
+        experts = GroupedExperts(config).to(device)
+        out, grad, _ = forward_backward(lambda x: experts(x, counts), tokens)
+        results.append((out, grad, experts.linear_fc1.weight.grad, experts.linear_fc2.weight.grad))
+    assert calls == [(9, 48)], "only the fused experts call the kernels"
+    for fused, plain in zip(*results):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
 @CUDA

@@ -17,6 +17,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 _ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "relu": nn.functional.relu}
 
 
+def activate(hidden: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """fc1's output -> fc2's input, for the dense MLP and the experts alike: gated ([gate; up] halves)
+    or not; SwiGLU through its Triton kernels where they run and `config.bias_swiglu_fusion` is on."""
+    activation = _ACTIVATIONS[config.activation]
+    if not config.gated_linear_unit:
+        return activation(hidden)
+    if config.activation == "silu" and config.bias_swiglu_fusion and triton_swiglu.available(hidden):
+        return triton_swiglu.swiglu(hidden)
+    gate, up = hidden.chunk(2, dim=-1)
+    return activation(gate) * up
+
+
 class MLP(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
@@ -32,16 +44,6 @@ class MLP(MegatronModule):
             output_view=(2, ffn) if self.gated else None, split_dim=1 if self.gated else 0, **common)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, init_std=output_init_std(config),
                                             init_seed=parameter_seed(layer_number, "linear_fc2"), **common)
-        self.activation = _ACTIVATIONS[config.activation]
-        self.swiglu_kernel = self.gated and config.activation == "silu" and config.bias_swiglu_fusion
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        intermediate = self.linear_fc1(hidden_states)
-        if self.swiglu_kernel and triton_swiglu.available(intermediate):
-            intermediate = triton_swiglu.swiglu(intermediate)
-        elif self.gated:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = self.activation(gate) * up
-        else:
-            intermediate = self.activation(intermediate)
-        return self.linear_fc2(intermediate)
+        return self.linear_fc2(activate(self.linear_fc1(hidden_states), self.config))

@@ -25,7 +25,7 @@ from torch import nn
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import init_master_weight
 from megatron.core.transformer.init import output_init_std, parameter_seed
-from megatron.core.transformer.mlp import _ACTIVATIONS
+from megatron.core.transformer.mlp import activate
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,7 +65,6 @@ class GroupedExperts(MegatronModule):
         self.local_ffn = self.ffn // etp_size
         self.gated, self.grouped = config.gated_linear_unit, moe.grouped_gemm
         self.etp_rank, self.etp_size, self.edp_rank = etp_rank, etp_size, edp_rank
-        self.activation = _ACTIVATIONS[config.activation]
         halves, hidden = (2 if self.gated else 1), config.hidden_size
         fc1, fc2 = [], []
         for expert in range(self.first_expert, self.first_expert + self.num_local_experts):
@@ -102,12 +101,7 @@ class GroupedExperts(MegatronModule):
         hidden = grouped_linear(tokens, fc1, counts, self.grouped)
         if self.linear_fc1.bias is not None:
             hidden = hidden + self._per_token(self.linear_fc1.bias.to(hidden.dtype), counts, tokens.shape[0])
-        if self.gated:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = self.activation(gate) * up
-        else:
-            hidden = self.activation(hidden)
-        output = grouped_linear(hidden, fc2, counts, self.grouped)
+        output = grouped_linear(activate(hidden, self.config), fc2, counts, self.grouped)
         if self.linear_fc2.bias is not None and self.etp_rank == 0:
             output = output + self._per_token(self.linear_fc2.bias.to(output.dtype), counts, tokens.shape[0])
         return output
