@@ -86,6 +86,9 @@ FLAG_NEEDS = (
     ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("recompute_num_layers", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("fp8_recipe", "--fp8-format", lambda a: a.fp8_format is not None),
+    ("fp8_output_layer", "--fp8-format", lambda a: a.fp8_format is not None),
+    ("fp8_output_layer", "--difflm-masked-only-loss (the chunked output layer)",
+     lambda a: getattr(a, "difflm_masked_only_loss", False)),
     ("lr_wsd_decay_style", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("lr_wsd_decay_iters", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
@@ -180,6 +183,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
                    help="With --fp8-format: one dynamic scale per tensor, or per row.")
+    g.add_argument("--fp8-output-layer", action="store_true",
+                   help="With --fp8-format and --difflm-masked-only-loss: the output layer's logits and input-"
+                        "gradient GEMMs in float8 too (tensorwise; the weight gradient stays in the compute dtype).")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -578,4 +584,4 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         varilen_multiple=args.difflm_varilen_multiple,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
         loss_chunk_size=args.difflm_loss_chunk_size, compile_loss=args.difflm_compile_loss,
-        seed=args.seed)
+        fp8_output_layer=args.fp8_format if args.fp8_output_layer else None, seed=args.seed)

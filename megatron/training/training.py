@@ -477,7 +477,9 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
     logger.log_start(model, layout)
     if args.fp8_format:
-        logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})")
+        logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})"
+                     + ("; the output layer's logits and input-gradient GEMMs too (tensorwise)"
+                        if args.fp8_output_layer else ""))
         logger.count_fp8_peak()
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))

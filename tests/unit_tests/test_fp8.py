@@ -52,10 +52,12 @@ def test_fp8_training_converts_the_decoder_and_trains():
     pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
     env = dict(os.environ, NPROC="1", TRAIN_ITERS="12", MOCK_DATA="1", OMP_NUM_THREADS="2",
                TENSORBOARD_DIR="/tmp/fp8-test-tb")
-    result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--fp8-format", "hybrid"],
+    result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--fp8-format", "hybrid",
+                             "--difflm-masked-only-loss", "--fp8-output-layer"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "> fp8: 16 linear layers train in float8 (hybrid, tensorwise)" in result.stdout  # 4 layers x 4
+    assert ("> fp8: 16 linear layers train in float8 (hybrid, tensorwise); the output layer's logits and "
+            "input-gradient GEMMs too (tensorwise)") in result.stdout  # 4 layers x 4
     losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) < sum(losses[:3]), losses

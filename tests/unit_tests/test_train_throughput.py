@@ -197,6 +197,19 @@ def test_fp8_prints_our_bf16_and_fp8_rows_next_to_the_baseline():
         ours["tokens_per_sec_per_gpu"] / baseline["tokens_per_sec_per_gpu"], rel=1e-12)
 
 
+def test_fp8_output_layer_reaches_the_fp8_row_only(monkeypatch):
+    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
+    from megatron.core.models.difflm import output_layer
+
+    formats = []
+    real = output_layer.linear_cross_entropy
+    monkeypatch.setattr(output_layer, "linear_cross_entropy",
+                        lambda *a, **k: formats.append(k.get("fp8")) or real(*a, **k))
+    result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--masked-only-loss", "--fp8-output-layer"])
+    assert ["fp8-output-layer" in row["name"] for row in result["rows"]] == [False, True]
+    assert set(formats) == {None, "hybrid"}, "the bf16 row keeps its GEMMs, the fp8 row's output layer is fp8"
+
+
 def test_compile_seam_compiles_every_layer_in_place():
     spec = tt.MODELS["tiny"]
     model = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
@@ -283,6 +296,7 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
      "--compare-grouped-gemm times both our variants"),
     (["--model", "olmoe-tiny", "--hf-experts-implementation", "eager"],
      "--hf-experts-implementation needs --baseline hf"),
+    (["--model", "tiny", "--fp8-output-layer", "--masked-only-loss"], "--fp8-output-layer needs --fp8 and"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -213,7 +213,8 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
                                 args.gradient_accumulation_fusion, args.bias_swiglu_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
-    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size)
+    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size,
+                              fp8_output_layer=args.fp8_format if args.fp8 and args.fp8_output_layer else None)
     linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
@@ -374,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid",
                         help="With --fp8: gradient element type.")
     parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
+    parser.add_argument("--fp8-output-layer", action="store_true",
+                        help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
+                             "gradient) in float8 too.")
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
     parser.add_argument("--torch-compile-mode", default="default", choices=COMPILE_MODES,
                         help="With --torch-compile: torch.compile's mode for the layers (max-autotune-no-cudagraphs "
@@ -454,6 +458,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
             import torchao.float8  # noqa: F401
         except ImportError:
             raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
+    if args.fp8_output_layer and not (args.fp8 and args.masked_only_loss):
+        raise UsageError("--fp8-output-layer needs --fp8 and --masked-only-loss (the chunked output layer)")
     return spec
 
 
@@ -498,7 +504,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     for fp8 in ([False, True] if args.fp8 else [False]):
         for grouped in grouped_variants:
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
-            levers = [(fp8, " fp8"), (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
+            levers = [(fp8, " fp8"), (fp8 and args.fp8_output_layer, " fp8-output-layer"),
+                      (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
                       (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),
                       (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),

@@ -360,9 +360,12 @@ class DLMConfig:
     loss_chunk_size: int = 4096
     """Tokens per chunk of the masked-only loss: peak memory is about 8 bytes x chunk x vocab / tp."""
     compile_loss: bool = False
-    """With `masked_only_loss` on one tensor-parallel rank: each chunk's softmax, loss and logits
-    gradient run as one torch.compile'd function (a few passes over the low-precision logits
-    instead of a dozen over fp32 copies). Same values up to float rounding."""
+    """With `masked_only_loss`: each chunk's softmax, loss and logits gradient run fused (a Triton
+    kernel on CUDA, torch.compile's elsewhere; two Triton kernels and an all-gather under tensor
+    parallelism) instead of a dozen eager passes over fp32 copies. Same values up to float rounding."""
+    fp8_output_layer: Optional[str] = None
+    """`hybrid` or `e4m3` (`--fp8-output-layer` with `--fp8-format`): with `masked_only_loss`, the
+    output layer's logits and input-gradient GEMMs in float8 (tensor_parallel/float8_matmul.py)."""
 
     def __post_init__(self) -> None:
         self.attention_mask_type = MASK_TYPE_ALIASES.get(self.attention_mask_type, self.attention_mask_type)
@@ -400,6 +403,10 @@ class DLMConfig:
                              "no shorter length would be a multiple of it; lower it")
         if self.compile_loss and not self.masked_only_loss:
             raise ValueError(f"{owner}.compile_loss needs masked_only_loss (--difflm-masked-only-loss)")
+        if self.fp8_output_layer is not None:
+            _check_choice(owner, "fp8_output_layer", self.fp8_output_layer, ("hybrid", "e4m3"))
+            if not self.masked_only_loss:
+                raise ValueError(f"{owner}.fp8_output_layer needs masked_only_loss (--difflm-masked-only-loss)")
         if self.is_diffusion:
             if self.mask_token_id is None:
                 raise ValueError(f"{owner}.mask_token_id is not set but model_running_mode="
