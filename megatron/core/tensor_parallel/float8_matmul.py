@@ -11,12 +11,15 @@ Scaling is tensorwise and dynamic: each operand is multiplied by max(dtype) / am
 the cast (saturating), and the GEMM multiplies the product back by both inverses. Forward operands
 are e4m3; the logits gradient is e5m2 under the hybrid format (Megatron's meaning), e4m3 under
 e4m3. cuBLAS wants the first operand row-major, the second column-major and every dimension a
-multiple of 16: rows are padded with zeros to a multiple of 16 and the weight is kept in both
-layouts (two copies of V/tp x h bytes).
+multiple of 16: rows are padded with zeros to a multiple of 16 (after the cast, on the 1-byte
+copy) and the weight is kept in both layouts (two copies of V/tp x h bytes). On CUDA the cast is
+compiled: one reduction for the amax and one pass that scales, saturates and casts, instead of
+an fp32 copy of a [chunk, V/tp] logits gradient.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,19 +29,31 @@ GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
 ALIGNMENT = 16
 
 
-def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
-    """(tensor in `dtype`, scaled so that its amax lands on the dtype's largest value; the inverse scale,
-    a 0-d fp32 tensor the GEMM multiplies back)."""
+def _cast(tensor: torch.Tensor, dtype: torch.dtype):
     largest = torch.finfo(dtype).max
     amax = tensor.detach().abs().amax().float().clamp(min=1e-12)
     scale = largest / amax
     return (tensor.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 
+@functools.cache
+def _compiled_cast():
+    return torch.compile(_cast, dynamic=True)
+
+
+def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
+    """(tensor in `dtype`, scaled so that its amax lands on the dtype's largest value; the inverse scale,
+    a 0-d fp32 tensor the GEMM multiplies back)."""
+    return (_compiled_cast() if tensor.is_cuda else _cast)(tensor, dtype)
+
+
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A float8 [rows, k] padded with zero rows to a multiple of ALIGNMENT (through its bytes)."""
     rows = tensor.shape[0]
     padded = -(-rows // ALIGNMENT) * ALIGNMENT
-    return tensor if padded == rows else torch.nn.functional.pad(tensor, (0, 0, 0, padded - rows))
+    if padded == rows:
+        return tensor
+    return torch.nn.functional.pad(tensor.view(torch.uint8), (0, 0, 0, padded - rows)).view(tensor.dtype)
 
 
 @dataclass
@@ -62,8 +77,8 @@ class Float8Weight:
 def logits(hidden: torch.Tensor, weight: Float8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """hidden [c, h] @ weight^T -> [c, V/tp] in `out_dtype`, both operands e4m3."""
     count = hidden.shape[0]
-    hidden8, inverse = to_float8(_pad_rows(hidden), FORWARD_DTYPE)
-    product = torch._scaled_mm(hidden8, weight.rows.t(), scale_a=inverse, scale_b=weight.inverse_scale,
+    hidden8, inverse = to_float8(hidden, FORWARD_DTYPE)
+    product = torch._scaled_mm(_pad_rows(hidden8), weight.rows.t(), scale_a=inverse, scale_b=weight.inverse_scale,
                                out_dtype=out_dtype)
     return product[:count]
 
@@ -71,7 +86,7 @@ def logits(hidden: torch.Tensor, weight: Float8Weight, out_dtype: torch.dtype) -
 def input_gradient(grad_logits: torch.Tensor, weight: Float8Weight, fmt: str) -> torch.Tensor:
     """grad_logits [c, V/tp] @ weight -> [c, h] in fp32, the gradient in the format's gradient dtype."""
     count = grad_logits.shape[0]
-    grad8, inverse = to_float8(_pad_rows(grad_logits), GRADIENT_DTYPES[fmt])
-    product = torch._scaled_mm(grad8, weight.columns.t(), scale_a=inverse, scale_b=weight.inverse_scale,
+    grad8, inverse = to_float8(grad_logits, GRADIENT_DTYPES[fmt])
+    product = torch._scaled_mm(_pad_rows(grad8), weight.columns.t(), scale_a=inverse, scale_b=weight.inverse_scale,
                                out_dtype=torch.float32)
     return product[:count]
