@@ -5,11 +5,14 @@
 #   bash examples/quickstart.sh                 # difflm-noshift, bidirectional attention
 #   MODE=vanilla bash examples/quickstart.sh    # the same model trained autoregressively
 #   MOCK_DATA=1 bash examples/quickstart.sh     # synthetic documents instead of the corpus
-# Other knobs: NPROC (2), TRAIN_ITERS (100), DATA_DIR (runs/data), TENSORBOARD_DIR; extra flags pass through.
+# Other knobs: NPROC (2), TRAIN_ITERS (100; up to 20 the warmup is half of it), DATA_DIR (runs/data), TENSORBOARD_DIR;
+# extra flags pass through.
 # Without extra flags the run is saved to runs/quickstart-$MODE/ckpt and a sample is generated from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
+TRAIN_ITERS=${TRAIN_ITERS:-100}
+WARMUP=$(( TRAIN_ITERS > 20 ? 10 : TRAIN_ITERS / 2 ))  # the warmup must end before the decay does
 MODE=${MODE:-difflm-noshift}
 DATA_DIR=${DATA_DIR:-runs/data}
 TOKENIZER=examples/data/tokenizer/spm_8k.model
@@ -38,8 +41,8 @@ torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
     --group-query-attention --num-query-groups 2 --normalization RMSNorm --swiglu \
     --qk-layernorm --disable-bias-linear --seq-length 128 \
-    --micro-batch-size 8 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-100}" \
-    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine --weight-decay 0.0 \
+    --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
+    --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters "$WARMUP" --lr-decay-style cosine --weight-decay 0.0 \
     "${DATA_ARGS[@]}" \
     --model-running-mode "$MODE" --attention-mask-type no_mask --difflm-t-sampling antithetic \
     --log-interval 1 --log-throughput --eval-interval 50 --eval-iters 2 \
