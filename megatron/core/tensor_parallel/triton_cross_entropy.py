@@ -50,11 +50,9 @@ def available(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (_interpreting() and tensor.device.type == "cpu")
 
 
-@functools.cache
-def _kernels(interpreting: bool):
+def _kernels():
     """(the one-rank fused kernel, the row statistics and the gradient of the tensor-parallel pair),
-    imported on first use (once per interpreter setting: triton.jit reads it at import)."""
-    del interpreting  # part of the cache key only
+    imported on first use (triton.jit reads TRITON_INTERPRET then, at the kernels' import)."""
     from megatron.core.tensor_parallel import triton_cross_entropy_kernels as kernels
 
     return kernels.softmax_loss_gradient, kernels.row_statistics, kernels.logits_gradient
@@ -76,7 +74,7 @@ def softmax_loss_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: t
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(losses)
     if rows:
-        _kernels(_interpreting())[0][(rows,)](
+        _kernels()[0][(rows,)](
             logits, logits.stride(0), targets.contiguous(), scale.float().contiguous(), losses, lse,
             logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return losses, lse, logits
@@ -90,7 +88,7 @@ def row_statistics(logits: torch.Tensor, targets: torch.Tensor, valid_columns: i
     lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     target_logit = torch.empty_like(lse)
     if logits.shape[0]:
-        _kernels(_interpreting())[1][(logits.shape[0],)](
+        _kernels()[1][(logits.shape[0],)](
             logits, logits.stride(0), targets.contiguous(), lse, target_logit, valid_columns,
             BLOCK=BLOCK, num_warps=NUM_WARPS)
     return lse, target_logit
@@ -103,7 +101,7 @@ def logits_gradient_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
     where `targets` (this rank's column, or -1) is owned, zero at the columns >= valid_columns."""
     _check_logits(logits, valid_columns, least=0)
     if logits.shape[0]:
-        _kernels(_interpreting())[2][(logits.shape[0],)](
+        _kernels()[2][(logits.shape[0],)](
             logits, logits.stride(0), targets.contiguous(), lse.contiguous(), scale.float().contiguous(),
             logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return logits
