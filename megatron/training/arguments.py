@@ -86,6 +86,8 @@ FLAG_NEEDS = (
     ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("recompute_num_layers", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("fp8_recipe", "--fp8-format", lambda a: a.fp8_format is not None),
+    ("exp_avg_dtype", "--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer),
+    ("exp_avg_sq_dtype", "--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer),
     ("fp8_output_layer", "--fp8-format", lambda a: a.fp8_format is not None),
     ("fp8_output_layer", "--difflm-masked-only-loss (the chunked output layer)",
      lambda a: getattr(a, "difflm_masked_only_loss", False)),
@@ -231,6 +233,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-optimizer-step", action="store_true",
                    help="AdamW's step compiled by torch.compile, one kernel per parameter (CompiledAdamW), "
                         "instead of torch's fused step; the same update and checkpoint state.")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware optimizer: with --exp-avg-dtype / --exp-avg-sq-dtype bf16, "
+                        "Adam's moments are stored in bf16 (the update computes in fp32; CompiledAdamW). Master "
+                        "weights and gradients stay fp32.")
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        g.add_argument(flag, choices=["fp32", "bf16"], default="fp32",
+                       help=f"With --use-precision-aware-optimizer: storage of Adam's {moment} moment.")
 
 
 def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:

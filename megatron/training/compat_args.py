@@ -98,12 +98,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--moe-shared-expert-overlap", "the shared expert runs on the compute stream, not overlapped with "
              "the token exchange"),
     NoEffect("--moe-per-layer-logging", "always so: each MoE layer's expert load goes to tensorboard"),
-    NoEffect("--use-precision-aware-optimizer", "master weights, gradients and Adam moments are fp32 here, which "
-             "is what this flag with fp32 dtypes asks for"),
     NoEffect("--main-params-dtype", "master weights are fp32 here", {"choices": ["fp32"], "default": None}),
     NoEffect("--main-grads-dtype", "gradients are accumulated in fp32 here", {"choices": ["fp32"], "default": None}),
-    NoEffect("--exp-avg-dtype", "Adam's moments are fp32 here", {"choices": ["fp32"], "default": None}),
-    NoEffect("--exp-avg-sq-dtype", "Adam's moments are fp32 here", {"choices": ["fp32"], "default": None}),
     NoEffect("--enable-cuda-graph", "training runs without CUDA graphs here (generation has them: "
              "megatron/core/inference/cuda_graphs.py)"),
     NoEffect("--dataloader-type", "always so: the sampler is Megatron's 'single' (each sample once, resumable)",

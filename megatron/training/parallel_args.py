@@ -23,6 +23,11 @@ def validate_parallel(args: argparse.Namespace) -> None:
     if args.data_parallel_sharding_strategy not in SUPPORTED_SHARDING:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
+    bf16_moments = "bf16" in (getattr(args, "exp_avg_dtype", "fp32"), getattr(args, "exp_avg_sq_dtype", "fp32"))
+    if bf16_moments and args.data_parallel_sharding_strategy not in ("no_shard", "optim"):
+        raise ValueError(f"bf16 Adam moments (--exp-avg-dtype / --exp-avg-sq-dtype) are not supported with "
+                         f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (FSDP2) yet; use "
+                         "optim (ZeRO-1) or fp32 moments")
     if args.fp8_format:
         from megatron.core.transformer.fp8 import float8_config
 

@@ -401,12 +401,17 @@ def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, ru
     return iter(loader)
 
 
+_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None, expert_dp_group=None):
     """AdamW (ZeRO-1 over `dp_group` / `expert_dp_group` under the optim strategy) and its schedule."""
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                              decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-                             compiled_step=args.compile_optimizer_step)
+                             compiled_step=args.compile_optimizer_step,
+                             exp_avg_dtype=_MOMENT_DTYPES[args.exp_avg_dtype],
+                             exp_avg_sq_dtype=_MOMENT_DTYPES[args.exp_avg_sq_dtype])
     strategy = args.data_parallel_sharding_strategy
     optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
                                 optimizer_sharding_group(strategy, expert_dp_group))

@@ -84,3 +84,67 @@ def test_the_flag_builds_it_and_folds_the_clip_scale(runtime):
     assert folds_gradient_scale(trainer.optimizer)  # the clip's scale reaches ZeRO-1's local step
     trainer.train()
     assert len(trainer.history) == 2 and all(torch.isfinite(torch.tensor(r.loss)) for r in trainer.history)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_moments_are_stored_in_bf16_and_follow_the_fp32_update(compiled):
+    """Megatron's precision-aware optimizer: bf16 storage, an fp32 update, torch's AdamW within bf16 rounding."""
+    reference, ours = _twins(2)
+    expected = torch.optim.AdamW(_groups(reference), lr=1e-2, foreach=False)
+    optimizer = CompiledAdamW(_groups(ours), lr=1e-2, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    if not compiled:
+        optimizer._update = adamw_update
+    for step in range(4):
+        for model, step_of in ((reference, expected), (ours, optimizer)):
+            model.zero_grad()
+            model(torch.randn(7, 6, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            step_of.step()
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        state = optimizer.state[b]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and b.dtype == torch.float32
+        first = expected.state[a]["exp_avg"]  # rounded to bf16 after each of the 4 updates
+        assert (state["exp_avg"].float() - first).norm() <= 2 ** -7 * first.norm()
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
+        assert not torch.equal(b, a), "the moments' rounding reaches the weights"
+
+
+def test_a_checkpoint_keeps_the_bf16_moments():
+    """torch's loader casts moments to the parameter's dtype; ours casts them back, from a bf16 checkpoint
+    or an fp32 one (a run switching to the precision-aware optimizer on resume)."""
+    _, ours = _twins(3)
+    ours(torch.randn(4, 6)).square().sum().backward()
+    fp32 = CompiledAdamW(_groups(ours), lr=1e-2)
+    fp32._update = adamw_update
+    fp32.step()
+    for source in (fp32, None):
+        if source is None:  # a bf16 optimizer's own state round trip
+            source = CompiledAdamW(_groups(ours), lr=1e-2, exp_avg_dtype=torch.bfloat16,
+                                   exp_avg_sq_dtype=torch.bfloat16)
+            source.load_state_dict(copy.deepcopy(fp32.state_dict()))
+        loaded = CompiledAdamW(_groups(ours), lr=1e-2, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        loaded.load_state_dict(copy.deepcopy(source.state_dict()))
+        for state in loaded.state.values():
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+
+
+def test_the_precision_aware_flags_reach_the_optimizer_under_zero1(runtime):
+    trainer = make_trainer(runtime, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                           "--use-distributed-optimizer", "--train-iters", "2")
+    (local,) = local_optimizers(trainer.optimizer)
+    assert isinstance(local, CompiledAdamW) and local.moment_dtypes == {"exp_avg": torch.bfloat16,
+                                                                        "exp_avg_sq": torch.float32}
+    trainer.train()
+    state = next(iter(local.state.values()))
+    assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype) == (torch.bfloat16, torch.float32)
+    assert all(torch.isfinite(torch.tensor(r.loss)) for r in trainer.history)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype has no effect without --use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "bf16", "--data-parallel-sharding-strategy",
+      "optim_grads_params"], "bf16 Adam moments (--exp-avg-dtype / --exp-avg-sq-dtype) are not supported with"),
+])
+def test_bad_precision_aware_flags_are_one_line(flags, message, capsys):
+    from tests.unit_tests.test_bad_inputs_training import TINY, parse_error
+
+    assert message in parse_error(TINY + flags, capsys)

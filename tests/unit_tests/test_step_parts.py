@@ -27,6 +27,14 @@ def test_rows_count_the_bytes_of_the_real_parameter_set(tmp_path, capsys):
     assert "| adamw foreach |" in capsys.readouterr().out
 
 
+def test_precision_aware_rows_move_fewer_bytes(monkeypatch):
+    monkeypatch.setattr(step_parts.torch, "compile", lambda function, **options: function)  # the bytes, not speed
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--precision-aware"])
+    rows, count = result["rows"], result["parameters"]
+    assert rows["adamw CompiledAdamW, fp32 moments"]["bytes"] == 28 * count
+    assert rows["adamw CompiledAdamW, bf16 moments"]["bytes"] == 20 * count
+
+
 def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
     tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving

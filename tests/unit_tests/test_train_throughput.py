@@ -235,6 +235,14 @@ def test_compile_mode_and_gradient_fusion_flags_reach_our_model(monkeypatch):
     assert modes[-1] == {} and model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
 
 
+def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():
+    args = tt.build_parser().parse_args([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16"])
+    tt.validate(args)
+    model, optimizer, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
+    assert not model.config.bias_swiglu_fusion
+    assert optimizer.moment_dtypes == {"exp_avg": torch.float32, "exp_avg_sq": torch.bfloat16}
+
+
 def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
     result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path)])
     row = result["rows"][0]

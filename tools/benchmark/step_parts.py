@@ -8,6 +8,8 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * adamw fused (grad_scale): today's step, the clip's multiply folded in (train_step's path);
 * adamw foreach: torch's multi-tensor path without fusion;
 * adamw compiled (`--compiled`): `torch.compile` of the foreach step (Triton, fused per group);
+* CompiledAdamW (`--precision-aware`): our compiled step (--compile-optimizer-step) with fp32 moments,
+  then with both stored in bf16 (Megatron's precision-aware optimizer: 20 bytes a parameter, not 28);
 * grad norm: the clip's `_foreach_norm` over every gradient;
 * bf16 weight copy: what bf16 autocast does to every fp32 weight in each forward;
 * bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype;
@@ -43,6 +45,7 @@ import train_throughput as shapes  # noqa: E402  (the named model shapes, shared
 from megatron.core.tensor_parallel import linear_cross_entropy, triton_cross_entropy  # noqa: E402
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer.compiled_adamw import CompiledAdamW  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
 from megatron.core.transformer import triton_swiglu  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
@@ -108,6 +111,8 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         compiled()
         print(f"compiled the step in {time.perf_counter() - begin:.1f} s")
         result["adamw compiled (foreach, torch.compile)"] = (measure(compiled), 28 * count)
+    if args.precision_aware:
+        result.update(compiled_adamw_rows(model, measure, count))
     result["grad norm (_foreach_norm)"] = (measure(lambda: torch._foreach_norm(grads, 2)), 4 * count)
     weights = [p for p in params if p.dim() == 2]
     matrix = sum(p.numel() for p in weights)
@@ -121,6 +126,18 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
     if args.swiglu_kernels:
         result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
+    return result
+
+
+def compiled_adamw_rows(model, measure, count: int) -> Dict[str, tuple]:
+    """CompiledAdamW's step with fp32 moments, then bf16 ones (each compiled on its first call)."""
+    result = {}
+    for dtype, moved in ((torch.float32, 28), (torch.bfloat16, 20)):
+        optimizer = CompiledAdamW(param_groups(model, 0.1), lr=1e-4, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+        optimizer.grad_scale = torch.tensor(1.0, device=next(model.parameters()).device)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        result[f"adamw CompiledAdamW, {name} moments"] = (measure(optimizer.step), moved * count)
+        del optimizer
     return result
 
 
@@ -194,6 +211,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compiled", action="store_true", help="Also time the torch.compile'd foreach step.")
+    parser.add_argument("--precision-aware", action="store_true",
+                        help="Also time CompiledAdamW with fp32 and with bf16 moments.")
     parser.add_argument("--loss-kernels", metavar="BxW,...",
                         help="Also time the fused loss: torch.compile's and the Triton kernel with these "
                              "column blocks x warps (e.g. 4096x8,8192x16).")

@@ -139,6 +139,7 @@ MODELS: Dict[str, ModelSpec] = {
 
 # ---------------------------------------------------------------------- configuration
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
@@ -228,7 +229,9 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                     grouped_mm_kernel=moe_models.grouped_mm_kernel_runs(args.moe_grouped_gemm, device, config.bf16))
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
-                                                       compiled_step=args.compile_optimizer_step))
+                                                       compiled_step=args.compile_optimizer_step,
+                                                       exp_avg_dtype=MOMENT_DTYPES[args.exp_avg_dtype],
+                                                       exp_avg_sq_dtype=MOMENT_DTYPES[args.exp_avg_sq_dtype]))
     batch = args.micro_batch_size
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
@@ -408,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                         action="store_false", help="Our weight gradients in bf16 then cast (plain autocast), "
                                                    "not written in fp32 by their GEMM.")
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        parser.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
+                            help=f"Storage of our AdamW's {moment} moment (Megatron's precision-aware optimizer; "
+                                 "bf16 takes the compiled step).")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
     parser.add_argument("--seed", type=int, default=1234)
@@ -514,6 +521,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
                       (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
+                      (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
+                      (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),
                       (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
                       (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),

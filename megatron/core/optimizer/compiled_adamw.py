@@ -12,6 +12,13 @@ keys (``step``, ``exp_avg``, ``exp_avg_sq``) and state_dict, so checkpoints, the
 ZeRO-1 see no difference. Like the fused kernel it divides each gradient by ``grad_scale`` (a
 0-d tensor, when set) as it reads it: gradient clipping's multiply folds into the step
 (`optimizer.scale_gradients`). The update is torch's single-tensor AdamW formula.
+
+Megatron's precision-aware optimizer (`--use-precision-aware-optimizer --exp-avg-dtype bf16
+--exp-avg-sq-dtype bf16`): `exp_avg_dtype` / `exp_avg_sq_dtype` store the moments in bf16. The
+update still computes in fp32 (each moment is read, updated and used in fp32, then stored
+rounded to nearest), so only storage and traffic shrink: 28 -> 20 bytes a parameter per step
+with both, and 8 bytes a parameter less memory. A loaded checkpoint's moments are cast to the
+configured dtypes (torch's loader casts them to the parameter's).
 """
 
 from __future__ import annotations
@@ -33,21 +40,37 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
         if grad_scale is not None:  # the divisor the fused kernel reads (the clip's scale)
             grad = grad / grad_scale
         param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # in fp32 whatever the moments' storage (bf16 under the precision-aware optimizer)
+        first = exp_avg.float().lerp(grad, 1 - beta1)
+        second = (exp_avg_sq.float() * beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg.copy_(first)
+        exp_avg_sq.copy_(second)
         step_size = lr / (1 - beta1 ** step)
-        denominator = (exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
-        param.sub_(step_size * exp_avg / denominator)
+        denominator = (second.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
+        param.sub_(step_size * first / denominator)
 
 
 class CompiledAdamW(torch.optim.AdamW):
     """torch.optim.AdamW with a compiled step; see the module docstring."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 fused: Optional[bool] = None) -> None:
+                 fused: Optional[bool] = None, exp_avg_dtype: Optional[torch.dtype] = None,
+                 exp_avg_sq_dtype: Optional[torch.dtype] = None) -> None:
         del fused  # the keyword torch's AdamW takes (`optimizer._adamw` passes it): this step replaces that kernel
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        """Storage dtype of each moment; None: the parameter's."""
         self._update = torch.compile(adamw_update, fullgraph=True)
+
+    def _moment(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        return torch.zeros_like(param, dtype=self.moment_dtypes[key], memory_format=torch.preserve_format)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch casts loaded moments to the parameter's dtype
+            for key, dtype in self.moment_dtypes.items():
+                if dtype is not None and key in state and state[key].dtype != dtype:
+                    state[key] = state[key].to(dtype)
 
     def _group_tensors(self, group: dict) -> tuple:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -57,8 +80,8 @@ class CompiledAdamW(torch.optim.AdamW):
             state = self.state[param]
             if not state:  # torch's keys; the step on the parameter's device, as the fused kernel keeps it
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg"] = self._moment(param, "exp_avg")
+                state["exp_avg_sq"] = self._moment(param, "exp_avg_sq")
             elif state["step"].device != param.device:  # loaded from a checkpoint written on the host
                 state["step"] = state["step"].to(param.device)
             params.append(param)

@@ -30,6 +30,14 @@ class OptimizerConfig:
     """Their lr floor (--decoupled-min-lr); None: the scheduler's --min-lr."""
     compiled_step: bool = False
     """--compile-optimizer-step: `CompiledAdamW` (one compiled kernel per parameter) instead of the fused step."""
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """Storage of Adam's moments (Megatron's precision-aware optimizer, --exp-avg-dtype / --exp-avg-sq-dtype):
+    bf16 stores them rounded, the update computes in fp32; it takes `CompiledAdamW`."""
+
+    @property
+    def precision_aware(self) -> bool:
+        return (self.exp_avg_dtype, self.exp_avg_sq_dtype) != (torch.float32, torch.float32)
 
 
 # Megatron's `is_embedding_or_output_parameter` weights, by name (wrappers and FSDP2 keep names,
@@ -103,7 +111,13 @@ def _adamw(groups: List[Dict], config: OptimizerConfig, zero_group: Optional[dis
     kwargs = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                   weight_decay=config.weight_decay, fused=True if fused else None)
     kind = torch.optim.AdamW
-    if config.compiled_step and not any(hasattr(p, "to_local") for p in params):
+    if config.precision_aware:
+        if any(hasattr(p, "to_local") for p in params):
+            raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype bf16 are not supported with FSDP2's sharded "
+                             "weights yet; use --data-parallel-sharding-strategy optim or fp32 moments")
+        kind = CompiledAdamW
+        kwargs.update(exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype)
+    elif config.compiled_step and not any(hasattr(p, "to_local") for p in params):
         kind = CompiledAdamW
     if zero_group is None:
         return kind(groups, **kwargs)
