@@ -465,15 +465,18 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
 
 
 def _initialise_adam_state(optimizer, step: float) -> None:
-    """Create the state tensors the checkpoint is read into (AdamW creates them lazily)."""
+    """Create the state tensors the checkpoint is read into (AdamW creates them lazily), in the dtypes
+    the optimizer keeps its moments in (bf16 under the precision-aware optimizer, CompiledAdamW)."""
+    dtypes = getattr(optimizer, "moment_dtypes", {})
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for param in group["params"]:
             state = optimizer.state[param]
             state["step"] = torch.tensor(float(step), dtype=torch.float32,
                                          device=param.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param, dtype=dtypes.get(key) or param.dtype,
+                                              memory_format=torch.preserve_format)
 
 
 def _check_compatible(record: RunRecord, finetune: bool, metadata: dict, source: str) -> None:

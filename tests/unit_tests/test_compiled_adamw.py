@@ -148,3 +148,19 @@ def test_bad_precision_aware_flags_are_one_line(flags, message, capsys):
     from tests.unit_tests.test_bad_inputs_training import TINY, parse_error
 
     assert message in parse_error(TINY + flags, capsys)
+
+
+def test_a_resumed_run_keeps_its_bf16_moments_and_trains_as_one_run(tmp_path, monkeypatch):
+    """The checkpoint's moments are read into bf16 state (not fp32 zeros), so resuming changes nothing."""
+    import pretrain_difflm
+    from tests.unit_tests.test_batch_schedule import TINY
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # the formula, uncompiled
+    flags = TINY + ["--train-iters", "6", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                    "--exp-avg-sq-dtype", "bf16"]
+    whole = pretrain_difflm.main(flags)
+    first = pretrain_difflm.main(flags + ["--save", str(tmp_path), "--exit-interval", "3"])
+    rest = pretrain_difflm.main(flags + ["--load", str(tmp_path)])
+    assert [r.loss for r in first.history + rest.history] == [r.loss for r in whole.history]
+    (optimizer,) = local_optimizers(rest.optimizer)
+    assert {state["exp_avg_sq"].dtype for state in optimizer.state.values()} == {torch.bfloat16}
