@@ -13,6 +13,8 @@
 #   TRAIN_ITERS, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR_WARMUP_ITERS, WSD_DECAY_ITERS, LOG_INTERVAL
 #                    override the script's values (short smoke runs)
 #   EXTRA_ARGS       appended verbatim (e.g. "--attention-backend flex")
+#   CHECK_ARGS       1 (default): the flags are validated once (pretrain_difflm.py --check-args) before
+#                    torchrun starts, so a bad flag is one line; 0 skips that (a few seconds of start-up)
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,7 +58,10 @@ QWEN3_1P7B_SHAPE=(--num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --nu
 # run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.
 run_pretrain() {
     cd "$ROOT_DIR"
-    # shellcheck disable=SC2086
-    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" \
-        ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} ${EXTRA_ARGS:-}
+    # shellcheck disable=SC2206
+    local args=("$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} ${EXTRA_ARGS:-})
+    if [[ "${CHECK_ARGS:-1}" != 0 ]]; then
+        WORLD_SIZE=$(( GPUS_PER_NODE * NNODES )) python pretrain_difflm.py --check-args "${args[@]}"
+    fi
+    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "${args[@]}"
 }

@@ -5,8 +5,8 @@
 #   bash examples/quickstart.sh                 # difflm-noshift, bidirectional attention
 #   MODE=vanilla bash examples/quickstart.sh    # the same model trained autoregressively
 #   MOCK_DATA=1 bash examples/quickstart.sh     # synthetic documents instead of the corpus
-# Other knobs: NPROC (2), TRAIN_ITERS (100; up to 20 the warmup is half of it), DATA_DIR (runs/data), TENSORBOARD_DIR;
-# extra flags pass through.
+# Other knobs: NPROC (2), TRAIN_ITERS (100; up to 20 the warmup is half of it), DATA_DIR (runs/data), TENSORBOARD_DIR,
+# CHECK_ARGS (1: validate the flags before torchrun); extra flags pass through.
 # Without extra flags the run is saved to runs/quickstart-$MODE/ckpt and a sample is generated from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ if [[ $# -eq 0 && -z "${MOCK_DATA:-}" ]]; then
     SAMPLE_ARGS=(--save "$CKPT_DIR")
 fi
 
-torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
+ARGS=(
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
     --group-query-attention --num-query-groups 2 --normalization RMSNorm --swiglu \
     --qk-layernorm --disable-bias-linear --seq-length 128 \
@@ -46,7 +46,13 @@ torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py \
     "${DATA_ARGS[@]}" \
     --model-running-mode "$MODE" --attention-mask-type no_mask --difflm-t-sampling antithetic \
     --log-interval 1 --log-throughput --eval-interval 50 --eval-iters 2 \
-    --tensorboard-dir "${TENSORBOARD_DIR:-runs/quickstart-$MODE}" ${SAMPLE_ARGS[@]+"${SAMPLE_ARGS[@]}"} "$@"
+    --tensorboard-dir "${TENSORBOARD_DIR:-runs/quickstart-$MODE}" ${SAMPLE_ARGS[@]+"${SAMPLE_ARGS[@]}"} "$@")
+# The flags are validated once before torchrun starts its workers (CHECK_ARGS=0 skips it): a bad flag
+# is then one line, not a line per worker and torchrun's failure report.
+if [[ "${CHECK_ARGS:-1}" != 0 ]]; then
+    WORLD_SIZE="$NPROC" python pretrain_difflm.py --check-args "${ARGS[@]}"
+fi
+torchrun --standalone --nproc_per_node="$NPROC" pretrain_difflm.py "${ARGS[@]}"
 
 if [[ ${#SAMPLE_ARGS[@]} -gt 0 ]]; then
     python examples/dlm_generation/dlm_inference.py --load "$CKPT_DIR" --prompt "Fellow-Citizens of the Senate" \

@@ -20,7 +20,9 @@ def recorded_flags(script: str, tmp_path: Path, env: dict, *args: str) -> list:
     record = fake / "argv"
     (fake / "torchrun").write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" > {shlex.quote(str(record))}\n')
     (fake / "torchrun").chmod(0o755)
-    env = dict(os.environ, **env, PATH=f"{fake}:{os.environ['PATH']}")
+    # CHECK_ARGS=0: the caller validates the recorded flags itself (the scripts' own check is
+    # test_launch_scripts.py's)
+    env = dict(os.environ, CHECK_ARGS="0", **env, PATH=f"{fake}:{os.environ['PATH']}")
     subprocess.run(["bash", script, *args], cwd=ROOT, env=env, check=True, timeout=60)
     argv = shlex.split(record.read_text())
     return argv[argv.index("pretrain_difflm.py") + 1:]

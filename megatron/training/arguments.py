@@ -337,11 +337,28 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "when the next layer starts). ZeRO-1 (optim) broadcasts them after the step (no effect).")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], help="Default: nccl on GPU, gloo on CPU.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--check-args", action="store_true",
+                   help="Validate the flags for a world of WORLD_SIZE processes and exit (0, or 2 with one line). "
+                        "The launch scripts run this once before torchrun, so that a bad flag is one line rather "
+                        "than one per worker and torchrun's failure report.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors (every rank parses the same flags before the process group
+    exists) are printed by rank 0 only: one line on the console, not one per worker."""
+
+    def error(self, message: str):
+        if _is_rank_zero():
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def exit(self, status: int = 0, message: Optional[str] = None):
+        super().exit(status, message if _is_rank_zero() else None)
 
 
 def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="MegaDLMs pretraining", allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description="MegaDLMs pretraining", allow_abbrev=False,
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_model_args(parser)
     add_moe_args(parser)
     _add_training_args(parser)
@@ -381,10 +398,10 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
         notes += validate_args(args, given)
     # ImportError: a flag's optional dependency is missing; OSError: a path given cannot be read or written.
     except (ValueError, ImportError, OSError) as error:
-        # One line, argparse's exit code; no usage block: the flags were all recognised.
-        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    print_notes(notes)
+        # One line (from rank 0), argparse's exit code; no usage block: the flags were all recognised.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if not args.check_args:  # the launch scripts' check before torchrun: the run prints the notes
+        print_notes(notes)
     return args
 
 

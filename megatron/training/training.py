@@ -503,12 +503,15 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
-             argv: Optional[List[str]] = None) -> Trainer:
+             argv: Optional[List[str]] = None) -> Optional[Trainer]:
     """Parse flags, build everything, train. Flag problems exit with code 2 before any of it; bad
-    data or a bad checkpoint found while building (InputError) exits with code 1 and one line."""
+    data or a bad checkpoint found while building (InputError) exits with code 1 and one line.
+    With --check-args only the flags are validated (returns None)."""
     from megatron.core.errors import InputError
 
     args = parse_args(argv, extra_args_provider)
+    if args.check_args:
+        return None
     set_deterministic_mode(args.deterministic_mode)
     runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
     trainer = lock = None

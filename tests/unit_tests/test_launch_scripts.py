@@ -42,3 +42,29 @@ def test_the_moe_script_spreads_its_experts_over_the_gpus(tmp_path):
     args = parse_args(flags, add_difflm_args, world_size=4)
     assert (args.expert_model_parallel_size, args.data_parallel_size, args.num_experts) == (4, 4, 64)
     assert args.moe_token_dispatcher_type == "alltoall" and args.padded_vocab_size >= 50304
+
+
+@pytest.mark.parametrize("script,env", [("examples/quickstart.sh", {"MOCK_DATA": "1", "NPROC": "2"}),
+                                        ("examples/dlm_training/dlm_pretrain_7b.sh", {"GPUS_PER_NODE": "8"})])
+def test_a_bad_flag_is_one_line_before_torchrun_starts(script, env, tmp_path):
+    """The scripts validate the flags once (--check-args) before torchrun: one line and exit 2, not a line
+    per worker and torchrun's ChildFailedError report."""
+    import os
+    import subprocess
+
+    from tests.launch_flags import ROOT
+
+    env = dict(os.environ, **env, TENSORBOARD_DIR=str(tmp_path / "tb"), EXTRA_ARGS="--no-such-flag")
+    result = subprocess.run(["bash", script, "--no-such-flag"] if "quickstart" in script else ["bash", script],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["pretrain_difflm.py: error: unrecognized argument --no-such-flag "
+                                          "(docs/megatron_compatibility.md lists every flag we accept)"]
+
+
+def test_check_args_validates_and_exits_without_training(capsys):
+    import pretrain_difflm
+    from tests.unit_tests.test_bad_inputs_training import TINY
+
+    assert pretrain_difflm.main(TINY + ["--check-args"]) is None
+    assert "iteration" not in capsys.readouterr().out
