@@ -22,6 +22,7 @@ from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_comp
                                            resolve_compat_args, unknown_flag_error)
 from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
+from megatron.training.precision_args import add_precision_args
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
 from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
 from megatron.training.lm_eval_args import LM_EVAL_FLAG_NEEDS, add_lm_eval_args, validate_lm_eval_args
@@ -174,20 +175,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile every transformer layer in place (one graph shared by all layers; "
                         "embedding and loss stay eager). The first steps pay the compile time.")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="Under bf16/fp16 the weight-gradient GEMMs of the linear layers write fp32 (cuBLAS, on CUDA); "
-                        "this flag makes them write the compute dtype and cast, as plain autocast does.")
-    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
-                   help="SwiGLU runs as plain tensor math instead of its Triton kernels (used on CUDA where Triton "
-                        "is installed).")
-    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
-                   help="Train the transformer layers' linear layers in fp8 (torchao float8): e4m3 everywhere, "
-                        "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
-    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
-                   help="With --fp8-format: one dynamic scale per tensor, or per row.")
-    g.add_argument("--fp8-output-layer", action="store_true",
-                   help="With --fp8-format and --difflm-masked-only-loss: the output layer's logits and input-"
-                        "gradient GEMMs in float8 too (tensorwise; the weight gradient stays in the compute dtype).")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -233,13 +220,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-optimizer-step", action="store_true",
                    help="AdamW's step compiled by torch.compile, one kernel per parameter (CompiledAdamW), "
                         "instead of torch's fused step; the same update and checkpoint state.")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true",
-                   help="Megatron's precision-aware optimizer: with --exp-avg-dtype / --exp-avg-sq-dtype bf16, "
-                        "Adam's moments are stored in bf16 (the update computes in fp32; CompiledAdamW). Master "
-                        "weights and gradients stay fp32.")
-    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
-        g.add_argument(flag, choices=["fp32", "bf16"], default="fp32",
-                       help=f"With --use-precision-aware-optimizer: storage of Adam's {moment} moment.")
 
 
 def _add_data_and_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -362,6 +342,7 @@ def build_parser(extra_args_provider: Optional[ExtraArgsProvider] = None) -> arg
     _add_model_args(parser)
     add_moe_args(parser)
     _add_training_args(parser)
+    add_precision_args(parser)
     schedule_args.add_schedule_args(parser)
     _add_data_and_logging_args(parser)
     add_logging_args(parser)

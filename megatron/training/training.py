@@ -44,6 +44,7 @@ from megatron.training.data_parallel_args import describe as describe_data_paral
 from megatron.training.loss_scale import LossScale
 from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
 from megatron.training.loop_hooks import LoopHooks
+from megatron.training.precision_args import moment_dtypes
 from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
@@ -184,7 +185,7 @@ class Trainer:
         loss = self.schedule(forward_step, data_iterator, self.model, num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
                              scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale),
-                             **({} if clock is None else {"clock": clock}))
+                             clock=clock)
         # Tensor-parallel peers hold the same values: sum over the data-parallel replicas (the loss
         # sums also over the context-parallel ranks, which hold parts of the same sequences; the
         # normalizers, computed on whole sequences, are the same there), then hand the last
@@ -401,17 +402,12 @@ def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, ru
     return iter(loader)
 
 
-_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None, expert_dp_group=None):
     """AdamW (ZeRO-1 over `dp_group` / `expert_dp_group` under the optim strategy) and its schedule."""
     config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                              decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-                             compiled_step=args.compile_optimizer_step,
-                             exp_avg_dtype=_MOMENT_DTYPES[args.exp_avg_dtype],
-                             exp_avg_sq_dtype=_MOMENT_DTYPES[args.exp_avg_sq_dtype])
+                             compiled_step=args.compile_optimizer_step, **moment_dtypes(args))
     strategy = args.data_parallel_sharding_strategy
     optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
                                 optimizer_sharding_group(strategy, expert_dp_group))

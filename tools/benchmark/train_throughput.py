@@ -84,6 +84,7 @@ from megatron.core.transformer.compilation import compile_transformer_layers  # 
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training import flops  # noqa: E402
+from megatron.training.precision_args import MOMENT_DTYPES, moment_dtypes  # noqa: E402
 
 PROFILED_STEPS = 3
 
@@ -139,7 +140,6 @@ MODELS: Dict[str, ModelSpec] = {
 
 # ---------------------------------------------------------------------- configuration
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
@@ -230,8 +230,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
                                                        compiled_step=args.compile_optimizer_step,
-                                                       exp_avg_dtype=MOMENT_DTYPES[args.exp_avg_dtype],
-                                                       exp_avg_sq_dtype=MOMENT_DTYPES[args.exp_avg_sq_dtype]))
+                                                       **moment_dtypes(args)))
     batch = args.micro_batch_size
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
@@ -374,13 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5, help="Untimed steps first (allocator, autotuning, compile).")
     parser.add_argument("--baseline", choices=("none", "hf"), default="none",
                         help="hf: also time the equivalent transformers model in this process.")
-    parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid",
-                        help="With --fp8: gradient element type.")
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
-    parser.add_argument("--fp8-output-layer", action="store_true",
-                        help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
-                             "gradient) in float8 too.")
+    _add_precision_arguments(parser)
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
     parser.add_argument("--torch-compile-mode", default="default", choices=COMPILE_MODES,
                         help="With --torch-compile: torch.compile's mode for the layers (max-autotune-no-cudagraphs "
@@ -411,10 +404,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                         action="store_false", help="Our weight gradients in bf16 then cast (plain autocast), "
                                                    "not written in fp32 by their GEMM.")
-    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
-        parser.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
-                            help=f"Storage of our AdamW's {moment} moment (Megatron's precision-aware optimizer; "
-                                 "bf16 takes the compiled step).")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
     parser.add_argument("--seed", type=int, default=1234)
@@ -422,6 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
     moe_models.add_arguments(parser)
     return parser
+
+
+def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fp8 rows, and the storage of our AdamW's moments."""
+    parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid",
+                        help="With --fp8: gradient element type.")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
+    parser.add_argument("--fp8-output-layer", action="store_true",
+                        help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
+                             "gradient) in float8 too.")
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        parser.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
+                            help=f"Storage of our AdamW's {moment} moment (Megatron's precision-aware optimizer; "
+                                 "bf16 takes the compiled step).")
 
 
 def validate(args: argparse.Namespace) -> ModelSpec:

@@ -49,9 +49,10 @@ Action = Tuple[str, int, int]
 
 def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Iterator, model: nn.Module,
                                    num_microbatches: int, loss: GlobalBatchLoss, forward_only: bool = False,
-                                   scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                                   ) -> GlobalBatchLoss:
-    """Forward (and, unless `forward_only`, backward) every micro-batch in turn on one stage."""
+                                   scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                                   clock: Optional[ComputeClock] = None) -> GlobalBatchLoss:
+    """Forward (and, unless `forward_only`, backward) every micro-batch in turn on one stage.
+    `clock` is taken for the schedules' common signature and left alone: one stage has no bubble."""
     for microbatch in range(num_microbatches):
         last = microbatch == num_microbatches - 1
         with no_sync(model, last_microbatch=last or forward_only):
@@ -185,8 +186,8 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               links: Optional[PipelineLinks] = None) -> Callable:
     """The schedule for this layout (Megatron's name for the choice): no pipelining, 1F1B, or
-    interleaved 1F1B with `virtual_pipeline_model_parallel_size` chunks per rank. A pipelined
-    schedule also takes `clock=` (a ComputeClock) to time its compute."""
+    interleaved 1F1B with `virtual_pipeline_model_parallel_size` chunks per rank. Each takes `clock=`
+    (a ComputeClock, or None), with which a pipelined schedule times its compute."""
     if pipeline_model_parallel_size == 1:
         return forward_backward_no_pipelining
     if links is None or links.size != pipeline_model_parallel_size:

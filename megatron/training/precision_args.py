@@ -1,0 +1,42 @@
+"""Precision and kernel flags: the fusions (Megatron's names), fp8 training and the precision-aware
+optimizer's moment dtypes. Validation lives with the flags they depend on (arguments.FLAG_NEEDS,
+parallel_args.py for the layouts they support)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""--exp-avg-dtype / --exp-avg-sq-dtype: the storage of Adam's moments."""
+
+
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("precision and kernels")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                   help="Under bf16/fp16 the weight-gradient GEMMs of the linear layers write fp32 (cuBLAS, on CUDA); "
+                        "this flag makes them write the compute dtype and cast, as plain autocast does.")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="SwiGLU runs as plain tensor math instead of its Triton kernels (used on CUDA where Triton "
+                        "is installed).")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
+                   help="Train the transformer layers' linear layers in fp8 (torchao float8): e4m3 everywhere, "
+                        "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
+                   help="With --fp8-format: one dynamic scale per tensor, or per row.")
+    g.add_argument("--fp8-output-layer", action="store_true",
+                   help="With --fp8-format and --difflm-masked-only-loss: the output layer's logits and input-"
+                        "gradient GEMMs in float8 too (tensorwise; the weight gradient stays in the compute dtype).")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware optimizer: with --exp-avg-dtype / --exp-avg-sq-dtype bf16, "
+                        "Adam's moments are stored in bf16 (the update computes in fp32; CompiledAdamW). Master "
+                        "weights and gradients stay fp32.")
+    for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
+        g.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
+                       help=f"With --use-precision-aware-optimizer: storage of Adam's {moment} moment.")
+
+
+def moment_dtypes(args: argparse.Namespace) -> dict:
+    """OptimizerConfig's exp_avg_dtype and exp_avg_sq_dtype from the flags."""
+    return {key: MOMENT_DTYPES[getattr(args, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")}
