@@ -68,3 +68,16 @@ def test_check_args_validates_and_exits_without_training(capsys):
 
     assert pretrain_difflm.main(TINY + ["--check-args"]) is None
     assert "iteration" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--no-such-flag"], ["--train-iters", "0"], ["--seq-length", "x"]])
+def test_only_rank_zero_prints_a_flag_error(extra, capsys, monkeypatch):
+    """Workers that parse bad flags themselves (torchrun without the scripts' check) say it once."""
+    from tests.unit_tests.test_bad_inputs_training import TINY
+
+    for rank, prints in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(TINY + extra, add_difflm_args, world_size=2)
+        assert exit_info.value.code == 2
+        assert bool(capsys.readouterr().err.strip()) == prints, rank
