@@ -17,8 +17,8 @@ Megatron's precision-aware optimizer (`--use-precision-aware-optimizer --exp-avg
 --exp-avg-sq-dtype bf16`): `exp_avg_dtype` / `exp_avg_sq_dtype` store the moments in bf16. The
 update still computes in fp32 (each moment is read, updated and used in fp32, then stored
 rounded to nearest), so only storage and traffic shrink: 28 -> 20 bytes a parameter per step
-with both, and 8 bytes a parameter less memory. A loaded checkpoint's moments are cast to the
-configured dtypes (torch's loader casts them to the parameter's).
+with both, and 4 bytes a parameter less memory (two moments of 2 instead of 4 bytes). A loaded
+checkpoint's moments are cast to the configured dtypes (torch's loader casts them to the parameter's).
 """
 
 from __future__ import annotations
