@@ -159,3 +159,20 @@ def test_bf16_chunks_accumulate_fp32_gradients_on_cuda(compiled, per_token):
     for actual, reference in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
         error = (actual.double() - reference).norm() / reference.norm()
         assert error < 2e-2, error.item()
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
+def test_the_selection_and_its_host_sync_come_before_the_decoder(mode, monkeypatch):
+    """Failing would put the masked-only loss's sync (the selected count) back after the decoder,
+    where the GPU idles through the loss's host work (OutputLayer.loss_targets)."""
+    model, events = build(mode, tied=True, padded=False, masked_only=True), []
+    model.embedding.register_forward_pre_hook(lambda *_: events.append("embedding"))
+    model.decoder.register_forward_pre_hook(lambda *_: events.append("decoder"))
+    original = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: events.append("nonzero") or
+                        original(self, *a, **k))
+    out, _ = loss_and_grads(model, ids())
+    assert "nonzero" in events and events.index("nonzero") < events.index("embedding") < events.index("decoder")
+    monkeypatch.undo()
+    reference, _ = loss_and_grads(build(mode, tied=True, padded=False, masked_only=False), ids())
+    torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=0)

@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Iterator, List, Optional
 import torch
 from torch.autograd import DeviceType
 
+import trace_gaps  # beside this file, which its callers put on sys.path
+
 CATEGORIES = ("attention", "gemm", "grouped_gemm", "moe", "loss", "optimizer", "other")
 ATTENTION = ("attention", "sdpa", "fmha", "flash_fwd", "flash_bwd")
 # torch's ops (aten::_grouped_mm, the sm90 cutlass kernel's grouped problem shape) and transformers'.
@@ -205,6 +207,8 @@ def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: Li
         profiler.export_chrome_trace(trace_path)
     result = breakdown(profiler.events(), on_cuda, len(batches), trace)
     result["trace"] = trace_path
+    if trace is not None:  # the GPU's idle intervals: the step time no kernel accounts for
+        result["gaps"] = trace_gaps.summarize(trace["traceEvents"], steps=len(batches))
     return result
 
 

@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_breakdown  # noqa: E402
 import moe_models  # noqa: E402
+import trace_gaps  # noqa: E402
 from hf_baseline import (BETAS, CLIP_GRAD, DLM_EPS, LR, WEIGHT_DECAY, _transformers_version,  # noqa: E402, F401
                          build_hf, hf_model, leaks_future, llada_loss, make_bidirectional, mask_token_id)
 
@@ -307,6 +308,8 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
         with kernel_breakdown.moe_scopes(model):  # MoE layers' ops, forward and backward, as "moe"
             row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
         print(kernel_breakdown.format_table(name, row["profile"]), flush=True)
+        if "gaps" in row["profile"]:
+            print(trace_gaps.format_summary(row["profile"]["gaps"]), flush=True)
     del model, optimizer, step, batches
     gc.collect()
     if device.type == "cuda":

@@ -182,13 +182,15 @@ class GPTModel(MegatronModule):
             positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
         mask = build_attention_mask(self.config, self.dlm_config, document_ids, noisy_length=noisy_length,
                                     mask_type=mask_type, **positions)
+        targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
+        if self.post_process and labels is not None:
+            targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift)
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
         if not self.post_process:
             return hidden
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
-        per_token, loss = self.head.loss(hidden, self._output_weight(), labels, loss_weights, loss_normalizer,
-                                         shift=shift)
+        per_token, loss = self.head.loss(hidden, self._output_weight(), labels, targets)
         return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
 
     def _output_weight(self) -> torch.Tensor:

@@ -15,7 +15,7 @@ loading may assign new ones).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +26,14 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
 from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+
+class LossTargets(NamedTuple):
+    """What the loss needs from the labels' side, known before the decoder runs (`loss_targets`)."""
+    weights: torch.Tensor  # fp32 [b, s], 0 where no loss is taken
+    normalizer: torch.Tensor
+    shift: bool  # difflm-shift: the loss of target position j uses the hidden state at j - 1
+    selected: Optional[Tuple[torch.Tensor, torch.Tensor]]  # (rows, positions) of the masked-only path
 
 
 class OutputLayer(MegatronModule):
@@ -80,16 +88,14 @@ class OutputLayer(MegatronModule):
         return logits.masked_fill(padding, float("-inf"))
 
     # ------------------------------------------------------------------ loss
-    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-             loss_weights: Optional[torch.Tensor], loss_normalizer: Optional[torch.Tensor],
-             shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(per-token loss [b, s], sum(per-token loss * weights) / normalizer) from the last hidden states.
+    def loss_targets(self, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
+                     loss_normalizer: Optional[torch.Tensor], shift: bool) -> LossTargets:
+        """The fp32 weights, the normalizer and, for the masked-only path, the selected positions.
 
-        `shift` (difflm-shift): the loss of target position j uses the hidden state at j - 1."""
-        batch = hidden.shape[1]
-        seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        if labels.shape != (batch, seq):
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
+        GPTModel calls this before the decoder runs: the selection's count is the masked-only loss's
+        one host sync, and taken there it waits only for the previous step's tail, after which the
+        host queues the whole decoder ahead of the GPU. Taken at the loss, the GPU would idle through
+        the host's loss work (eager ops, a new GEMM shape every step), 2.5 ms in some DLM steps."""
         weights = (torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_weights is None
                    else loss_weights.to(torch.float32))
         if shift:
@@ -99,12 +105,25 @@ class OutputLayer(MegatronModule):
         if loss_normalizer is None:
             loss_normalizer = (weights != 0).sum().clamp(min=1)
         # Weights that need a gradient (rare) keep the full path, which gives them one.
+        selected = None
         if self.dlm_config.masked_only_loss and not (loss_weights is not None and loss_weights.requires_grad):
-            per_token, loss_sum = self._selected_positions_loss(hidden, weight, labels, weights, shift)
+            selected = weights.nonzero(as_tuple=True)
+        return LossTargets(weights, loss_normalizer, shift, selected)
+
+    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+             targets: LossTargets) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(per-token loss [b, s], sum(per-token loss * weights) / normalizer) from the last hidden
+        states and `loss_targets`' answer for these labels."""
+        batch = hidden.shape[1]
+        seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        if labels.shape != (batch, seq):
+            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
+        if targets.selected is not None:
+            per_token, loss_sum = self._selected_positions_loss(hidden, weight, labels, targets)
         else:
-            per_token = self._full_logits_loss(hidden, weight, labels, shift)
-            loss_sum = (per_token * weights).sum()
-        return per_token, loss_sum / loss_normalizer
+            per_token = self._full_logits_loss(hidden, weight, labels, targets.shift)
+            loss_sum = (per_token * targets.weights).sum()
+        return per_token, loss_sum / targets.normalizer
 
     def _full_logits_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           shift: bool) -> torch.Tensor:
@@ -125,13 +144,13 @@ class OutputLayer(MegatronModule):
         return nn.functional.pad(ce, (1, 0)) if shift else ce
 
     def _selected_positions_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 weights: torch.Tensor, shift: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                                 targets: LossTargets) -> Tuple[torch.Tensor, torch.Tensor]:
         """(per-token loss [b, s], weighted sum) with the output layer applied only where the weight is
         nonzero, in chunks (DLMConfig.masked_only_loss). Every tp rank holds the same weights, so
         all select the same positions and run the same collectives."""
-        # The one host sync of this path: the number of selected positions sets the shapes below.
-        rows, positions = weights.nonzero(as_tuple=True)
-        selected = self._input(hidden)[positions - int(shift), rows]
+        rows, positions = targets.selected
+        weights = targets.weights
+        selected = self._input(hidden)[positions - int(targets.shift), rows]
         losses, loss_sum = linear_cross_entropy(
             selected, weight, labels[rows, positions], weights[rows, positions], self.tp_group,
             unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
