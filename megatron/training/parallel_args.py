@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from megatron.training.data_parallel_args import FSDP2_STRATEGIES
+
 SUPPORTED_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
@@ -28,6 +30,10 @@ def validate_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"bf16 Adam moments (--exp-avg-dtype / --exp-avg-sq-dtype) are not supported with "
                          f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (FSDP2) yet; use "
                          "optim (ZeRO-1) or fp32 moments")
+    weight_copies = getattr(args, "cache_low_precision_weights", False)
+    if weight_copies and args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
+        raise ValueError("--cache-low-precision-weights does not apply under FSDP2 (--data-parallel-sharding-strategy "
+                         f"{args.data_parallel_sharding_strategy} gathers the weights in bf16 itself); drop it")
     if args.fp8_format:
         from megatron.core.transformer.fp8 import float8_config
 

@@ -31,6 +31,7 @@ from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.utils import group_size
+from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
@@ -150,6 +151,8 @@ class Trainer:
         self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
         self.lm_eval: Optional[InLoopEvaluation] = None
+        self.weight_copies: Optional[WeightCopies] = None
+        """--cache-low-precision-weights: the linear layers' working copies, refreshed before each step."""
         """--lm-eval-tasks on the live model (megatron/evaluation/in_loop.py); None without them."""
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.loss_scale
                                                 or config.initial_loss_scale, enabled=config.fp16)
@@ -237,6 +240,8 @@ class Trainer:
 
     def train_step(self, data_iterator: Iterator) -> StepResult:
         iteration = self.state.iteration + 1
+        if self.weight_copies is not None:  # weights changed other than by the step (a load) are copied again
+            self.weight_copies.refresh()
         batch = self.config.batch_at(self.state.consumed_train_samples)  # grows along a batch ramp
         execution = self.rerun.begin_step(data_iterator, self.model, iteration)
         while True:
@@ -483,6 +488,11 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
                         if args.fp8_output_layer else ""))
         logger.count_fp8_peak()
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
+    copies = None
+    if args.cache_low_precision_weights:
+        copies = attach_weight_copies(model, optimizer, torch.bfloat16 if args.bf16 else torch.float16)
+        logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights in "
+                     f"{str(copies.dtype).replace('torch.', '')}")
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)
@@ -492,6 +502,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
         runtime=runtime, logger=logger, groups=layout.groups, links=links,
         hooks=LoopHooks.from_args(args, logger, runtime), rerun_config=args.rerun_config)
+    trainer.weight_copies = copies
     trainer.lm_eval = build_in_loop_evaluation(getattr(args, "lm_eval_config", None), model, args.tokenizer,
                                                runtime.device, logger)
     return trainer

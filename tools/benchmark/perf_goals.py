@@ -1,6 +1,7 @@
 """The speed goals' measurements in one command: each configuration of `train_throughput.py` in a
 process of its own with a time limit of its own, optionally alternated with the same
-configurations run from another tree (a same-run A/B of a change), and one table at the end.
+configurations run from another tree or with more flags (a same-run A/B of a change), and one
+table at the end.
 
 Every configuration takes the levers the launch scripts pass (masked-only loss, its fused
 kernel, compiled layers and optimizer step, bf16 Adam moments). The first run on a fresh machine
@@ -9,6 +10,7 @@ the runs after it find the compile caches warm.
 
     python tools/benchmark/perf_goals.py                                 # AR vs HF, DLM, 7B bf16 and fp8
     python tools/benchmark/perf_goals.py --only dlm --ab-tree ab_old --repeats 2
+    python tools/benchmark/perf_goals.py --only dlm ar --ab-extra "--cache-low-precision-weights"
     python tools/benchmark/perf_goals.py --smoke                         # CPU, a tiny model: the plumbing
 """
 
@@ -41,7 +43,7 @@ SMOKE = {
 }
 
 
-def run_one(tree: str, goal: str, argv: List[str], json_path: str, timeout: float) -> dict:
+def run_one(arm: str, tree: str, goal: str, argv: List[str], json_path: str, timeout: float) -> dict:
     """One train_throughput.py process from `tree`; its rows, or why there are none."""
     command = [sys.executable, os.path.join(tree, SCRIPT), *argv, "--json", json_path]
     started = time.monotonic()
@@ -51,7 +53,7 @@ def run_one(tree: str, goal: str, argv: List[str], json_path: str, timeout: floa
             code = subprocess.run(command, cwd=tree, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = None
-    record = {"tree": tree, "goal": goal, "command": shlex.join(command), "log": log_path,
+    record = {"arm": arm, "tree": tree, "goal": goal, "command": shlex.join(command), "log": log_path,
               "seconds": round(time.monotonic() - started, 1), "rows": []}
     if code is None:
         record["error"] = f"timed out after {timeout:g} s"
@@ -65,28 +67,28 @@ def run_one(tree: str, goal: str, argv: List[str], json_path: str, timeout: floa
     return record
 
 
-def plan(goals: List[str], trees: List[str], repeats: int) -> List[tuple]:
-    """(tree, goal, repeat) in the order they run: the trees alternate within each repeat."""
-    return [(tree, goal, repeat) for goal in goals for repeat in range(repeats) for tree in trees]
+def plan(goals: List[str], arms: List[str], repeats: int) -> List[tuple]:
+    """(arm, goal, repeat) in the order they run: the arms alternate within each repeat."""
+    return [(arm, goal, repeat) for goal in goals for repeat in range(repeats) for arm in arms]
 
 
 def table(records: List[dict]) -> str:
-    """One line per tree, goal and row name: the median over repeats, and the spread."""
+    """One line per goal, row name and arm: the median over repeats, and the spread."""
     grouped: Dict[tuple, List[dict]] = {}
     for record in records:
         for row in record["rows"]:
-            grouped.setdefault((record["goal"], row["name"], record["tree"]), []).append(row)
-    lines = ["| goal | row | tree | runs | median ms/step (min-max) | TFLOP/s | MFU | peak GiB |",
+            grouped.setdefault((record["goal"], row["name"], record["arm"]), []).append(row)
+    lines = ["| goal | row | arm | runs | median ms/step (min-max) | TFLOP/s | MFU | peak GiB |",
              "|---|---|---|---|---|---|---|---|"]
-    for (goal, name, tree), rows in grouped.items():
+    for (goal, name, arm), rows in grouped.items():
         ms = [row["median_step_ms"] for row in rows]
         best = min(rows, key=lambda row: abs(row["median_step_ms"] - statistics.median(ms)))
         mfu = f"{best['mfu']:.1%}" if best["mfu"] is not None else "-"
         peak = f"{best['peak_memory_gib']:.1f}" if best["peak_memory_gib"] is not None else "-"
-        lines.append(f"| {goal} | {name} | {os.path.relpath(tree, ROOT)} | {len(rows)} | "
+        lines.append(f"| {goal} | {name} | {arm} | {len(rows)} | "
                      f"{statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | "
                      f"{best['tflops_per_gpu']:.4g} | {mfu} | {peak} |")
-    lines += [f"- {r['goal']} from {os.path.relpath(r['tree'], ROOT)}: {r['error']}" for r in records if "error" in r]
+    lines += [f"- {r['goal']} ({r['arm']}): {r['error']}" for r in records if "error" in r]
     return "\n".join(lines)
 
 
@@ -95,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", choices=sorted(GOALS), default=list(GOALS), help="Goals to run.")
     parser.add_argument("--ab-tree", help="Another checkout (e.g. `git archive REV megatron tools | tar -x -C DIR`) "
                                           "whose runs alternate with this tree's: a same-run A/B.")
-    parser.add_argument("--repeats", type=int, default=1, help="Runs of each goal in each tree.")
+    parser.add_argument("--ab-extra", default="", help="More flags for the second arm only (with or without "
+                                                       "--ab-tree): a same-run A/B of a flag.")
+    parser.add_argument("--repeats", type=int, default=1, help="Runs of each goal in each arm.")
     parser.add_argument("--extra", default="", help="More train_throughput.py flags for every run.")
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds for each run after the first.")
     parser.add_argument("--first-timeout", type=float, default=420.0, help="Seconds for the first (compiling) run.")
@@ -108,19 +112,23 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"perf_goals.py: --repeats {args.repeats}: give 1 or more")
-    trees = [ROOT] + ([os.path.abspath(args.ab_tree)] if args.ab_tree else [])
-    for tree in trees[1:]:
+    arms = {"A": (ROOT, shlex.split(args.extra))}
+    if args.ab_tree or args.ab_extra:
+        tree = os.path.abspath(args.ab_tree) if args.ab_tree else ROOT
         if not os.path.exists(os.path.join(tree, SCRIPT)):
             raise SystemExit(f"perf_goals.py: --ab-tree {tree} has no {SCRIPT}; unpack megatron/ and tools/ there")
+        arms["B"] = (tree, shlex.split(args.extra) + shlex.split(args.ab_extra))
+    for arm, (tree, extra) in arms.items():
+        print(f"arm {arm}: {os.path.relpath(tree, ROOT)} {shlex.join(extra)}".rstrip(), flush=True)
     presets, levers = (SMOKE, SMOKE_LEVERS) if args.smoke else (GOALS, LEVERS)
     os.makedirs(args.out, exist_ok=True)
     records = []
-    for index, (tree, goal, repeat) in enumerate(plan(args.only, trees, args.repeats)):
-        argv_run = presets[goal] + levers + shlex.split(args.extra)
-        name = f"{goal}_{'ab' if tree != ROOT else 'tree'}_{repeat}.json"
-        record = run_one(tree, goal, argv_run, os.path.abspath(os.path.join(args.out, name)),
+    for index, (arm, goal, repeat) in enumerate(plan(args.only, list(arms), args.repeats)):
+        tree, extra = arms[arm]
+        record = run_one(arm, tree, goal, presets[goal] + levers + extra,
+                         os.path.abspath(os.path.join(args.out, f"{goal}_{arm}_{repeat}.json")),
                          args.first_timeout if index == 0 else args.timeout)
-        print(f"{goal} ({os.path.relpath(tree, ROOT)}, run {repeat + 1}): {record['seconds']} s, "
+        print(f"{goal} ({arm}, run {repeat + 1}): {record['seconds']} s, "
               + (record.get("error") or ", ".join(f"{r['median_step_ms']:.1f} ms" for r in record["rows"])),
               flush=True)
         records.append(record)

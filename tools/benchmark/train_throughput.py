@@ -80,6 +80,7 @@ from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
                                               forget_gradient_scale)
 from megatron.core.tensor_parallel import linear_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel.weight_copies import attach_weight_copies  # noqa: E402
 from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
@@ -233,8 +234,13 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                        compiled_step=args.compile_optimizer_step,
                                                        **moment_dtypes(args)))
     batch = args.micro_batch_size
+    copies = (attach_weight_copies(model, optimizer, config.compute_dtype)
+              if args.cache_low_precision_weights and config.bf16 else None)
+    info["weight_copies"] = 0 if copies is None else len(copies.pairs)
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
+        if copies is not None:  # as the trainer does before each iteration
+            copies.refresh()
         # The key of a training micro-batch: a new corruption every step, as in training.
         key = diffusion.CorruptionKey.for_batch(args.seed, iteration=index, global_batch_size=batch,
                                                 first_sample_index=index * batch, batch_size=batch, device=device)
@@ -409,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "not written in fp32 by their GEMM.")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
+    parser.add_argument("--cache-low-precision-weights", action="store_true",
+                        help="Our linear layers read bf16 working copies of their weights, written by the compiled "
+                             "optimizer step (or refreshed before each step), instead of casting them each forward.")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", help="Default: cuda when available, else cpu.")
     parser.add_argument("--json", help="Write every number, the exact config and versions here.")
@@ -528,6 +537,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
                       (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
+                      (args.cache_low_precision_weights, " weight-copies"),
                       (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
                       (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),
                       (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),

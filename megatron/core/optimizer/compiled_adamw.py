@@ -29,13 +29,17 @@ import torch
 
 __all__ = ["CompiledAdamW", "adamw_update"]
 
+RECOMPILE_LIMIT = 64
+
 
 def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
                  exp_avg_sqs: List[torch.Tensor], steps: List[torch.Tensor], lr: torch.Tensor,
                  weight_decay: torch.Tensor, beta1: float, beta2: float, eps: float,
-                 grad_scale: Optional[torch.Tensor]) -> None:
-    """One decoupled-weight-decay Adam step over lists of tensors, in place (torch's AdamW formula)."""
-    for param, grad, exp_avg, exp_avg_sq, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+                 grad_scale: Optional[torch.Tensor], copies: Optional[List[Optional[torch.Tensor]]] = None) -> None:
+    """One decoupled-weight-decay Adam step over lists of tensors, in place (torch's AdamW formula).
+    `copies`: each parameter's low-precision working copy or None, written with the new value."""
+    copies = copies or [None] * len(params)
+    for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         step.add_(1)
         if grad_scale is not None:  # the divisor the fused kernel reads (the clip's scale)
             grad = grad / grad_scale
@@ -48,6 +52,8 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
         step_size = lr / (1 - beta1 ** step)
         denominator = (second.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
         param.sub_(step_size * first / denominator)
+        if copy is not None:  # in the same kernel: 2 more bytes written instead of a later cast
+            copy.copy_(param)
 
 
 class CompiledAdamW(torch.optim.AdamW):
@@ -60,7 +66,13 @@ class CompiledAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
         """Storage dtype of each moment; None: the parameter's."""
+        # Every instance shares `adamw_update`'s code object, and each parameter group (its list of
+        # shapes and dtypes, with or without working copies) is a graph of its own: a process that builds
+        # several models (benchmarks, tests) would pass dynamo's default of 8 and fail under fullgraph.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._update = torch.compile(adamw_update, fullgraph=True)
+        self.weight_copies = None
+        """A `WeightCopies` whose copies the step writes with the update (weight_copies.py); None: none."""
 
     def _moment(self, param: torch.Tensor, key: str) -> torch.Tensor:
         return torch.zeros_like(param, dtype=self.moment_dtypes[key], memory_format=torch.preserve_format)
@@ -108,5 +120,8 @@ class CompiledAdamW(torch.optim.AdamW):
             decay = torch.tensor(float(group["weight_decay"]), dtype=torch.float32).to(device, non_blocking=True)
             divisor = None if scale is None else scale.to(device=device, dtype=torch.float32)
             beta1, beta2 = group["betas"]
-            self._update(*tensors, lr, decay, float(beta1), float(beta2), float(group["eps"]), divisor)
+            copies = None if self.weight_copies is None else [self.weight_copies.copy_of(p) for p in tensors[0]]
+            self._update(*tensors, lr, decay, float(beta1), float(beta2), float(group["eps"]), divisor, copies)
+            if copies is not None:
+                self.weight_copies.written([p for p, copy in zip(tensors[0], copies) if copy is not None])
         return loss

@@ -34,8 +34,9 @@ class _LinearFp32WeightGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                dtype: torch.dtype) -> torch.Tensor:
-        x_low, weight_low = x.to(dtype), weight.to(dtype)
+                dtype: torch.dtype, weight_low: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # weight_low: the layer's working copy of `weight` in `dtype` (weight_copies.py), else a cast
+        x_low, weight_low = x.to(dtype), weight.to(dtype) if weight_low is None else weight_low
         ctx.save_for_backward(x_low, weight_low)
         ctx.has_bias = bias is not None
         with torch.autocast(x.device.type, enabled=False):  # the dtypes here are chosen explicitly
@@ -51,16 +52,19 @@ class _LinearFp32WeightGrad(torch.autograd.Function):
         rows = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = matmul_fp32(rows.t(), x_low.reshape(-1, x_low.shape[-1])) if needs_weight else None
         grad_bias = rows.sum(0, dtype=torch.float32) if ctx.has_bias and needs_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           fp32_weight_grad: bool = True) -> torch.Tensor:
+           fp32_weight_grad: bool = True, weight_low: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear`, except that under autocast an fp32 weight's gradient comes out of its GEMM in
-    fp32 (with `fp32_weight_grad`); outside autocast, or for low-precision weights, plain `F.linear`."""
+    fp32 (with `fp32_weight_grad`); outside autocast, or for low-precision weights, plain `F.linear`.
+    `weight_low`: a fresh copy of `weight` (weight_copies.py), read instead of casting when its
+    dtype is autocast's."""
     device = x.device.type
     if fp32_weight_grad and weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         if dtype != torch.float32:
-            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype)
+            low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
+            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low)
     return nn.functional.linear(x, weight, bias)

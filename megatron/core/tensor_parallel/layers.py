@@ -20,6 +20,7 @@ from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.fp32_weight_grad import linear
+from megatron.core.tensor_parallel.weight_copies import training_copy
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -135,7 +136,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        output = linear(x, self.weight, self.bias, self.fp32_weight_grad)
+        output = linear(x, self.weight, self.bias, self.fp32_weight_grad, training_copy(self))
         if self.gather_output:
             output = self._to_global_order(gather_from_tensor_model_parallel_region(output, self.tp_group))
         return output
@@ -193,7 +194,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear(x, self.weight, None, self.fp32_weight_grad)
+        partial = linear(x, self.weight, None, self.fp32_weight_grad, training_copy(self))
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
