@@ -56,9 +56,9 @@ def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3):
     return losses, weights, stale, weight_copies
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["torch-adamw", "compiled-adamw"])
-@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
-@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("style, mode, compiled", [  # each style in each mode, each optimizer in each
+    ("megatron", "difflm-noshift", False), ("megatron", "vanilla", True),
+    ("llama", "difflm-noshift", True), ("llama", "vanilla", False)])
 def test_a_bf16_run_trains_to_the_bit_as_without_copies(style, mode, compiled):
     losses, weights, stale, copies = train(style, mode, copies=True, compiled=compiled)
     reference_losses, reference_weights, _, _ = train(style, mode, copies=False, compiled=compiled)
