@@ -125,7 +125,7 @@ def test_the_command_line_trains_the_same_losses_with_copies():
     """Failing would mean the trainer's copies (attached after the wrapper, refreshed each step) train
     differently from casting: a bf16 CPU run of 3 iterations, its logged losses equal."""
     argv = TINY + ["--bf16", "--train-iters", "3", "--log-interval", "1", "--lr", "1e-2", "--micro-batch-size", "2",
-                   "--global-batch-size", "4", "--compile-optimizer-step"]
+                   "--global-batch-size", "4"]  # the compiled step's writes: test_weight_copies_parallel.py
     runs = [run_cli(*argv, *extra) for extra in ([], ["--cache-low-precision-weights"])]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
