@@ -26,7 +26,7 @@ def validate_parallel(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (or "
                          "--use-distributed-optimizer) is not supported by this release yet; use no_shard")
     bf16_moments = "bf16" in (getattr(args, "exp_avg_dtype", "fp32"), getattr(args, "exp_avg_sq_dtype", "fp32"))
-    if bf16_moments and args.data_parallel_sharding_strategy not in ("no_shard", "optim"):
+    if bf16_moments and args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
         raise ValueError(f"bf16 Adam moments (--exp-avg-dtype / --exp-avg-sq-dtype) are not supported with "
                          f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} (FSDP2) yet; use "
                          "optim (ZeRO-1) or fp32 moments")

@@ -151,9 +151,9 @@ class Trainer:
         self.checkpointer: Optional[Checkpointer] = None
         self.signal_handler: Optional[ExitSignalHandler] = None
         self.lm_eval: Optional[InLoopEvaluation] = None
+        """--lm-eval-tasks on the live model (megatron/evaluation/in_loop.py); None without them."""
         self.weight_copies: Optional[WeightCopies] = None
         """--cache-low-precision-weights: the linear layers' working copies, refreshed before each step."""
-        """--lm-eval-tasks on the live model (megatron/evaluation/in_loop.py); None without them."""
         self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.loss_scale
                                                 or config.initial_loss_scale, enabled=config.fp16)
         self.loss_scale = LossScale(self.grad_scaler, config.loss_scale, config.min_loss_scale,
@@ -490,7 +490,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     copies = None
     if args.cache_low_precision_weights:
-        copies = attach_weight_copies(model, optimizer, torch.bfloat16 if args.bf16 else torch.float16)
+        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype)
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights in "
                      f"{str(copies.dtype).replace('torch.', '')}")
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))

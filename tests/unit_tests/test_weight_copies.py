@@ -116,6 +116,8 @@ def test_a_weight_changed_behind_the_optimizer_is_copied_again_and_eval_never_re
     (["--cache-low-precision-weights"], "--cache-low-precision-weights has no effect without --bf16 or --fp16"),
     (["--bf16", "--cache-low-precision-weights", "--no-gradient-accumulation-fusion"],
      "--cache-low-precision-weights has no effect without gradient-accumulation fusion"),
+    (["--bf16", "--cache-low-precision-weights", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--cache-low-precision-weights does not apply under FSDP2"),
 ])
 def test_flags_it_needs_are_one_line(flags, message, capsys):
     assert message in parse_error(TINY + flags, capsys)

@@ -133,8 +133,10 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
               flush=True)
         records.append(record)
     print(table(records))
-    with open(os.path.join(args.out, "summary.json"), "w") as handle:
+    summary = os.path.join(args.out, "summary.json")
+    with open(summary + ".tmp", "w") as handle:  # an earlier summary is never left half overwritten
         json.dump(records, handle, indent=1)
+    os.replace(summary + ".tmp", summary)
     return records
 
 
