@@ -10,7 +10,7 @@ the runs after it find the compile caches warm.
 
     python tools/benchmark/perf_goals.py                                 # AR vs HF, DLM, 7B bf16 and fp8
     python tools/benchmark/perf_goals.py --only dlm --ab-tree ab_old --repeats 2
-    python tools/benchmark/perf_goals.py --only dlm ar --ab-extra "--cache-low-precision-weights"
+    python tools/benchmark/perf_goals.py --only dlm ar --ab-extra=--cache-low-precision-weights
     python tools/benchmark/perf_goals.py --smoke                         # CPU, a tiny model: the plumbing
 """
 
@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ab-tree", help="Another checkout (e.g. `git archive REV megatron tools | tar -x -C DIR`) "
                                           "whose runs alternate with this tree's: a same-run A/B.")
     parser.add_argument("--ab-extra", default="", help="More flags for the second arm only (with or without "
-                                                       "--ab-tree): a same-run A/B of a flag.")
+                                                       "--ab-tree): a same-run A/B of a flag. Write it "
+                                                       "--ab-extra=--flag, since argparse reads a separate "
+                                                       "value that starts with -- as an option.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs of each goal in each arm.")
     parser.add_argument("--extra", default="", help="More train_throughput.py flags for every run.")
     parser.add_argument("--timeout", type=float, default=240.0, help="Seconds for each run after the first.")
