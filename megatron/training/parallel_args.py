@@ -39,7 +39,12 @@ def validate_parallel(args: argparse.Namespace) -> None:
 
         if args.tensor_model_parallel_size != 1:
             raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
-        float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
+        if weight_copies and args.fp8_recipe != "tensorwise":
+            raise ValueError(f"--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies; "
+                             f"--fp8-recipe {args.fp8_recipe} scales per row: use --fp8-recipe tensorwise or drop "
+                             "--cache-low-precision-weights")
+        if not weight_copies:
+            float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
 
 
 

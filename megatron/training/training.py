@@ -445,8 +445,9 @@ def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelStat
         with torch.device(runtime.device):  # no host-side init of billions of weights
             chunk = model_provider(args, pre_process=first, post_process=last, pg=pg, **kwargs)
         chunk = chunk.to(runtime.device)
-        # Module swaps first, then the compiler sees (and fuses) the fp8 casts.
-        if args.fp8_format:
+        # Module swaps first, then the compiler sees (and fuses) the fp8 casts. With float8 weight
+        # copies the layers stay and run their own float8 GEMMs (attach_weight_copies, below).
+        if args.fp8_format and not args.cache_low_precision_weights:
             fp8_layers += enable_fp8_training(chunk, args.fp8_format, args.fp8_recipe)
         if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
             compile_transformer_layers(chunk)
@@ -482,17 +483,19 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     training = args.training_config
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
     logger.log_start(model, layout)
+    model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
+    copies = None
+    if args.cache_low_precision_weights:
+        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format)
+        fp8_layers += copies.float8_layers
+        logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
+                     + (f", {copies.float8_layers} of them in float8" if args.fp8_format else
+                        f" in {str(copies.dtype).replace('torch.', '')}"))
     if args.fp8_format:
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})"
                      + ("; the output layer's logits and input-gradient GEMMs too (tensorwise)"
                         if args.fp8_output_layer else ""))
         logger.count_fp8_peak()
-    model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
-    copies = None
-    if args.cache_low_precision_weights:
-        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype)
-        logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights in "
-                     f"{str(copies.dtype).replace('torch.', '')}")
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)

@@ -223,7 +223,10 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
     model = model.to(device).train()
-    info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe) if args.fp8 else 0,
+    # float8 copies: the layers' own float8 GEMMs instead of torchao's (the copies need bf16 compute)
+    float8_copies = args.fp8 and args.cache_low_precision_weights and config.bf16
+    info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe)
+            if args.fp8 and not float8_copies else 0,
             "compiled_layers": compile_transformer_layers(model, **_compile_mode(args)) if args.torch_compile else 0,
             "masked_only_loss": args.masked_only_loss}
     if spec.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
@@ -234,9 +237,11 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                        compiled_step=args.compile_optimizer_step,
                                                        **moment_dtypes(args)))
     batch = args.micro_batch_size
-    copies = (attach_weight_copies(model, optimizer, config.compute_dtype)
+    copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None)
               if args.cache_low_precision_weights and config.bf16 else None)
     info["weight_copies"] = 0 if copies is None else len(copies.pairs)
+    if float8_copies:
+        info["fp8_linears"] = copies.float8_layers
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
         if copies is not None:  # as the trainer does before each iteration

@@ -15,6 +15,15 @@ multiple of 16: rows are padded with zeros to a multiple of 16 (after the cast, 
 copy) and the weight is kept in both layouts (two copies of V/tp x h bytes). On CUDA the cast is
 compiled: one reduction for the amax and one pass that scales, saturates and casts, instead of
 an fp32 copy of a [chunk, V/tp] logits gradient.
+
+`float8_linear` is the decoder's linear layers in the same recipe, reading float8 working copies of
+their weights (`--cache-low-precision-weights` under `--fp8-format`, weight_copies.py) instead of
+casting the fp32 weight every forward as torchao's float8 linears do. All three GEMMs run in float8
+(torchao's tensorwise recipe): the output (e4m3 x e4m3, fast accumulation), the input gradient (the
+output gradient x the weight's transposed copy) and the weight gradient (the output gradient x the
+input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's gradient leaves its
+GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
+an element instead of the compute dtype's 2, and no second cast in the backward).
 """
 
 from __future__ import annotations
@@ -29,11 +38,21 @@ GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
 ALIGNMENT = 16
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype):
+def scaled_cast(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor * scale in `dtype`, saturating at its largest value."""
     largest = torch.finfo(dtype).max
-    amax = tensor.detach().abs().amax().float().clamp(min=1e-12)
-    scale = largest / amax
-    return (tensor.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+    return (tensor.float() * scale).clamp(-largest, largest).to(dtype)
+
+
+def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale that maps `amax` onto `dtype`'s largest value (fp32, 0-d). Divided in fp64: compiled
+    code turns the division into a reciprocal and a product, which in fp32 rounds differently."""
+    return (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype):
+    scale = scale_of(tensor.detach().abs().amax(), dtype)
+    return scaled_cast(tensor, scale, dtype), scale.reciprocal()
 
 
 @functools.cache
@@ -44,7 +63,8 @@ def _compiled_cast():
 def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
     """(tensor in `dtype`, scaled so that its amax lands on the dtype's largest value; the inverse scale,
     a 0-d fp32 tensor the GEMM multiplies back)."""
-    return (_compiled_cast() if tensor.is_cuda else _cast)(tensor, dtype)
+    eager_cuda = tensor.is_cuda and not torch.compiler.is_compiling()  # inside a compiled layer: traced
+    return (_compiled_cast() if eager_cuda else _cast)(tensor, dtype)
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -90,3 +110,47 @@ def input_gradient(grad_logits: torch.Tensor, weight: Float8Weight, fmt: str) ->
     product = torch._scaled_mm(_pad_rows(grad8), weight.columns.t(), scale_a=inverse, scale_b=weight.inverse_scale,
                                out_dtype=torch.float32)
     return product[:count]
+
+
+class _Float8Linear(torch.autograd.Function):
+    """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
+                inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype) -> torch.Tensor:
+        del weight  # its gradient is what the backward returns; its values come from the copies
+        ctx.out_dtype, ctx.gradient_dtype, ctx.has_bias = out_dtype, gradient_dtype, bias is not None
+        with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
+            flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
+            x8, x_inverse = to_float8(flat.to(out_dtype), FORWARD_DTYPE)
+            ctx.save_for_backward(x8.t().contiguous(), x_inverse, columns, inverse_scale)
+            output = torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
+                                      use_fast_accum=True)
+            if bias is not None:
+                output = output + bias.to(out_dtype)
+        return output.reshape(*x.shape[:-1], rows.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
+        flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
+        grad8, grad_inverse = to_float8(flat, ctx.gradient_dtype)
+        grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
+                                      out_dtype=ctx.out_dtype)
+        grad_weight = torch._scaled_mm(grad8.t().contiguous(), x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
+                                       out_dtype=torch.float32)
+        grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
+                None, None, None, None, None)
+
+
+def float8_ready(x: torch.Tensor) -> bool:
+    """Whether `x`'s rows (every dim but the last) can be a float8 GEMM's dimension."""
+    return x.numel() // x.shape[-1] % ALIGNMENT == 0
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype) -> torch.Tensor:
+    """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
+    `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16."""
+    return _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
+                               copy.gradient_dtype)

@@ -21,6 +21,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron.core.tensor_parallel.float8_matmul import float8_linear, float8_ready
+from megatron.core.tensor_parallel.weight_copies import Float8Copy
+
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in fp32 from compute-dtype operands: written by the GEMM on CUDA, cast elsewhere."""
@@ -60,10 +63,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """`F.linear`, except that under autocast an fp32 weight's gradient comes out of its GEMM in
     fp32 (with `fp32_weight_grad`); outside autocast, or for low-precision weights, plain `F.linear`.
     `weight_low`: a fresh copy of `weight` (weight_copies.py), read instead of casting when its
-    dtype is autocast's."""
+    dtype is autocast's; a float8 copy runs the GEMMs in float8 (when `x`'s rows allow it)."""
     device = x.device.type
     if fp32_weight_grad and weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
+        if isinstance(weight_low, Float8Copy):
+            if float8_ready(x):
+                return float8_linear(x, weight, bias, weight_low, dtype)
+            weight_low = None
         if dtype != torch.float32:
             low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
             return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low)

@@ -17,25 +17,96 @@ checkpoint, a hand edit). A `CompiledAdamW` handed the copies writes them in its
 optimizer, and ZeRO-1's broadcast of the other ranks' shards (collectives do not move version
 counters), leave them to the refresh, which then costs one cast a step instead of one per
 micro-batch. Evaluation (`module.eval()`) always casts, so no copy is read outside training.
+
+Under `--fp8-format` the copies are float8 instead (`Float8Copy`): each decoder linear layer whose
+dimensions are multiples of 16 keeps its weight in e4m3 twice (row-major for the forward GEMM and
+transposed for the input gradient's) with the inverse scale, and runs its GEMMs in float8 itself
+(`float8_matmul.float8_linear`) instead of through torchao, which casts the fp32 weight every forward.
+A refresh casts with the weight's own amax (current scaling). The compiled AdamW step writes the
+float8 values in its update kernel with the scale of the weight's amax at the previous write (taken in
+that kernel: one step stale, saturating where the weight grew past it; a weight moves by about the
+learning rate a step) and takes the new amax in the same pass: 2 bytes a parameter written instead of
+reading the fp32 weight twice and writing its float8 casts every forward. In evaluation the weight is
+cast afresh.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import functools
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from megatron.core.tensor_parallel.float8_matmul import (ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, scale_of,
+                                                         scaled_cast)
+
 BUFFER = "weight_low"
+FLOAT8_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inverse_scale", "weight_fp8_amax")
+
+
+class Float8Copy(NamedTuple):
+    """A weight's float8 working copy: its layer's non-persistent buffers, and the gradients' dtype."""
+
+    rows: torch.Tensor
+    """[out, in] e4m3: the weight times the scale, for the forward GEMM."""
+    columns: torch.Tensor
+    """[in, out] e4m3, contiguous: the same values transposed, for the input gradient's GEMM."""
+    inverse_scale: torch.Tensor
+    """0-d fp32: what the GEMMs multiply the products back by."""
+    amax: torch.Tensor
+    """0-d fp32: the weight's amax at the last write, the scale of the optimizer's next write."""
+    gradient_dtype: torch.dtype
+
+
+def _write_float8(copy: Float8Copy, weight: torch.Tensor, amax: torch.Tensor) -> None:
+    scale = scale_of(amax, FORWARD_DTYPE)
+    values = scaled_cast(weight, scale, FORWARD_DTYPE)
+    copy.rows.copy_(values)
+    copy.columns.copy_(values.t())
+    copy.inverse_scale.copy_(scale.reciprocal())
+
+
+def _cast_float8(copy: Float8Copy, weight: torch.Tensor) -> None:
+    """Current scaling: the weight's own amax."""
+    amax = weight.abs().amax().float()
+    _write_float8(copy, weight, amax)
+    copy.amax.copy_(amax)
+
+
+@functools.cache
+def _compiled_cast_float8():
+    return torch.compile(_cast_float8, dynamic=True)
+
+
+def write_copy(copy: Union[torch.Tensor, Float8Copy], weight: torch.Tensor) -> None:
+    """The optimizer's write of `weight`'s new value into its copy, inside its update kernel: a float8
+    copy takes the scale of the amax at its previous write and records the new amax."""
+    if isinstance(copy, Float8Copy):
+        _write_float8(copy, weight, copy.amax)
+        copy.amax.copy_(weight.abs().amax())
+    else:
+        copy.copy_(weight)
+
+
+def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Float8Copy:
+    out_features, in_features = weight.shape
+    buffers = (torch.empty_like(weight, dtype=FORWARD_DTYPE), weight.new_empty((in_features, out_features),
+                                                                                dtype=FORWARD_DTYPE),
+               weight.new_ones((), dtype=torch.float32), weight.new_ones((), dtype=torch.float32))
+    for name, buffer in zip(FLOAT8_BUFFERS, buffers):
+        module.register_buffer(name, buffer, persistent=False)  # not in checkpoints
+    module.float8_gradient_dtype = GRADIENT_DTYPES[fp8_format]
+    return Float8Copy(*buffers, GRADIENT_DTYPES[fp8_format])
 
 
 class WeightCopies:
     """The compute-dtype copies of `model`'s tensor-parallel linear weights (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, fp8_format: Optional[str] = None) -> None:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         self.dtype = dtype
-        self.layers: List[Tuple[nn.Module, torch.Tensor]] = []
+        self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
         # An untied output layer's weight is read by the loss (linear_cross_entropy), not by the
         # layer's forward: a copy of it would never be read.
         heads = {id(getattr(module, "output_layer")) for module in model.modules() if hasattr(module, "output_layer")}
@@ -43,13 +114,23 @@ class WeightCopies:
             weight = getattr(module, "weight", None)
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and id(module) not in heads \
                     and weight is not None and weight.dtype == torch.float32:
-                copy = torch.empty_like(weight, dtype=dtype)
-                module.register_buffer(BUFFER, copy, persistent=False)  # not in checkpoints
-                self.layers.append((module, copy))
+                self.layers.append((module, self._new_copy(module, weight, fp8_format)))
         self._index: Dict[int, int] = {}
         self._written: Dict[int, tuple] = {}
         """Copies the optimizer wrote since the last refresh: index -> the weight's stamp then."""
         self.refresh()
+
+    def _new_copy(self, module: nn.Module, weight: torch.Tensor, fp8_format: Optional[str]):
+        if fp8_format is not None and all(size % ALIGNMENT == 0 for size in weight.shape):
+            return _float8_copy(module, weight, fp8_format)
+        copy = torch.empty_like(weight, dtype=self.dtype)
+        module.register_buffer(BUFFER, copy, persistent=False)  # not in checkpoints
+        return copy
+
+    @property
+    def float8_layers(self) -> int:
+        """How many layers run their GEMMs in float8 from float8 copies."""
+        return sum(isinstance(copy, Float8Copy) for _, copy in self.layers)
 
     @property
     def pairs(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -65,14 +146,19 @@ class WeightCopies:
         changed after it was; returns how many."""
         pairs = self.pairs
         stale = [index for index, (weight, _) in enumerate(pairs) if self._written.get(index) != self._stamp(weight)]
-        if stale:
-            with torch.no_grad():
-                torch._foreach_copy_([pairs[i][1] for i in stale], [pairs[i][0].detach() for i in stale])
+        plain = [index for index in stale if not isinstance(pairs[index][1], Float8Copy)]
+        with torch.no_grad():
+            if plain:
+                torch._foreach_copy_([pairs[i][1] for i in plain], [pairs[i][0].detach() for i in plain])
+            for index in stale:
+                weight, copy = pairs[index]
+                if isinstance(copy, Float8Copy):
+                    (_compiled_cast_float8() if weight.is_cuda else _cast_float8)(copy, weight.detach())
         self._written.clear()
         self._index = {id(weight): index for index, (weight, _) in enumerate(pairs)}
         return len(stale)
 
-    def copy_of(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    def copy_of(self, weight: torch.Tensor) -> Union[None, torch.Tensor, Float8Copy]:
         """The copy of `weight`, for an optimizer that writes it with the update; None if it has none."""
         index = self._index.get(id(weight))
         return None if index is None else self.layers[index][1]
@@ -85,19 +171,29 @@ class WeightCopies:
                 self._written[index] = self._stamp(weight)
 
 
-def training_copy(module: nn.Module) -> Optional[torch.Tensor]:
-    """The layer's copy to read in this forward: only in training mode, where `refresh` keeps it fresh."""
+def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
+    """The layer's copy to read in this forward: only in training mode, where `refresh` keeps it fresh;
+    in evaluation a float8 layer's weight is cast afresh, any other layer casts its own."""
+    if hasattr(module, "float8_gradient_dtype"):
+        buffers = [getattr(module, name) for name in FLOAT8_BUFFERS]
+        copy = Float8Copy(*buffers, module.float8_gradient_dtype)
+        if not module.training:
+            copy = Float8Copy(*(torch.empty_like(b) for b in buffers), module.float8_gradient_dtype)
+            with torch.no_grad():
+                _cast_float8(copy, module.weight.detach())
+        return copy
     return getattr(module, BUFFER, None) if module.training else None
 
 
-def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype) -> WeightCopies:
-    """Copies for `model`'s linear layers, written by each of this rank's `CompiledAdamW` steps (the
-    other optimizers leave them to `refresh`). After the data-parallel wrapper: its buffers are not
-    broadcast, and these need not be (every rank writes its own)."""
+def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype,
+                         fp8_format: Optional[str] = None) -> WeightCopies:
+    """Copies for `model`'s linear layers (float8 ones under `fp8_format`), written by each of this
+    rank's `CompiledAdamW` steps (the other optimizers leave them to `refresh`). After the data-parallel
+    wrapper: its buffers are not broadcast, and these need not be (every rank writes its own)."""
     from megatron.core.optimizer.compiled_adamw import CompiledAdamW
     from megatron.core.optimizer.optimizer import local_optimizers
 
-    copies = WeightCopies(model, dtype)
+    copies = WeightCopies(model, dtype, fp8_format)
     for local in local_optimizers(optimizer):
         if isinstance(local, CompiledAdamW):
             local.weight_copies = copies

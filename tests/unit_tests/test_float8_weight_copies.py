@@ -1,0 +1,199 @@
+"""--cache-low-precision-weights under --fp8-format (weight_copies.Float8Copy, float8_matmul.float8_linear):
+the decoder's linear layers run torchao's tensorwise recipe themselves, from float8 copies of their
+weights that the compiled AdamW step writes with the scale of the weight's previous amax.
+
+Each test fails if its part broke: the GEMMs against torchao's float8 linear, the optimizer's write
+(a wrong scale, a stale amax, a missing transposed copy), training against torchao's fp8 path in
+Megatron's default configuration and the Llama style, DLM and AR, evaluation against stale buffers,
+and the flags."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, scale_of, scaled_cast
+from megatron.core.tensor_parallel.weight_copies import Float8Copy, WeightCopies, attach_weight_copies
+from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
+from tests.unit_tests.test_gpt_model import tokens
+from tests.unit_tests.test_weight_copies import build, train
+
+torchao = pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    yield
+    torch._dynamo.reset()  # each test compiles optimizer steps over new parameter lists
+
+
+def _torchao_twin(layer: ColumnParallelLinear, fp8_format: str) -> nn.Module:
+    from megatron.core.transformer.fp8 import float8_config
+
+    twin = nn.Sequential(nn.Linear(layer.input_size, layer.output_size, bias=layer.bias is not None))
+    twin[0].weight = nn.Parameter(layer.weight.detach().clone())
+    if layer.bias is not None:
+        twin[0].bias = nn.Parameter(layer.bias.detach().clone())
+    torchao.convert_to_float8_training(twin, config=float8_config(fp8_format))
+    return twin
+
+
+def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    x = x.clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = module(x)
+    (out.float() * grad).sum().backward()
+    weight = next(p for name, p in module.named_parameters() if name.endswith("weight"))
+    return out.float(), x.grad, weight.grad
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case (the GPU machine runs it)")
+
+
+@pytest.mark.parametrize("fp8_format, bias, device", [("hybrid", True, "cpu"), ("e4m3", False, "cpu"),
+                                                      pytest.param("hybrid", True, "cuda", marks=CUDA),
+                                                      pytest.param("hybrid", False, "compiled", marks=CUDA)])
+def test_the_float8_gemms_match_torchaos_tensorwise_recipe(fp8_format, bias, device):
+    """On CUDA the float8 GEMMs are cuBLAS's; "compiled": our layer compiled by Inductor (its fused casts)."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 48, bias=bias, init_std=0.5)
+    if bias:
+        with torch.no_grad():
+            layer.bias.normal_()
+    if device != "cpu":
+        layer.cuda()
+    twin = _torchao_twin(layer, fp8_format)
+    copies = WeightCopies(nn.Sequential(layer), torch.bfloat16, fp8_format)
+    assert copies.float8_layers == 1 and layer.weight_fp8.dtype == FORWARD_DTYPE
+    x, grad = (torch.randn(2, 16, 64, device=layer.weight.device), torch.randn(2, 16, 48, device=layer.weight.device))
+    ours = _run(torch.compile(layer) if device == "compiled" else layer, x, grad)
+    theirs = _run(twin, x, grad)
+    exact_weight = layer.weight.detach()
+    exact = (x @ exact_weight.t() + (layer.bias.detach() if bias else 0.0),
+             grad @ exact_weight, grad.reshape(-1, 48).t() @ x.reshape(-1, 64))
+    for name, mine, reference, truth in zip(("output", "input grad", "weight grad"), ours, theirs, exact):
+        assert mine.dtype == reference.dtype, name
+        scale = truth.abs().max()
+        assert (mine.float() - reference.float()).abs().max() < 0.03 * scale, name  # float8's rounding apart
+        # as close to the exact product as torchao's (a wrong scale or layout would be far off)
+        assert (mine.float() - truth).abs().max() <= 1.25 * (reference.float() - truth).abs().max() + 1e-3 * scale
+    if device == "cpu":
+        assert torch.equal(ours[1], theirs[1])  # the input gradient: the same casts and the same GEMM
+    assert layer.weight.grad.dtype == torch.float32
+
+
+def test_the_compiled_step_writes_the_copies_with_the_previous_amax():
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 48, bias=False, init_std=0.5)
+    holder = nn.Sequential(layer)
+    optimizer = build_optimizer(holder, OptimizerConfig(lr=5e-2, weight_decay=0.0, compiled_step=True))
+    copies = attach_weight_copies(holder, optimizer, torch.bfloat16, "hybrid")
+    before = layer.weight.detach().abs().amax()
+    assert copies.refresh() == 1 and torch.equal(layer.weight_fp8_amax, before)  # current scaling at first
+    for _ in range(2):
+        x = torch.randn(32, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x).float().square().sum().backward()
+        amax = layer.weight_fp8_amax.clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        weight = layer.weight.detach()
+        assert not torch.equal(weight.abs().amax(), amax)  # the step moved it: the write's scale is the old one
+        expected = scaled_cast(weight, scale_of(amax, FORWARD_DTYPE), FORWARD_DTYPE)
+        assert torch.equal(layer.weight_fp8.float(), expected.float())
+        assert torch.equal(layer.weight_fp8_t.float(), expected.t().float())
+        assert torch.allclose(layer.weight_fp8_inverse_scale, scale_of(amax, FORWARD_DTYPE).reciprocal())
+        assert torch.equal(layer.weight_fp8_amax, weight.abs().amax())
+        assert copies.refresh() == 0  # the step wrote it
+
+
+def _fp8_train(style: str, mode: str, float8_copies: bool):
+    """Losses of 3 bf16 steps with the decoder in fp8: float8 copies, or torchao's float8 linears."""
+    from megatron.core.transformer.fp8 import enable_fp8_training
+
+    if float8_copies:
+        return train(style, mode, copies=True, compiled=True, fp8_format="hybrid")
+    return train(style, mode, copies=False, compiled=True, prepare=lambda model: enable_fp8_training(model, "hybrid"))
+
+
+@pytest.mark.parametrize("style, mode", [("megatron", "difflm-noshift"), ("megatron", "vanilla"),
+                                         ("llama", "difflm-noshift"), ("llama", "vanilla")])
+def test_training_follows_torchaos_fp8(style, mode):
+    losses, _, stale, copies = _fp8_train(style, mode, float8_copies=True)
+    reference_losses = _fp8_train(style, mode, float8_copies=False)[0]
+    bf16_losses = train(style, mode, copies=False, compiled=True)[0]
+    assert copies.float8_layers == len(copies.pairs) == 2 * 4 and stale == [8, 0, 0]
+    assert losses[0] == pytest.approx(reference_losses[0], rel=2e-3)  # the same weights, the same recipe
+    for mine, theirs, bf16 in zip(losses, reference_losses, bf16_losses):
+        # float8's rounding apart: as far from torchao's fp8 as that is from bf16, or 0.5%
+        assert abs(mine - theirs) < max(5e-3 * theirs, 2 * abs(theirs - bf16)), (losses, reference_losses, bf16_losses)
+
+
+def test_evaluation_casts_the_weights_afresh():
+    model = build("llama", "vanilla")
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, compiled_step=True))
+    copies = attach_weight_copies(model, optimizer, torch.bfloat16, "hybrid")
+    x = tokens(seed=5)
+    bf16 = build("llama", "vanilla").eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = model.compute_loss(x, key=None).loss
+        with torch.no_grad():
+            training_forward = model(x, labels=x)[1]
+            model.eval()
+            evaluated = model(x, labels=x)[1]
+            # in float8 (the same values the refreshed copies hold), not in bf16
+            assert torch.equal(evaluated, training_forward) and not torch.equal(evaluated, bf16(x, labels=x)[1])
+        for module, copy in copies.layers:
+            assert isinstance(copy, Float8Copy)
+            copy.rows.zero_(), copy.columns.zero_()  # stale buffers: evaluation does not read them
+        with torch.no_grad():
+            assert torch.equal(model(x, labels=x)[1], evaluated)
+        model.train()
+        assert not torch.equal(model.compute_loss(x, key=None).loss, trained)  # training does
+
+
+def test_rowwise_with_float8_copies_is_one_line(capsys):
+    message = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise",
+                                  "--cache-low-precision-weights"], capsys)
+    assert "--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies" in message
+
+
+def test_the_command_line_trains_in_float8_from_the_copies():
+    argv = TINY + ["--bf16", "--train-iters", "3", "--log-interval", "1", "--lr", "1e-2", "--micro-batch-size", "2",
+                   "--global-batch-size", "4", "--fp8-format", "hybrid"]
+    runs = [run_cli(*argv, *extra) for extra in ([], ["--cache-low-precision-weights"])]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    line = re.search(r"> fp8: (\d+) linear layers train in float8", runs[1].stdout)
+    assert line and int(line.group(1)) == int(re.search(r"> fp8: (\d+)", runs[0].stdout).group(1)) > 0
+    assert "of them in float8" in runs[1].stdout
+    losses = [[float(v) for v in re.findall(r"lm loss: ([0-9.E+-]+)", run.stdout)] for run in runs]
+    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=3e-2)
+
+
+def test_compiled_layers_trace_the_float8_gemms_without_a_graph_break():
+    """fullgraph=True: a graph break (the copies' lookup, the cast's compiled wrapper) would raise;
+    the compiled layers train the same losses as the eager ones."""
+    from megatron.core.transformer.compilation import compile_transformer_layers
+
+    results = []
+    for compiled in (False, True):
+        model = build("megatron", "vanilla")
+        if compiled:
+            compile_transformer_layers(model, backend="aot_eager", fullgraph=True)
+        optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
+        copies = attach_weight_copies(model, optimizer, torch.bfloat16, "hybrid")
+        losses = []
+        for step in range(2):
+            copies.refresh()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.compute_loss(tokens(seed=step), key=None).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        results.append(losses)
+    assert results[0] == pytest.approx(results[1], rel=1e-6)
