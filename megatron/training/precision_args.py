@@ -31,7 +31,9 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-low-precision-weights", action="store_true",
                    help="Under --bf16/--fp16 each linear layer keeps a working copy of its fp32 weight in the compute "
                         "dtype, refreshed after each optimizer step (written by --compile-optimizer-step's kernel), "
-                        "instead of casting the weight in every micro-batch's forward.")
+                        "instead of casting the weight in every micro-batch's forward. Under --fp8-format the "
+                        "copies are float8 and the decoder's linear layers run their float8 GEMMs themselves "
+                        "instead of through torchao (tensorwise only).")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="Megatron's precision-aware optimizer: with --exp-avg-dtype / --exp-avg-sq-dtype bf16, "
                         "Adam's moments are stored in bf16 (the update computes in fp32; CompiledAdamW). Master "
