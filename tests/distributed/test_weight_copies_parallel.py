@@ -29,3 +29,23 @@ def test_copies_train_the_same_losses_under_zero1_and_tensor_parallelism(tmp_pat
         assert len(without["losses"]) == 3
         # the same bf16 values reach the same GEMMs: the same losses to the bit
         assert with_copies["losses"] == without["losses"], (layout, config, mode)
+
+
+FLOAT8_CASES = [("llama", "dlm")]  # both styles and modes train against torchao in test_float8_weight_copies.py
+
+
+def test_float8_copies_train_under_zero1_as_replicated(tmp_path):
+    """Under --fp8-format the copies are float8, cast by every rank's refresh with each weight's own amax:
+    ZeRO-1 (each rank steps its shard, the rest arrives by broadcast) trains the losses of the replicated
+    run to the bit. A rank that kept a broadcast shard's old copy would not."""
+    pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
+    argvs = []
+    for config, mode in FLOAT8_CASES:
+        base = (SHAPE + CONFIGS[config] + MODES[mode] + ["--compile-optimizer-step", "--bf16", "--lr", "1e-2",
+                                                         "--fp8-format", "hybrid", "--cache-low-precision-weights"])
+        argvs += [base, base + ["--use-distributed-optimizer"]]
+    results = run_many(2, argvs, tmp_path, "float8_copies")
+    for index, case in enumerate(FLOAT8_CASES):
+        replicated, zero1 = results[2 * index], results[2 * index + 1]
+        assert len(replicated["losses"]) == 3
+        assert zero1["losses"] == replicated["losses"], case

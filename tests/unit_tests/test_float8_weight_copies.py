@@ -1,8 +1,8 @@
 """--cache-low-precision-weights under --fp8-format (weight_copies.Float8Copy, float8_matmul.float8_linear):
 the decoder's linear layers run torchao's tensorwise recipe themselves, from float8 copies of their
-weights that the compiled AdamW step writes with the scale of the weight's previous amax.
+weights that each iteration's refresh casts with the weight's own amax.
 
-Each test fails if its part broke: the GEMMs against torchao's float8 linear, the optimizer's write
+Each test fails if its part broke: the GEMMs against torchao's float8 linear, the refresh's cast
 (a wrong scale, a stale amax, a missing transposed copy), training against torchao's fp8 path in
 Megatron's default configuration and the Llama style, DLM and AR, evaluation against stale buffers,
 and the flags."""
@@ -85,29 +85,29 @@ def test_the_float8_gemms_match_torchaos_tensorwise_recipe(fp8_format, bias, dev
     assert layer.weight.grad.dtype == torch.float32
 
 
-def test_the_compiled_step_writes_the_copies_with_the_previous_amax():
+def test_each_refresh_casts_the_stepped_weights_with_their_own_amax():
+    """Current scaling, whatever wrote the weight: the compiled step writes no float8 copy (a stale or
+    a wrong scale, a missing transposed copy would fail here)."""
     torch.manual_seed(0)
     layer = ColumnParallelLinear(64, 48, bias=False, init_std=0.5)
     holder = nn.Sequential(layer)
     optimizer = build_optimizer(holder, OptimizerConfig(lr=5e-2, weight_decay=0.0, compiled_step=True))
     copies = attach_weight_copies(holder, optimizer, torch.bfloat16, "hybrid")
-    before = layer.weight.detach().abs().amax()
-    assert copies.refresh() == 1 and torch.equal(layer.weight_fp8_amax, before)  # current scaling at first
+    assert copies.copy_of(layer.weight) is None  # the step does not write it
     for _ in range(2):
-        x = torch.randn(32, 64)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            layer(x).float().square().sum().backward()
-        amax = layer.weight_fp8_amax.clone()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        assert copies.refresh() == 1
         weight = layer.weight.detach()
-        assert not torch.equal(weight.abs().amax(), amax)  # the step moved it: the write's scale is the old one
+        amax = weight.abs().amax()
         expected = scaled_cast(weight, scale_of(amax, FORWARD_DTYPE), FORWARD_DTYPE)
+        assert torch.equal(layer.weight_fp8_amax, amax)
         assert torch.equal(layer.weight_fp8.float(), expected.float())
         assert torch.equal(layer.weight_fp8_t.float(), expected.t().float())
         assert torch.allclose(layer.weight_fp8_inverse_scale, scale_of(amax, FORWARD_DTYPE).reciprocal())
-        assert torch.equal(layer.weight_fp8_amax, weight.abs().amax())
-        assert copies.refresh() == 0  # the step wrote it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(32, 64)).float().square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert not torch.equal(layer.weight.detach().abs().amax(), amax)  # the step moved it
 
 
 def _fp8_train(style: str, mode: str, float8_copies: bool):
@@ -119,13 +119,12 @@ def _fp8_train(style: str, mode: str, float8_copies: bool):
     return train(style, mode, copies=False, compiled=True, prepare=lambda model: enable_fp8_training(model, "hybrid"))
 
 
-@pytest.mark.parametrize("style, mode", [("megatron", "difflm-noshift"), ("megatron", "vanilla"),
-                                         ("llama", "difflm-noshift"), ("llama", "vanilla")])
+@pytest.mark.parametrize("style, mode", [("megatron", "vanilla"), ("llama", "difflm-noshift")])  # each once
 def test_training_follows_torchaos_fp8(style, mode):
     losses, _, stale, copies = _fp8_train(style, mode, float8_copies=True)
     reference_losses = _fp8_train(style, mode, float8_copies=False)[0]
     bf16_losses = train(style, mode, copies=False, compiled=True)[0]
-    assert copies.float8_layers == len(copies.pairs) == 2 * 4 and stale == [8, 0, 0]
+    assert copies.float8_layers == len(copies.pairs) == 2 * 4 and stale == [8, 8, 8]  # cast every iteration
     assert losses[0] == pytest.approx(reference_losses[0], rel=2e-3)  # the same weights, the same recipe
     for mine, theirs, bf16 in zip(losses, reference_losses, bf16_losses):
         # float8's rounding apart: as far from torchao's fp8 as that is from bf16, or 0.5%
@@ -197,3 +196,4 @@ def test_compiled_layers_trace_the_float8_gemms_without_a_graph_break():
             losses.append(loss.item())
         results.append(losses)
     assert results[0] == pytest.approx(results[1], rel=1e-6)
+

@@ -27,8 +27,6 @@ from typing import List, Optional
 
 import torch
 
-from megatron.core.tensor_parallel.weight_copies import write_copy
-
 __all__ = ["CompiledAdamW", "adamw_update"]
 
 RECOMPILE_LIMIT = 64
@@ -39,8 +37,7 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
                  weight_decay: torch.Tensor, beta1: float, beta2: float, eps: float,
                  grad_scale: Optional[torch.Tensor], copies: Optional[List[Optional[torch.Tensor]]] = None) -> None:
     """One decoupled-weight-decay Adam step over lists of tensors, in place (torch's AdamW formula).
-    `copies`: each parameter's low-precision working copy (a tensor or a `Float8Copy`) or None, written
-    with the new value (`weight_copies.write_copy`)."""
+    `copies`: each parameter's low-precision working copy or None, written with the new value."""
     copies = copies or [None] * len(params)
     for param, grad, exp_avg, exp_avg_sq, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         step.add_(1)
@@ -56,7 +53,7 @@ def adamw_update(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs
         denominator = (second.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
         param.sub_(step_size * first / denominator)
         if copy is not None:  # in the same kernel: 2 more bytes written instead of a later cast
-            write_copy(copy, param)
+            copy.copy_(param)
 
 
 class CompiledAdamW(torch.optim.AdamW):

@@ -21,13 +21,13 @@ micro-batch. Evaluation (`module.eval()`) always casts, so no copy is read outsi
 Under `--fp8-format` the copies are float8 instead (`Float8Copy`): each decoder linear layer whose
 dimensions are multiples of 16 keeps its weight in e4m3 twice (row-major for the forward GEMM and
 transposed for the input gradient's) with the inverse scale, and runs its GEMMs in float8 itself
-(`float8_matmul.float8_linear`) instead of through torchao, which casts the fp32 weight every forward.
-A refresh casts with the weight's own amax (current scaling). The compiled AdamW step writes the
-float8 values in its update kernel with the scale of the weight's amax at the previous write (taken in
-that kernel: one step stale, saturating where the weight grew past it; a weight moves by about the
-learning rate a step) and takes the new amax in the same pass: 2 bytes a parameter written instead of
-reading the fp32 weight twice and writing its float8 casts every forward. In evaluation the weight is
-cast afresh.
+(`float8_matmul.float8_linear`) instead of through torchao, which casts the fp32 weight in every
+micro-batch's forward (and transposes it in the backward). The refresh casts every float8 copy once
+an iteration with the weight's own amax (current scaling: torchao's tensorwise recipe, whatever
+wrote the weight), so a ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values.
+The optimizer does not write them: a write in its update kernel would have to scale by an amax
+from before the update (measured at the 7B width, docs/performance.md: it did not pay). In
+evaluation the weight is cast afresh.
 """
 
 from __future__ import annotations
@@ -55,52 +55,32 @@ class Float8Copy(NamedTuple):
     inverse_scale: torch.Tensor
     """0-d fp32: what the GEMMs multiply the products back by."""
     amax: torch.Tensor
-    """0-d fp32: the weight's amax at the last write, the scale of the optimizer's next write."""
+    """0-d fp32: the weight's amax when the copy was cast."""
     gradient_dtype: torch.dtype
 
 
-def _write_float8(copy: Float8Copy, weight: torch.Tensor, amax: torch.Tensor) -> None:
-    scale = scale_of(amax, FORWARD_DTYPE)
-    values = scaled_cast(weight, scale, FORWARD_DTYPE)
-    copy.rows.copy_(values)
-    copy.columns.copy_(values.t())
-    copy.inverse_scale.copy_(scale.reciprocal())
-
-
-def _cast_float8(copy: Float8Copy, weight: torch.Tensor) -> None:
-    """Current scaling: the weight's own amax."""
-    amax = weight.abs().amax().float()
-    _write_float8(copy, weight, amax)
-    copy.amax.copy_(amax)
+def _cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
+    """Current scaling: each weight's float8 values in both layouts with its own amax."""
+    for copy, weight in zip(copies, weights):
+        amax = weight.abs().amax().float()
+        scale = scale_of(amax, FORWARD_DTYPE)
+        values = scaled_cast(weight, scale, FORWARD_DTYPE)
+        copy.rows.copy_(values)
+        copy.columns.copy_(values.t())
+        copy.inverse_scale.copy_(scale.reciprocal())
+        copy.amax.copy_(amax)
 
 
 @functools.cache
 def _compiled_cast_float8():
-    return torch.compile(_cast_float8, dynamic=True)
+    return torch.compile(_cast_float8)  # memory-bound passes over every weight, fused per weight
 
 
-def write_copy(copy: Union[torch.Tensor, Float8Copy], weight: torch.Tensor) -> None:
-    """The optimizer's write of `weight`'s new value into its copy, inside its update kernel: a float8
-    copy's row-major values, with the scale of the amax at its previous write, and the new amax. The
-    transposed values follow in `WeightCopies.written` (a transposed store here would make the update
-    kernel's writes strided: measured, it doubled the optimizer step's time)."""
-    if isinstance(copy, Float8Copy):
-        scale = scale_of(copy.amax, FORWARD_DTYPE)
-        copy.rows.copy_(scaled_cast(weight, scale, FORWARD_DTYPE))
-        copy.inverse_scale.copy_(scale.reciprocal())
-        copy.amax.copy_(weight.abs().amax())
-    else:
-        copy.copy_(weight)
-
-
-def _transpose(rows: List[torch.Tensor], columns: List[torch.Tensor]) -> None:
-    for source, target in zip(rows, columns):
-        target.copy_(source.t())
-
-
-@functools.cache
-def _compiled_transpose():
-    return torch.compile(_transpose, dynamic=False)  # a tiled transpose kernel per shape
+def cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
+    """Each weight into its float8 copy (compiled on CUDA: one graph for the whole list)."""
+    if copies:
+        with torch.no_grad():
+            (_compiled_cast_float8() if weights[0].is_cuda else _cast_float8)(copies, [w.detach() for w in weights])
 
 
 def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Float8Copy:
@@ -164,33 +144,25 @@ class WeightCopies:
         with torch.no_grad():
             if plain:
                 torch._foreach_copy_([pairs[i][1] for i in plain], [pairs[i][0].detach() for i in plain])
-            for index in stale:
-                weight, copy = pairs[index]
-                if isinstance(copy, Float8Copy):
-                    (_compiled_cast_float8() if weight.is_cuda else _cast_float8)(copy, weight.detach())
+        float8 = [index for index in stale if index not in plain]
+        cast_float8([pairs[index][1] for index in float8], [pairs[index][0] for index in float8])
         self._written.clear()
         self._index = {id(weight): index for index, (weight, _) in enumerate(pairs)}
         return len(stale)
 
-    def copy_of(self, weight: torch.Tensor) -> Union[None, torch.Tensor, Float8Copy]:
-        """The copy of `weight`, for an optimizer that writes it with the update; None if it has none."""
+    def copy_of(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """The copy of `weight`, for an optimizer that writes it with the update; None if it has none or
+        a float8 one (the refresh casts those)."""
         index = self._index.get(id(weight))
-        return None if index is None else self.layers[index][1]
+        copy = None if index is None else self.layers[index][1]
+        return None if isinstance(copy, Float8Copy) else copy
 
     def written(self, weights: List[torch.Tensor]) -> None:
-        """The optimizer wrote these weights' copies with their new values: float8 copies get their
-        transposed values from the row-major ones here."""
-        float8 = []
+        """The optimizer wrote these weights' copies with their new values."""
         for weight in weights:
             index = self._index.get(id(weight))
             if index is not None:
                 self._written[index] = self._stamp(weight)
-                if isinstance(self.layers[index][1], Float8Copy):
-                    float8.append(self.layers[index][1])
-        if float8:
-            with torch.no_grad():
-                (_compiled_transpose() if float8[0].rows.is_cuda else _transpose)(
-                    [copy.rows for copy in float8], [copy.columns for copy in float8])
 
 
 def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
@@ -201,8 +173,7 @@ def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
         copy = Float8Copy(*buffers, module.float8_gradient_dtype)
         if not module.training:
             copy = Float8Copy(*(torch.empty_like(b) for b in buffers), module.float8_gradient_dtype)
-            with torch.no_grad():
-                _cast_float8(copy, module.weight.detach())
+            cast_float8([copy], [module.weight])
         return copy
     return getattr(module, BUFFER, None) if module.training else None
 
