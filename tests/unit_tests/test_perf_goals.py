@@ -64,3 +64,12 @@ def test_bad_arguments_are_one_line(tmp_path):
         perf_goals.main(["--ab-tree", str(tmp_path)])
     with pytest.raises(SystemExit, match="--repeats 0"):
         perf_goals.main(["--repeats", "0"])
+
+
+def test_the_table_gives_the_rate_at_the_median_step_time():
+    """Two runs of 10 and 12 ms (120 and 100 TFLOP/s, the same FLOPs): the median 11.0 ms is 109.1 TFLOP/s,
+    not either run's rate."""
+    records = [{"arm": "A", "goal": "dlm", "rows": [{"name": "ours", "median_step_ms": ms, "tflops_per_gpu": rate,
+                                                      "mfu": rate / 1000, "peak_memory_gib": 1.0}]}
+               for ms, rate in ((10.0, 120.0), (12.0, 100.0))]
+    assert "| dlm | ours | A | 2 | 11.0 (10.0-12.0) | 109.1 | 10.9% | 1.0 |" in perf_goals.table(records)
