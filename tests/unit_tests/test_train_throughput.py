@@ -39,8 +39,9 @@ def expected_flops(config: dict, mode: str, block_size=None) -> float:
 
 def check_result(result: dict, mode: str) -> None:
     assert [row["name"] for row in result["rows"]] == ["MegaDLMs", "HF transformers"]
-    assert result["flops_per_step"] == pytest.approx(expected_flops(result["config"], mode), rel=1e-12)
-    tokens = result["config"]["micro_batch_size"] * result["config"]["seq_length"]
+    accumulation = result["config"]["accumulation"]
+    assert result["flops_per_step"] == pytest.approx(accumulation * expected_flops(result["config"], mode), rel=1e-12)
+    tokens = result["config"]["micro_batch_size"] * accumulation * result["config"]["seq_length"]
     assert result["tokens_per_step"] == tokens
     for row in result["rows"]:
         assert len(row["step_ms"]) == result["config"]["steps"]
@@ -80,6 +81,27 @@ def test_ar_in_process_and_dlm_counts_more_flops(tmp_path):
     assert result["rows"][1]["attention"] == "causal"
     dlm_flops = expected_flops(result["config"], "dlm")
     assert dlm_flops > result["flops_per_step"]  # bidirectional counts s keys, causal s/2
+
+
+def test_accumulation_runs_its_micro_batches_before_one_optimizer_step(tmp_path, monkeypatch):
+    """--accumulation 2: both rows run two micro-batches of --micro-batch-size a step, then one optimizer
+    step, and count twice the tokens and FLOPs."""
+    pytest.importorskip("transformers")
+    from megatron.core.models.difflm.gpt_model import GPTModel
+
+    shapes, optimizer_steps = [], []
+    compute_loss, adamw_step = GPTModel.compute_loss, torch.optim.AdamW.step
+    monkeypatch.setattr(GPTModel, "compute_loss", lambda self, tokens, **kw: shapes.append(tuple(tokens.shape))
+                        or compute_loss(self, tokens, **kw))
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **kw: optimizer_steps.append(1)
+                        or adamw_step(self, *a, **kw))
+    out = tmp_path / "a.json"
+    tt.main([*TINY, "--mode", "ar", "--baseline", "hf", "--accumulation", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    check_result(result, "ar")
+    micro = (result["config"]["micro_batch_size"], result["config"]["seq_length"])
+    assert shapes == [micro] * 2 * 3  # 1 warm-up and 2 timed steps of ours, two micro-batches each
+    assert len(optimizer_steps) == 2 * 3  # one a step, in each row
 
 
 def test_block_diffusion_times_the_bd3_step_and_counts_its_flops(monkeypatch):

@@ -131,12 +131,14 @@ def build_hf(spec, args: argparse.Namespace, device: torch.device):
     generator = torch.Generator(device).manual_seed(args.seed)
 
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            if args.mode == "dlm":
-                loss = llada_loss(model, tokens, forward_kwargs(tokens), mask_token_id(spec), generator, aux_loss)
-            else:
-                loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
+        micro_batches = tokens.split(args.micro_batch_size)  # --accumulation of them, then one optimizer step
+        for micro in micro_batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                if args.mode == "dlm":
+                    loss = llada_loss(model, micro, forward_kwargs(micro), mask_token_id(spec), generator, aux_loss)
+                else:
+                    loss = model(input_ids=micro, labels=micro).loss
+            (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

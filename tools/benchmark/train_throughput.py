@@ -16,15 +16,12 @@ AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (th
 diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
 gradient clipping, optimizer step and zero-grad, on seeded random tokens. `compute_loss` builds
 the model's input, weights and normalizer with `objective.loss_inputs`, the function
-pretrain_difflm.forward_step trains with, so the step timed is the step trained. The levers of the
-library are flags here as in pretrain_difflm.py: `--masked-only-loss` (DLMConfig.masked_only_loss:
-output layer and cross-entropy at the loss positions only, chunked) and `--torch-compile`
-(megatron.core.transformer.compilation, every transformer layer compiled in place).
+pretrain_difflm.forward_step trains with, so the step timed is the step trained. The library's
+levers are flags as in pretrain_difflm.py (`--masked-only-loss`, `--torch-compile`, ...).
 
-`--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective instead
-(DLMConfig.block_diffusion, block_size B): the model reads [x_t ; x_0], 2L tokens under the
-block_diffusion mask, with the loss on x_t; FLOPs are counted with mask_type "block_diffusion"
-and tokens/s counts the L tokens of x_0 per sample.
+`--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective (DLMConfig.block_diffusion):
+the model reads [x_t ; x_0], 2L tokens under the block_diffusion mask, FLOPs counted so; tokens/s
+counts the L tokens of x_0.
 
 `--baseline hf` builds the equivalent transformers model (Qwen3ForCausalLM or LlamaForCausalLM,
 random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager) and runs the step a
@@ -42,12 +39,10 @@ Both rows are counted with the FLOPs formula of megatron/training/flops.py (the 
 MFU uses; MoE layers by their active parameters): bidirectional attention counts the full s keys,
 causal s/2. MFU is against the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on
 CPU. Step times are the median of the timed steps (CUDA events on GPU, wall clock on CPU), after
---warmup steps. The table gives each row's tokens/s over the HF row's.
-
-`--profile DIR` then runs 3 more steps of each row under torch.profiler, prints where the time
-went (attention, gemm, grouped_gemm, moe, loss, optimizer, other; CUDA kernel time on GPU, CPU
-time on CPU, see kernel_breakdown.py), stores it in the row's "profile" and writes a Chrome trace
-per row to DIR.
+--warmup steps. The table gives each row's tokens/s over the HF row's. `--accumulation N`: each step
+runs N micro-batches (forward and backward), then one optimizer step, as a global batch does.
+`--profile DIR` then profiles 3 more steps of each row: where the time went (kernel_breakdown.py),
+stored in the row's "profile", and a Chrome trace per row in DIR.
 """
 
 from __future__ import annotations
@@ -246,11 +241,14 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
         if copies is not None:  # as the trainer does before each iteration
             copies.refresh()
-        # The key of a training micro-batch: a new corruption every step, as in training.
-        key = diffusion.CorruptionKey.for_batch(args.seed, iteration=index, global_batch_size=batch,
-                                                first_sample_index=index * batch, batch_size=batch, device=device)
-        loss = model.compute_loss(tokens, key=key if dlm.is_diffusion else None).loss
-        loss.backward()
+        micro_batches = tokens.split(batch)  # --accumulation of them, then one optimizer step
+        for part, micro in enumerate(micro_batches):
+            # The key of a training micro-batch: a new corruption every step, as in training.
+            first = (index * len(micro_batches) + part) * batch
+            key = diffusion.CorruptionKey.for_batch(args.seed, iteration=index, global_batch_size=batch * len(
+                micro_batches), first_sample_index=first, batch_size=batch, device=device)
+            loss = model.compute_loss(micro, key=key if dlm.is_diffusion else None).loss
+            (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
         clip_grad_norm(model.parameters(), CLIP_GRAD, optimizer=optimizer)  # the clip folded into a fused step
         optimizer.step()
         forget_gradient_scale(optimizer)
@@ -301,11 +299,11 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
         torch.cuda.reset_peak_memory_stats(device)
     model, optimizer, step, info = build(spec, args, device)
     timed = args.warmup + args.steps
-    batches = random_batches(spec, timed + (PROFILED_STEPS if args.profile else 0), args.micro_batch_size,
-                             args.seq_length, args.seed, device)
+    batches = random_batches(spec, timed + (PROFILED_STEPS if args.profile else 0),
+                             args.micro_batch_size * args.accumulation, args.seq_length, args.seed, device)
     times, loss = time_steps(step, batches[:timed], args.warmup, device)
     median_ms = statistics.median(times)
-    tokens = args.micro_batch_size * args.seq_length
+    tokens = args.micro_batch_size * args.accumulation * args.seq_length
     peak = flops.peak_tflops(_device_name(device), precision) if device.type == "cuda" else None
     metrics = flops.throughput_metrics(flops_per_iteration, tokens, median_ms / 1e3, world_size=1, peak=peak)
     row = {"name": name, "precision": precision, "parameters": sum(p.numel() for p in model.parameters()),
@@ -355,7 +353,8 @@ def format_row(row: dict, baseline: Optional[dict] = None) -> str:
 def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\n{cfg['model']} ({cfg['mode']}, {result['attention_mask_type']}), seq {cfg['seq_length']} x micro-batch "
-          f"{cfg['micro_batch_size']}, {cfg['steps']} timed steps after {cfg['warmup']}, {result['device']}, "
+          f"{cfg['micro_batch_size']} x {cfg['accumulation']} accumulated, {cfg['steps']} timed steps after "
+          f"{cfg['warmup']}, {result['device']}, "
           f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
     print(TABLE_HEADER)
     baseline = result["rows"][-1] if cfg["baseline"] == "hf" else None
@@ -383,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-layers", type=int,
                         help="Fewer (or more) layers than the shape has, in both rows, e.g. to fit memory.")
     parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="Micro-batches a step: N forward/backward passes, then one optimizer step.")
     parser.add_argument("--steps", type=int, default=20, help="Timed steps.")
     parser.add_argument("--warmup", type=int, default=5, help="Untimed steps first (allocator, autotuning, compile).")
     parser.add_argument("--baseline", choices=("none", "hf"), default="none",
@@ -471,7 +472,7 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     moe_error = moe_models.flag_error(args, spec)
     if moe_error:
         raise UsageError(moe_error)
-    for flag in ("micro_batch_size", "steps"):
+    for flag in ("micro_batch_size", "steps", "accumulation"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
     if args.warmup < 0:
@@ -524,7 +525,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
     grouped_variants = moe_models.grouped_variants(args, spec)
     config = transformer_config(spec, device, args.attention_backend, grouped_gemm=grouped_variants[0])
-    step_flops = flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size, args.block_diffusion)
+    step_flops = args.accumulation * flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size,
+                                                    args.block_diffusion)
     precision = "bf16" if device.type == "cuda" else "fp32"
     rows = []
     # With --fp8 our step runs without and with fp8, and with --compare-grouped-gemm with both expert
@@ -554,13 +556,11 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     return {
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
-                   "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
+                   "accumulation": args.accumulation, "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
                    "torch_compile": args.torch_compile, "torch_compile_mode": args.torch_compile_mode,
-                   "masked_only_loss": args.masked_only_loss,
-                   "compile_loss": args.compile_loss, "loss_kernel": args.loss_kernel,
-                   "loss_chunk_size": args.loss_chunk_size,
-                   "compile_optimizer_step": args.compile_optimizer_step,
-                   "recompute": args.recompute,
+                   "masked_only_loss": args.masked_only_loss, "compile_loss": args.compile_loss,
+                   "loss_kernel": args.loss_kernel, "loss_chunk_size": args.loss_chunk_size,
+                   "compile_optimizer_step": args.compile_optimizer_step, "recompute": args.recompute,
                    "profile": args.profile, "attention_backend": args.attention_backend,
                    "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,
                    "hf_experts_implementation": args.hf_experts_implementation,
@@ -568,7 +568,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
                                for name, value in dataclasses.asdict(config).items()},
         "attention_mask_type": attention_mask_type(args.mode, args.block_diffusion),
-        "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.seq_length,
+        "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.accumulation * args.seq_length,
         "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
