@@ -38,11 +38,10 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import (ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, scale_of,
-                                                         scaled_cast)
+from megatron.core.tensor_parallel.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, to_float8
 
 BUFFER = "weight_low"
-FLOAT8_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inverse_scale", "weight_fp8_amax")
+FLOAT8_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inverse_scale")
 
 
 class Float8Copy(NamedTuple):
@@ -53,22 +52,17 @@ class Float8Copy(NamedTuple):
     columns: torch.Tensor
     """[in, out] e4m3, contiguous: the same values transposed, for the input gradient's GEMM."""
     inverse_scale: torch.Tensor
-    """0-d fp32: what the GEMMs multiply the products back by."""
-    amax: torch.Tensor
-    """0-d fp32: the weight's amax when the copy was cast."""
+    """0-d fp32: what the GEMMs multiply the products back by (the weight's amax over e4m3's largest)."""
     gradient_dtype: torch.dtype
 
 
 def _cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
     """Current scaling: each weight's float8 values in both layouts with its own amax."""
     for copy, weight in zip(copies, weights):
-        amax = weight.abs().amax().float()
-        scale = scale_of(amax, FORWARD_DTYPE)
-        values = scaled_cast(weight, scale, FORWARD_DTYPE)
+        values, inverse_scale = to_float8(weight, FORWARD_DTYPE)  # the output layer's cast (float8_matmul.py)
         copy.rows.copy_(values)
         copy.columns.copy_(values.t())
-        copy.inverse_scale.copy_(scale.reciprocal())
-        copy.amax.copy_(amax)
+        copy.inverse_scale.copy_(inverse_scale)
 
 
 @functools.cache
@@ -87,7 +81,7 @@ def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Fl
     out_features, in_features = weight.shape
     buffers = (torch.empty_like(weight, dtype=FORWARD_DTYPE), weight.new_empty((in_features, out_features),
                                                                                 dtype=FORWARD_DTYPE),
-               weight.new_ones((), dtype=torch.float32), weight.new_ones((), dtype=torch.float32))
+               weight.new_ones((), dtype=torch.float32))
     for name, buffer in zip(FLOAT8_BUFFERS, buffers):
         module.register_buffer(name, buffer, persistent=False)  # not in checkpoints
     module.float8_gradient_dtype = GRADIENT_DTYPES[fp8_format]
