@@ -10,6 +10,9 @@
 # chunk); not yet measured on several GPUs, so add it through EXTRA_ARGS.
 # --compile-optimizer-step: 551.4 -> 571.7 TFLOP/s at this shape on one H200 (docs/performance.md); Adam's
 # moments in bf16 (precision-aware optimizer, works with ZeRO-1): 594.7 -> 601.0 and 4 bytes a parameter less.
+# bf16 working copies of the weights (--cache-low-precision-weights), cast once an optimizer step: at 4
+# micro-batches a step on one H200 804.4 -> 791.6 ms; under --fp8-format they are float8 copies, 641.3 -> 609.5 ms
+# against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance.md).
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
@@ -29,6 +32,7 @@ run_pretrain "${PARALLEL_ARGS[@]}" \
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \
     --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" --lr-wsd-decay-iters "${WSD_DECAY_ITERS:-25000}" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
+    --cache-low-precision-weights \
     --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 \
     --recompute-granularity selective \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \

@@ -1,7 +1,8 @@
 """--cache-low-precision-weights on gloo: a bf16 run with the copies trains the same losses as one
 without, under ZeRO-1 (each rank's compiled step writes its own shard's copies; the shards the other
 ranks broadcast move no version counter, so they must be re-cast) and under TP=2 with sequence
-parallelism, in Megatron's default configuration and the Llama style, DLM and AR."""
+parallelism, and with two pipeline stages, in Megatron's default configuration and the Llama style, DLM
+and AR."""
 
 import pytest
 
@@ -15,6 +16,7 @@ CASES = [  # (layout flags, config, mode, optimizer flags)
     (["--use-distributed-optimizer"], "megatron", "ar", ["--compile-optimizer-step"]),
     (TP2_SP, "megatron", "dlm", []),
     (TP2_SP, "llama", "ar", ["--compile-optimizer-step"]),
+    (["--pipeline-model-parallel-size", "2"], "megatron", "dlm", ["--compile-optimizer-step"]),  # the 7B script's
 ]
 
 

@@ -51,7 +51,7 @@ def test_formats_choose_the_gradient_element_type():
 def test_fp8_training_converts_the_decoder_and_trains():
     pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
     env = dict(os.environ, NPROC="1", TRAIN_ITERS="12", MOCK_DATA="1", OMP_NUM_THREADS="2",
-               TENSORBOARD_DIR="/tmp/fp8-test-tb")
+               TENSORBOARD_DIR="/tmp/fp8-test-tb", CHECK_ARGS="0")  # the flags' check: test_launch_scripts.py
     result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--fp8-format", "hybrid",
                              "--difflm-masked-only-loss", "--fp8-output-layer"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

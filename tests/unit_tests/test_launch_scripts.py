@@ -16,8 +16,10 @@ from tests.launch_flags import recorded_flags
 SCRIPTS = {
     "examples/dlm_training/dlm_pretrain_7b.sh": (8, {"tensor_model_parallel_size": 2,
                                                      "pipeline_model_parallel_size": 2, "data_parallel_size": 2,
-                                                     "sequence_parallel": True}),
-    "examples/dlm_training/dlm_pretrain_1.7b.sh": (1, {"pipeline_model_parallel_size": 1}),
+                                                     "sequence_parallel": True,
+                                                     "cache_low_precision_weights": True}),
+    "examples/dlm_training/dlm_pretrain_1.7b.sh": (1, {"pipeline_model_parallel_size": 1,
+                                                       "cache_low_precision_weights": True}),
     "examples/dlm_training/dlm_pretrain_125m.sh": (1, {"pipeline_model_parallel_size": 1}),
     "examples/ar_training/ar_pretrain_1.7b.sh": (1, {"model_running_mode": "vanilla",
                                                    "cache_low_precision_weights": True}),

@@ -72,6 +72,7 @@ def test_the_one_gpu_and_pipeline_layouts_train_the_same_on_cpu(tmp_path, capsys
     monkeypatch.setenv("MOCK_VOCAB_SIZE", "128")
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CHECK_ARGS", "0")  # the scripts' flag check is test_launch_scripts.py's
     results = layout_parity.main(["--script", str(script), "--iters", "4", "--micro-batch-size", "1",
                                   "--global-batch-size", "4", "--layouts", "1gpu", "pp2",  # DP: the gloo suite
                                   "--log-dir", str(tmp_path / "logs"), "--port", "29650"])

@@ -32,6 +32,7 @@ def activate(hidden: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
 class MLP(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
+        triton_swiglu.register_for(config)
         tp_group = pg.tp if pg is not None else None
         self.gated = config.gated_linear_unit
         ffn = config.ffn_hidden_size

@@ -11,8 +11,10 @@ about 3.5 ms over the 28 layers. These kernels make exactly those passes.
 
 The ops are `torch.library.triton_op`s with autograd registered, so torch.compile traces
 them into the layer's graph (no graph break) and eager code calls them as well. They are
-registered only where Triton is installed and the kernels are built on first use, so the
-package imports without Triton; `available(x)` says whether the kernels can run on `x`
+registered on first use (registering imports Triton and part of Inductor, about 2 s of a CPU
+process's start that never runs them), or when a CUDA model that will use them is built
+(`register_for`, before torch.compile traces the layer), and the kernels are built on first use, so
+the package imports without Triton; `available(x)` says whether the kernels can run on `x`
 (CUDA with Triton installed). The MLP uses them when `TransformerConfig.bias_swiglu_fusion`
 is on (Megatron's default; `--no-bias-swiglu-fusion` turns it off) and runs the plain tensor
 math everywhere else. Tests run them on CPU under Triton's interpreter (`interpreter_allowed`).
@@ -124,16 +126,32 @@ def _register():
     return swiglu_op
 
 
-_SWIGLU_OP = _register() if HAS_TRITON else None
+_SWIGLU_OP = None
+
+
+def _op():
+    """The registered op (a global, not a cached function: torch.compile traces this call and must
+    read the op, never trace its registration)."""
+    global _SWIGLU_OP
+    if _SWIGLU_OP is None:
+        _SWIGLU_OP = _register()
+    return _SWIGLU_OP
+
+
+def register_for(config) -> None:
+    """Registers the ops now where a model built with `config` will call them (CUDA, Triton, the
+    fused SwiGLU on), so a compiled layer finds them registered rather than registering mid-trace."""
+    if HAS_TRITON and torch.cuda.is_available() and config.activation == "silu" and config.bias_swiglu_fusion:
+        _op()
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for `x [..., 2f]` = [gate; up], through the Triton kernels (see `available`)."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last dimension ([gate; up]), got {tuple(x.shape)}")
-    if _SWIGLU_OP is None:
+    if not HAS_TRITON:
         raise RuntimeError("SwiGLU's Triton kernels need Triton (pip install triton); check available(x) first")
-    return _SWIGLU_OP(x.contiguous())
+    return _op()(x.contiguous())
 
 
 def reference(x: torch.Tensor) -> torch.Tensor:
