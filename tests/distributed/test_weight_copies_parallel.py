@@ -33,7 +33,7 @@ def test_copies_train_the_same_losses_under_zero1_and_tensor_parallelism(tmp_pat
         assert with_copies["losses"] == without["losses"], (layout, config, mode)
 
 
-FLOAT8_CASES = [("llama", "dlm")]  # both styles and modes train against torchao in test_float8_weight_copies.py
+FLOAT8_CASES = [("llama", "dlm"), ("megatron", "ar")]  # each against torchao: test_float8_weight_copies.py
 
 
 def test_float8_copies_train_under_zero1_as_replicated(tmp_path):

@@ -3,6 +3,10 @@ MLP when the fusion is on, traced whole by torch.compile. On a GPU the CUDA case
 on CPU, where Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+ROOT = Path(__file__).resolve().parents[2]
 CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
                          reason="the CUDA cases run the kernels" if HAS_TRITON else "Triton is not installed")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
@@ -149,3 +154,17 @@ def test_the_flag_turns_the_fusion_off():
 
     assert config([]).bias_swiglu_fusion
     assert not config(["--no-bias-swiglu-fusion"]).bias_swiglu_fusion
+
+
+
+def test_a_cpu_model_never_registers_the_ops():
+    """Registering the ops imports Triton and part of Inductor (about 2 s of every process's start, a CLI
+    check or a generation included): a CPU process that builds the fused MLP and runs it must not."""
+    code = ("import sys, torch; from tests.unit_tests.test_triton_swiglu import mlp; "
+            "mlp(True, 'cpu')(torch.randn(2, 1, 32)).sum().backward(); "
+            "print(sorted(m for m in ('torch._inductor', 'triton') if m in sys.modules))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=dict(env, CUDA_VISIBLE_DEVICES=""), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
