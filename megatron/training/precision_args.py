@@ -21,8 +21,9 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="SwiGLU runs as plain tensor math instead of its Triton kernels (used on CUDA where Triton "
                         "is installed).")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
-                   help="Train the transformer layers' linear layers in fp8 (torchao float8): e4m3 everywhere, "
-                        "or hybrid (e5m2 output gradients). Tensor-parallel size 1.")
+                   help="Train the transformer layers' linear layers in fp8: e4m3 everywhere, or hybrid (e5m2 output "
+                        "gradients). Through torchao's float8 linears, or with --cache-low-precision-weights through "
+                        "float8 working copies of the weights (no torchao needed). Tensor-parallel size 1.")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
                    help="With --fp8-format: one dynamic scale per tensor, or per row.")
     g.add_argument("--fp8-output-layer", action="store_true",

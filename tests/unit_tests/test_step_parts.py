@@ -35,6 +35,28 @@ def test_precision_aware_rows_move_fewer_bytes(monkeypatch):
     assert rows["adamw CompiledAdamW, bf16 moments"]["bytes"] == 20 * count
 
 
+def test_inductor_variant_rows_compile_under_their_options(monkeypatch):
+    """Each --adamw-inductor variant compiles the bf16-moment step afresh inside its options' patch."""
+    seen = []
+
+    def compile_once(function, **_):
+        def first_call(*args, **kwargs):
+            seen.append(step_parts.torch._inductor.config.combo_kernels)
+            return function(*args, **kwargs)
+        return first_call
+    monkeypatch.setattr(step_parts.torch, "compile", compile_once)
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
+                              "--adamw-inductor", "default,combo_kernels=True"])
+    names = [name for name in result["rows"] if "inductor" in name]
+    assert names == ["adamw CompiledAdamW, bf16 moments, inductor default",
+                     "adamw CompiledAdamW, bf16 moments, inductor combo_kernels=True"]
+    assert all(result["rows"][name]["bytes"] == 20 * result["parameters"] for name in names)
+    # the options hold for the second variant's compiling step only (its two parameter groups' calls)
+    assert seen.count(True) == 2 and seen[0] is False and seen[-1] is False, seen
+    assert step_parts.inductor_options("coordinate_descent_tuning=True+max_autotune_pointwise=False") == {
+        "coordinate_descent_tuning": True, "max_autotune_pointwise": False}
+
+
 def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
     tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving
@@ -71,7 +93,8 @@ def test_swiglu_rows_time_both_implementations(monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [["--loss-kernels", "64"], ["--loss-kernels", "64x4,x"], ["--loss-chunk", "0"],
-                                   ["--swiglu-kernels", "1024"], ["--swiglu-tokens", "0"]])
+                                   ["--swiglu-kernels", "1024"], ["--swiglu-tokens", "0"],
+                                   ["--adamw-inductor", "no_such_option=True"], ["--adamw-inductor", "combo_kernels=x"]])
 def test_bad_loss_kernel_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
         step_parts.main(["--model", "tiny", *flags])

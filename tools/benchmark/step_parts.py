@@ -10,6 +10,8 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * adamw compiled (`--compiled`): `torch.compile` of the foreach step (Triton, fused per group);
 * CompiledAdamW (`--precision-aware`): our compiled step (--compile-optimizer-step) with fp32 moments,
   then with both stored in bf16 (Megatron's precision-aware optimizer: 20 bytes a parameter, not 28);
+* CompiledAdamW under Inductor options (`--adamw-inductor`): the bf16-moment step compiled afresh
+  under each set of `torch._inductor.config` options named (e.g. `combo_kernels=True`);
 * grad norm: the clip's `_foreach_norm` over every gradient;
 * bf16 weight copy: what bf16 autocast does to every fp32 weight in each forward;
 * bf16 grad to fp32: the weight gradients' cast back to the fp32 parameters' dtype;
@@ -113,6 +115,8 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result["adamw compiled (foreach, torch.compile)"] = (measure(compiled), 28 * count)
     if args.precision_aware:
         result.update(compiled_adamw_rows(model, measure, count))
+    for variant in (args.adamw_inductor or "").split(",") if args.adamw_inductor else []:
+        result.update(inductor_variant_row(model, measure, count, variant))
     result["grad norm (_foreach_norm)"] = (measure(lambda: torch._foreach_norm(grads, 2)), 4 * count)
     weights = [p for p in params if p.dim() == 2]
     matrix = sum(p.numel() for p in weights)
@@ -139,6 +143,36 @@ def compiled_adamw_rows(model, measure, count: int) -> Dict[str, tuple]:
         result[f"adamw CompiledAdamW, {name} moments"] = (measure(optimizer.step), moved * count)
         del optimizer
     return result
+
+
+def inductor_options(variant: str) -> dict:
+    """`default` or `name=value+name=value` (values True, False or integers) as Inductor config options."""
+    import torch._inductor.config as inductor
+
+    if variant == "default":
+        return {}
+    options = {}
+    for part in variant.split("+"):
+        name, _, value = part.partition("=")
+        if not hasattr(inductor, name) or not (value in ("True", "False") or value.isdigit()):
+            raise ValueError(f"--adamw-inductor {variant!r}: {part!r} must be an Inductor option=True/False/integer")
+        options[name] = value == "True" if value in ("True", "False") else int(value)
+    return options
+
+
+def inductor_variant_row(model, measure, count: int, variant: str) -> Dict[str, tuple]:
+    """CompiledAdamW's bf16-moment step compiled afresh (dynamo reset) under one set of Inductor options."""
+    options = inductor_options(variant)
+    torch._dynamo.reset()
+    optimizer = CompiledAdamW(param_groups(model, 0.1), lr=1e-4, exp_avg_dtype=torch.bfloat16,
+                              exp_avg_sq_dtype=torch.bfloat16)
+    optimizer.grad_scale = torch.tensor(1.0, device=next(model.parameters()).device)
+    begin = time.perf_counter()
+    with torch._inductor.config.patch(options):
+        optimizer.step()  # compiles under the options; the timed calls reuse that code
+    name, ms = f"adamw CompiledAdamW, bf16 moments, inductor {variant}", measure(optimizer.step)
+    print(f"{name}: compiled in {time.perf_counter() - begin:.1f} s, {ms:.2f} ms", flush=True)  # before a time limit
+    return {name: (ms, 20 * count)}
 
 
 def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[str, tuple]:
@@ -213,6 +247,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--compiled", action="store_true", help="Also time the torch.compile'd foreach step.")
     parser.add_argument("--precision-aware", action="store_true",
                         help="Also time CompiledAdamW with fp32 and with bf16 moments.")
+    parser.add_argument("--adamw-inductor", metavar="VARIANT,...",
+                        help="Also time CompiledAdamW (bf16 moments) compiled under each set of Inductor options: "
+                             "default or name=value+name=value (e.g. default,combo_kernels=True).")
     parser.add_argument("--loss-kernels", metavar="BxW,...",
                         help="Also time the fused loss: torch.compile's and the Triton kernel with these "
                              "column blocks x warps (e.g. 4096x8,8192x16).")
@@ -228,6 +265,10 @@ def main(argv=None) -> dict:
     for flag, value in (("--loss-kernels", args.loss_kernels), ("--swiglu-kernels", args.swiglu_kernels)):
         if value and not all(part.count("x") == 1 and part.replace("x", "").isdigit() for part in value.split(",")):
             parser.error(f"{flag} {value!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
+    try:
+        [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
+    except ValueError as error:
+        parser.error(str(error))
     if args.loss_chunk < 1 or args.swiglu_tokens < 1:
         parser.error("--loss-chunk and --swiglu-tokens must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
