@@ -2,7 +2,7 @@
 without, under ZeRO-1 (each rank's compiled step writes its own shard's copies; the shards the other
 ranks broadcast move no version counter, so they must be re-cast) and under TP=2 with sequence
 parallelism, and with two pipeline stages, in Megatron's default configuration and the Llama style, DLM
-and AR."""
+and AR, with and without the masked-only loss (whose chunked output layer reads a copy of its weight)."""
 
 import pytest
 
@@ -11,12 +11,14 @@ from tests.distributed.test_layout_matrix import CONFIGS, MODES, SHAPE, TP2_SP
 
 pytestmark = pytest.mark.distributed
 
-CASES = [  # (layout flags, config, mode, optimizer flags)
-    (["--use-distributed-optimizer"], "llama", "dlm", ["--compile-optimizer-step"]),
+MASKED_ONLY = ["--difflm-masked-only-loss"]  # the chunked loss reads the output weight's copy too
+CASES = [  # (layout flags, config, mode, optimizer and loss flags)
+    (["--use-distributed-optimizer"], "llama", "dlm", ["--compile-optimizer-step"] + MASKED_ONLY),
     (["--use-distributed-optimizer"], "megatron", "ar", ["--compile-optimizer-step"]),
-    (TP2_SP, "megatron", "dlm", []),
-    (TP2_SP, "llama", "ar", ["--compile-optimizer-step"]),
-    (["--pipeline-model-parallel-size", "2"], "megatron", "dlm", ["--compile-optimizer-step"]),  # the 7B script's
+    (TP2_SP, "megatron", "dlm", MASKED_ONLY),  # tied, the vocabulary split over the ranks
+    (TP2_SP, "llama", "ar", MASKED_ONLY),  # untied, split (the compiled step's writes: ZeRO-1 and PP; CPU compiles)
+    # the 7B script's pipeline; tied, so the last stage's copy of the word embedding is the output weight
+    (["--pipeline-model-parallel-size", "2"], "megatron", "dlm", ["--compile-optimizer-step"] + MASKED_ONLY),
 ]
 
 

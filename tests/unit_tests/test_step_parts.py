@@ -94,7 +94,8 @@ def test_swiglu_rows_time_both_implementations(monkeypatch):
 
 @pytest.mark.parametrize("flags", [["--loss-kernels", "64"], ["--loss-kernels", "64x4,x"], ["--loss-chunk", "0"],
                                    ["--swiglu-kernels", "1024"], ["--swiglu-tokens", "0"],
-                                   ["--adamw-inductor", "no_such_option=True"], ["--adamw-inductor", "combo_kernels=x"]])
+                                   ["--adamw-inductor", "no_such_option=True"],
+                                   ["--adamw-inductor", "combo_kernels=x"]])
 def test_bad_loss_kernel_flags_are_usage_errors(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
         step_parts.main(["--model", "tiny", *flags])

@@ -29,17 +29,19 @@ STYLES = {  # Megatron's default configuration, and the Llama style
 }
 
 
-def build(style: str, mode: str = "difflm-noshift") -> GPTModel:
+def build(style: str, mode: str = "difflm-noshift", tied: bool = False, masked_only: bool = False) -> GPTModel:
     torch.manual_seed(0)
-    return GPTModel(tiny_config(bf16=True, share_embeddings_and_output_weights=False, **STYLES[style]),
-                    dlm_config(model_running_mode=mode,
+    return GPTModel(tiny_config(bf16=True, share_embeddings_and_output_weights=tied, **STYLES[style]),
+                    dlm_config(model_running_mode=mode, masked_only_loss=masked_only,
                                attention_mask_type="causal" if mode == "vanilla" else "no_mask")).train()
 
 
-def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, fp8_format=None, prepare=None):
+def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, fp8_format=None, prepare=None,
+          **shape):
     """Losses, final weights and, with copies, how many copies each step's refresh found stale.
-    `fp8_format`: float8 copies; `prepare`: a change to the model before the optimizer is built."""
-    model = build(style, mode)
+    `fp8_format`: float8 copies; `prepare`: a change to the model before the optimizer is built;
+    `shape`: `build`'s tied and masked_only."""
+    model = build(style, mode, **shape)
     if prepare is not None:
         prepare(model)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, compiled_step=compiled))
@@ -76,6 +78,32 @@ def test_a_bf16_run_trains_to_the_bit_as_without_copies(style, mode, compiled):
     for weight, copy in copies.pairs:  # and after the last step every copy is the weight's cast
         copies.refresh()
         assert torch.equal(copy, weight.detach().bfloat16())
+
+
+@pytest.mark.parametrize("style, mode, tied, compiled", [
+    ("megatron", "difflm-noshift", False, False), ("llama", "vanilla", True, True)])
+def test_the_masked_only_loss_reads_a_copy_of_the_output_weight(style, mode, tied, compiled):
+    """The chunked loss reads the output layer's (or, tied, the word embedding's) copy instead of casting
+    the weight: the same bits, so the same training; a copy the loss did not read would change nothing."""
+    shape = dict(tied=tied, masked_only=True)
+    losses, weights, stale, copies = train(style, mode, copies=True, compiled=compiled, **shape)
+    reference_losses, reference_weights, _, _ = train(style, mode, copies=False, compiled=compiled, **shape)
+    assert losses == reference_losses
+    for name, weight in reference_weights.items():
+        assert torch.equal(weights[name], weight), name
+    assert len(copies.pairs) == 2 * 4 + 1 and stale[1:] == ([0, 0] if compiled else [9, 9])
+    model = build(style, mode, **shape)
+    owner = model.output_weight_owner()
+    assert owner is (model.embedding.word_embeddings if tied else model.output_layer)
+    attach_weight_copies(model, build_optimizer(model, OptimizerConfig(lr=1e-2)), torch.bfloat16)
+    x, key = tokens(seed=3), (None if mode == "vanilla" else diffusion.CorruptionKey.for_batch(
+        7, iteration=0, global_batch_size=2, first_sample_index=0, batch_size=2))
+    before = model.compute_loss(x, key=key).loss
+    owner.weight_low.mul_(0.5)  # the loss reads it ...
+    assert not torch.equal(model.compute_loss(x, key=key).loss, before)
+    model.eval()  # ... evaluation does not
+    with torch.no_grad():
+        assert torch.equal(model(x, labels=x)[1], build(style, mode, **shape).eval()(x, labels=x)[1])
 
 
 def _step(model, optimizer, copies=None) -> None:

@@ -195,9 +195,15 @@ def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: in
     _matmul_into(grad_weight, grad_logits.t(), hidden, add_weight)
 
 
-def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool):
+def _compute_weight(weight: torch.Tensor, weight_low: Optional[torch.Tensor], layout: _Layout) -> torch.Tensor:
+    """The weight in the compute dtype: its working copy where it has one of that dtype, else a cast."""
+    return weight_low if weight_low is not None and weight_low.dtype == layout.compute_dtype \
+        else weight.to(layout.compute_dtype)
+
+
+def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool, weight_low=None):
     """Per-token losses, their log-sum-exp, and (grad_hidden, grad_weight) of sum(loss_weights * losses)."""
-    compute_weight = weight.to(layout.compute_dtype)
+    compute_weight = _compute_weight(weight, weight_low, layout)
     float8 = _float8_weight(compute_weight, layout)
     count = hidden.shape[0]
     losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
@@ -235,11 +241,12 @@ def _empty_gradients(hidden: torch.Tensor, weight: torch.Tensor):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool):
+    def forward(ctx, hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool, weight_low=None):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes here are chosen explicitly
-            losses, log_sum_exp, grads = _forward_chunks(hidden, weight, targets, loss_weights, layout, needs_grad)
-        ctx.save_for_backward(hidden, weight, targets, log_sum_exp)
+            losses, log_sum_exp, grads = _forward_chunks(hidden, weight, targets, loss_weights, layout, needs_grad,
+                                                         weight_low)
+        ctx.save_for_backward(hidden, weight, targets, log_sum_exp, weight_low)
         ctx.layout, ctx.weighted_grads, ctx.backward_done = layout, grads, False
         return losses, (losses * loss_weights).sum()
 
@@ -249,7 +256,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The gradients made in forward are scaled in place: a second backward would see them twice.
             raise RuntimeError("linear_cross_entropy does not support a second backward (retain_graph)")
         ctx.backward_done = True
-        hidden, weight, targets, log_sum_exp = ctx.saved_tensors
+        hidden, weight, targets, log_sum_exp, weight_low = ctx.saved_tensors
         grad_hidden, grad_weight = ctx.weighted_grads
         ctx.weighted_grads = None
         if grad_loss_sum is None:
@@ -260,20 +267,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_losses is not None:
             with torch.autocast(hidden.device.type, enabled=False):
                 grad_hidden, grad_weight = _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses,
-                                                               ctx.layout, grad_hidden, grad_weight)
+                                                               ctx.layout, grad_hidden, grad_weight, weight_low)
         if grad_hidden is None:
-            return None, None, None, None, None, None
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+            return None, None, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layout: _Layout,
-                        grad_hidden, grad_weight):
+                        grad_hidden, grad_weight, weight_low=None):
     """Gradients of sum(grad_losses * losses): each chunk's softmax is rebuilt from its saved
     log-sum-exp (no collective needed) and added to the gradients made in forward, if any."""
     fresh = grad_hidden is None
     if fresh:
         grad_hidden, grad_weight = _empty_gradients(hidden, weight)
-    compute_weight = weight.to(layout.compute_dtype)
+    compute_weight = _compute_weight(weight, weight_low, layout)
     float8 = _float8_weight(compute_weight, layout)  # the forward's logits, rebuilt the same way
     chunks = _chunks(hidden.shape[0], layout.chunk_size)
     if fresh and not chunks:
@@ -293,8 +300,8 @@ def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layou
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                          unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
-                         chunk_size: int = 4096, compiled: bool = False,
-                         fp8: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int = 4096, compiled: bool = False, fp8: Optional[str] = None,
+                         weight_low: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
 
     `hidden` [n, h] must be the same on every tp rank (gather sequence-parallel activations
@@ -305,7 +312,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
     the softmax in fp32. `compiled`: each chunk's softmax and logits gradient run fused (see
     `_Layout.compiled`). `fp8` (`hybrid` or `e4m3`): the logits and input-gradient GEMMs in float8
-    (float8_matmul.py). Not for a second backward of the same graph.
+    (float8_matmul.py). `weight_low`: the weight's working copy in `compute_dtype`
+    (`--cache-low-precision-weights`), read instead of casting `weight`; the gradient still reaches
+    `weight`. Not for a second backward of the same graph.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "
@@ -319,4 +328,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"fp8={fp8!r}: choose from {sorted(float8_matmul.GRADIENT_DTYPES)}")
     layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled, fp8)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad,
+                                     weight_low)

@@ -7,7 +7,9 @@ an H200. Megatron keeps bf16 parameters and fp32 main weights in the optimizer i
 fp32 parameters stay (checkpoints, data-parallel buffers and the optimizer are unchanged) and each
 tensor-parallel linear layer gets a non-persistent buffer `weight_low` in the compute dtype that
 its training forward reads instead of casting (`fp32_weight_grad.linear`). The weight gradient
-still reaches the fp32 weight, computed in fp32.
+still reaches the fp32 weight, computed in fp32. Under the masked-only loss the output layer's
+weight (the word embedding's, when tied) gets one too, in the compute dtype even under fp8, which
+the chunked loss reads instead of casting it (`linear_cross_entropy(weight_low=...)`).
 
 Freshness: `WeightCopies.refresh` (the trainer calls it before each iteration's forwards) re-casts
 every copy that the optimizer did not write in the step since the last refresh, and every copy
@@ -88,6 +90,20 @@ def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Fl
     return Float8Copy(*buffers, GRADIENT_DTYPES[fp8_format])
 
 
+def _output_weight_owners(model: nn.Module) -> Dict[int, nn.Module]:
+    """The modules holding an output layer's weight that the masked-only loss reads (a working copy of
+    it replaces the loss's cast, `linear_cross_entropy(weight_low=...)`); the full-logits loss casts
+    under autocast and would never read one, and neither would an untied output layer's own forward."""
+    owners = {}
+    for module in model.modules():
+        dlm = getattr(module, "dlm_config", None)
+        if hasattr(module, "output_weight_owner") and getattr(module, "post_process", False) \
+                and dlm is not None and dlm.masked_only_loss:
+            owner = module.output_weight_owner()
+            owners[id(owner)] = owner
+    return owners
+
+
 class WeightCopies:
     """The compute-dtype copies of `model`'s tensor-parallel linear weights (see the module docstring)."""
 
@@ -95,13 +111,16 @@ class WeightCopies:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         self.dtype = dtype
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
-        # An untied output layer's weight is read by the loss (linear_cross_entropy), not by the
-        # layer's forward: a copy of it would never be read.
-        heads = {id(getattr(module, "output_layer")) for module in model.modules() if hasattr(module, "output_layer")}
+        heads = _output_weight_owners(model)
+        # An untied output layer's own forward never runs (the loss reads its weight): no copy unless a head's.
+        output_layers = {id(module.output_layer) for module in model.modules() if hasattr(module, "output_layer")}
         for module in model.modules():
             weight = getattr(module, "weight", None)
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and id(module) not in heads \
-                    and weight is not None and weight.dtype == torch.float32:
+            if weight is None or weight.dtype != torch.float32:
+                continue
+            if id(module) in heads:  # read by the chunked loss in the compute dtype, float8 or not
+                self.layers.append((module, self._new_copy(module, weight, None)))
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and id(module) not in output_layers:
                 self.layers.append((module, self._new_copy(module, weight, fp8_format)))
         self._index: Dict[int, int] = {}
         self._written: Dict[int, tuple] = {}

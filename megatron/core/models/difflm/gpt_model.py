@@ -35,6 +35,7 @@ from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
+from megatron.core.tensor_parallel.weight_copies import training_copy
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import routers, set_aux_loss_scale
@@ -190,13 +191,18 @@ class GPTModel(MegatronModule):
             return hidden
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
-        per_token, loss = self.head.loss(hidden, self._output_weight(), labels, targets)
+        owner = self.output_weight_owner()
+        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, training_copy(owner))
         return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
+
+    def output_weight_owner(self) -> nn.Module:
+        """The module holding the output layer's weight: the word embedding when tied (last stage only)."""
+        return self.embedding.word_embeddings if self.tied_output else self.output_layer
 
     def _output_weight(self) -> torch.Tensor:
         """This rank's [V / tp, h] slice of the output layer (the word embedding when tied), read at
         each call: FSDP2 and loading may replace the parameter objects."""
-        return self.embedding.word_embeddings.weight if self.tied_output else self.output_layer.weight
+        return self.output_weight_owner().weight
 
     def check_inputs(self, input_ids, position_ids=None, labels=None) -> None:
         """Shapes and id ranges of a forward's inputs, in one host sync at most (see
