@@ -74,6 +74,42 @@ def test_same_loss_and_gradients_as_the_full_logits(mode, tied, padded):
     assert torch.all(out.per_token_loss[~selected] == 0)
 
 
+@pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
+def test_a_tied_weight_gets_one_gradient_completed_by_the_embedding(mode, monkeypatch):
+    """Tied, the chunked loss hands the output layer's gradient to the embedding's backward, which adds
+    its rows in place (tensor_parallel/tied_gradient.py): the same gradients as autograd's sum of the
+    two. The full-logits path returns its gradient as usual and the embedding's backward finds none."""
+    from megatron.core.tensor_parallel import tied_gradient
+
+    handed = []
+    take = tied_gradient.TiedGradient.take
+    monkeypatch.setattr(tied_gradient.TiedGradient, "take", lambda self: handed.append(self.grad is not None)
+                        or take(self))
+    tokens = ids()
+    _, full_grads = loss_and_grads(build(mode, True, True, masked_only=False), tokens)
+    _, grads = loss_and_grads(build(mode, True, True, masked_only=True), tokens)
+    assert handed == [False, True]
+    assert_grads_close(grads, full_grads)
+
+
+def test_the_tied_embedding_adds_repeated_rows_into_the_handed_gradient():
+    from megatron.core.tensor_parallel.tied_gradient import TiedGradient, embedding
+
+    weight = torch.randn(5, 3, requires_grad=True)
+    ids, upstream = torch.tensor([[1, 3, 1], [4, 1, 0]]), torch.randn(2, 3, 3)
+    nn_grad, = torch.autograd.grad((torch.nn.functional.embedding(ids, weight) * upstream).sum(), weight)
+    tied, handed = TiedGradient(), torch.randn(5, 3)
+    out = embedding(ids, weight, tied)
+    assert tied.armed
+    tied.grad = handed.clone()  # what the loss's backward leaves there
+    grad, = torch.autograd.grad((out * upstream).sum(), weight)
+    torch.testing.assert_close(grad, handed + nn_grad, rtol=1e-6, atol=1e-6)
+    assert tied.grad is None
+    with torch.no_grad():  # no autograd: a plain lookup, nothing armed
+        fresh = TiedGradient()
+        assert torch.equal(embedding(ids, weight, fresh), weight[ids]) and not fresh.armed
+
+
 @pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
 def test_gradients_through_the_per_token_losses(mode):
     tokens = ids()

@@ -20,6 +20,7 @@ from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.fp32_weight_grad import linear
+from megatron.core.tensor_parallel.tied_gradient import TiedGradient, embedding
 from megatron.core.tensor_parallel.weight_copies import training_copy
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -238,21 +239,22 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(master[self.vocab_start:self.vocab_end].clone())
         set_tensor_model_parallel_attributes(self.weight, 0)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
+        """`tied`: the loss's share of a tied weight's gradient, completed by this lookup's backward."""
         if self.tp_size == 1:
-            output = nn.functional.embedding(ids, self.weight)
+            output = embedding(ids, self.weight, tied)
         else:
-            output = self._partial_lookup(ids)
+            output = self._partial_lookup(ids, tied)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
         return reduce_from_tensor_model_parallel_region(output, self.tp_group)
 
-    def _partial_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def _partial_lookup(self, ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
         """This rank's contribution: its rows for the ids it owns, zeros for the rest."""
         check_index_range(ids, self.num_embeddings, "token ids", IndexError)
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
-        output = nn.functional.embedding(local_ids, self.weight)
+        output = embedding(local_ids, self.weight, tied)  # foreign rows get zero gradients (masked below)
         return output.masked_fill(foreign.unsqueeze(-1), 0.0)
 
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel import float8_matmul, triton_cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import _all_reduce
+from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 
 
@@ -241,13 +242,14 @@ def _empty_gradients(hidden: torch.Tensor, weight: torch.Tensor):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool, weight_low=None):
+    def forward(ctx, hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool, weight_low=None,
+                tied=None):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes here are chosen explicitly
             losses, log_sum_exp, grads = _forward_chunks(hidden, weight, targets, loss_weights, layout, needs_grad,
                                                          weight_low)
         ctx.save_for_backward(hidden, weight, targets, log_sum_exp, weight_low)
-        ctx.layout, ctx.weighted_grads, ctx.backward_done = layout, grads, False
+        ctx.layout, ctx.weighted_grads, ctx.backward_done, ctx.tied = layout, grads, False, tied
         return losses, (losses * loss_weights).sum()
 
     @staticmethod
@@ -269,8 +271,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden, grad_weight = _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses,
                                                                ctx.layout, grad_hidden, grad_weight, weight_low)
         if grad_hidden is None:
-            return None, None, None, None, None, None, None
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+            return None, None, None, None, None, None, None, None
+        grad_weight = grad_weight.to(weight.dtype)
+        if ctx.tied is not None and ctx.tied.armed:  # the embedding's backward adds its rows and returns it
+            ctx.tied.grad, grad_weight = grad_weight, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 
 def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layout: _Layout,
@@ -301,7 +306,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                          unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
                          chunk_size: int = 4096, compiled: bool = False, fp8: Optional[str] = None,
-                         weight_low: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         weight_low: Optional[torch.Tensor] = None,
+                         tied: Optional[TiedGradient] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
 
     `hidden` [n, h] must be the same on every tp rank (gather sequence-parallel activations
@@ -314,7 +320,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     `_Layout.compiled`). `fp8` (`hybrid` or `e4m3`): the logits and input-gradient GEMMs in float8
     (float8_matmul.py). `weight_low`: the weight's working copy in `compute_dtype`
     (`--cache-low-precision-weights`), read instead of casting `weight`; the gradient still reaches
-    `weight`. Not for a second backward of the same graph.
+    `weight`. `tied`: where `weight` is also the word embedding looked up in this forward, the weight's
+    gradient is handed to the embedding's backward to complete (tied_gradient.py) instead of being
+    returned. Not for a second backward of the same graph.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or loss_weights.shape != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} must be [n, h] with targets {tuple(targets.shape)} and "
@@ -329,4 +337,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled, fp8)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad,
-                                     weight_low)
+                                     weight_low, tied)

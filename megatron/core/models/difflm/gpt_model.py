@@ -35,6 +35,7 @@ from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
+from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.tensor_parallel.weight_copies import training_copy
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
@@ -55,9 +56,9 @@ class LanguageModelEmbedding(MegatronModule):
             init_seed=parameter_seed(-1, "word_embeddings"), params_dtype=config.params_dtype,
             sequence_parallel=self.sequence_parallel)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] hidden states ([s/tp, b, h] under sequence parallelism)."""
-        embedded = self.word_embeddings(input_ids.t()).contiguous()
+        embedded = self.word_embeddings(input_ids.t(), tied).contiguous()
         return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=self.training)
 
 
@@ -186,13 +187,15 @@ class GPTModel(MegatronModule):
         targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
         if self.post_process and labels is not None:
             targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift)
-        hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask)
+        # One weight looked up and read by the loss: its two gradients are summed in place (tied_gradient.py).
+        tied = TiedGradient() if targets is not None and self.tied_output and self.pre_process else None
+        hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask, tied)
         if not self.post_process:
             return hidden
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
         owner = self.output_weight_owner()
-        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, training_copy(owner))
+        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, training_copy(owner), tied)
         return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
 
     def output_weight_owner(self) -> nn.Module:
@@ -215,7 +218,8 @@ class GPTModel(MegatronModule):
                          ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX),
                          ("labels", labels, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
 
-    def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask) -> torch.Tensor:
+    def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask,
+             tied: Optional[TiedGradient] = None) -> torch.Tensor:
         """Embedding (first stage) and decoder: hidden states [s, b, h] ([s/tp, b, h] under sequence
         parallelism), after the final norm on the last stage. Ids are checked by the caller."""
         if self.pre_process:
@@ -239,7 +243,7 @@ class GPTModel(MegatronModule):
                             else torch.arange(seq, device=device).expand(batch, seq))
         rotary = self.rotary_pos_emb(position_ids)
         with self._autocast(device):
-            hidden = self.embedding(input_ids) if self.pre_process else hidden
+            hidden = self.embedding(input_ids, tied) if self.pre_process else hidden
             return self.decoder(hidden, mask, rotary)
 
     # ------------------------------------------------------------------ generation

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                            gather_from_tensor_model_parallel_region, group_rank, group_size,
                                            vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
@@ -111,16 +112,18 @@ class OutputLayer(MegatronModule):
         return LossTargets(weights, loss_normalizer, shift, selected)
 
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, targets: LossTargets,
-             weight_low: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+             weight_low: Optional[torch.Tensor] = None,
+             tied: Optional[TiedGradient] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """(per-token loss [b, s], sum(per-token loss * weights) / normalizer) from the last hidden
         states and `loss_targets`' answer for these labels. `weight_low`: the weight's working copy in
-        the compute dtype, which the masked-only path reads instead of casting `weight`."""
+        the compute dtype, which the masked-only path reads instead of casting `weight`; `tied`: the
+        tied embedding's gradient hand-over (tensor_parallel/tied_gradient.py), used by that path."""
         batch = hidden.shape[1]
         seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         if labels.shape != (batch, seq):
             raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
         if targets.selected is not None:
-            per_token, loss_sum = self._selected_positions_loss(hidden, weight, labels, targets, weight_low)
+            per_token, loss_sum = self._selected_positions_loss(hidden, weight, labels, targets, weight_low, tied)
         else:
             per_token = self._full_logits_loss(hidden, weight, labels, targets.shift)
             loss_sum = (per_token * targets.weights).sum()
@@ -145,8 +148,8 @@ class OutputLayer(MegatronModule):
         return nn.functional.pad(ce, (1, 0)) if shift else ce
 
     def _selected_positions_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 targets: LossTargets, weight_low: Optional[torch.Tensor] = None
-                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+                                 targets: LossTargets, weight_low: Optional[torch.Tensor] = None,
+                                 tied: Optional[TiedGradient] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """(per-token loss [b, s], weighted sum) with the output layer applied only where the weight is
         nonzero, in chunks (DLMConfig.masked_only_loss). Every tp rank holds the same weights, so
         all select the same positions and run the same collectives."""
@@ -157,6 +160,6 @@ class OutputLayer(MegatronModule):
             selected, weight, labels[rows, positions], weights[rows, positions], self.tp_group,
             unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
             chunk_size=self.dlm_config.loss_chunk_size, compiled=self.dlm_config.compile_loss,
-            fp8=self.dlm_config.fp8_output_layer, weight_low=weight_low)
+            fp8=self.dlm_config.fp8_output_layer, weight_low=weight_low, tied=tied)
         per_token = losses.new_zeros(labels.shape).index_put((rows, positions), losses)
         return per_token, loss_sum

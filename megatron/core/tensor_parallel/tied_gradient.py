@@ -1,0 +1,67 @@
+"""One gradient for a tied word embedding and output layer, summed without a dense [V, h] pass.
+
+With tied weights the output layer's gradient (the chunked loss makes it in fp32, [V, h]) and the
+embedding's meet in autograd: the embedding's backward writes a zeroed [V, h] fp32 tensor with the
+rows of the looked-up tokens, then autograd reads both tensors and writes their sum. At Qwen3-1.7B's
+vocabulary that is about 5 GB moved a micro-batch (1.24 GB of zeros, then two reads and a write) for
+a few thousand touched rows. Here the loss hands its gradient to a `TiedGradient` instead of
+returning it, and the embedding's backward adds the tokens' rows into that tensor in place and
+returns it: the weight receives one gradient, the same sum, without the dense passes.
+
+The embedding's backward always runs after the loss's (the loss reads the decoder's output, which
+reads the embedding's), and the loss hands its gradient over only when the embedding armed the
+`TiedGradient` (it looked its ids up in the same weight with autograd on); otherwise, or where the
+loss returns its gradient as usual (the full-logits path), autograd adds the two as before.
+The rows are added with `index_put_(accumulate=True)`, which is deterministic on CUDA (a sorted
+segment sum; `index_add_` would use atomics), so runs repeat to the bit; the sum's rounding differs
+from the dense path's (the rows are added to the loss's values one by one, not summed first),
+within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class TiedGradient:
+    """Where the loss leaves the tied weight's gradient for the embedding's backward to complete."""
+
+    __slots__ = ("grad", "armed")
+
+    def __init__(self) -> None:
+        self.grad: Optional[torch.Tensor] = None
+        self.armed = False
+        """Set by `embedding` when its backward will take the gradient: only then may the loss hand it over."""
+
+    def take(self) -> Optional[torch.Tensor]:
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, tied: TiedGradient) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.weight_shape, ctx.weight_dtype = tied, weight.shape, weight.dtype
+        return nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        grad = ctx.tied.take()
+        if grad is None:  # the loss made none (it did not need the weight's gradient): the plain one
+            grad = grad_output.new_zeros(ctx.weight_shape, dtype=ctx.weight_dtype)
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(grad.dtype)
+        grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+        return None, grad, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
+    """`F.embedding(ids, weight)`; with `tied`, its backward completes the gradient the loss left there."""
+    if tied is None or not (torch.is_grad_enabled() and weight.requires_grad):
+        return nn.functional.embedding(ids, weight)
+    tied.armed = True
+    return _TiedEmbedding.apply(ids, weight, tied)
