@@ -90,17 +90,14 @@ def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Fl
     return Float8Copy(*buffers, GRADIENT_DTYPES[fp8_format])
 
 
-def _output_weight_owners(model: nn.Module) -> Dict[int, nn.Module]:
-    """The modules holding an output layer's weight that the masked-only loss reads (a working copy of
-    it replaces the loss's cast, `linear_cross_entropy(weight_low=...)`); the full-logits loss casts
-    under autocast and would never read one, and neither would an untied output layer's own forward."""
+def _output_weight_owners(model: nn.Module) -> Dict[int, bool]:
+    """{id of a module holding an output layer's weight: whether its loss reads a working copy}. The
+    masked-only loss does (`linear_cross_entropy(weight_low=...)` instead of its cast); the full-logits
+    loss casts under autocast, and an untied output layer's own forward never runs."""
     owners = {}
     for module in model.modules():
-        dlm = getattr(module, "dlm_config", None)
-        if hasattr(module, "output_weight_owner") and getattr(module, "post_process", False) \
-                and dlm is not None and dlm.masked_only_loss:
-            owner = module.output_weight_owner()
-            owners[id(owner)] = owner
+        if hasattr(module, "output_weight_owner") and getattr(module, "post_process", False):
+            owners[id(module.output_weight_owner())] = module.dlm_config.masked_only_loss
     return owners
 
 
@@ -112,15 +109,14 @@ class WeightCopies:
         self.dtype = dtype
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
         heads = _output_weight_owners(model)
-        # An untied output layer's own forward never runs (the loss reads its weight): no copy unless a head's.
-        output_layers = {id(module.output_layer) for module in model.modules() if hasattr(module, "output_layer")}
         for module in model.modules():
             weight = getattr(module, "weight", None)
             if weight is None or weight.dtype != torch.float32:
                 continue
-            if id(module) in heads:  # read by the chunked loss in the compute dtype, float8 or not
-                self.layers.append((module, self._new_copy(module, weight, None)))
-            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and id(module) not in output_layers:
+            if id(module) in heads:
+                if heads[id(module)]:  # read by the chunked loss in the compute dtype, float8 or not
+                    self.layers.append((module, self._new_copy(module, weight, None)))
+            elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 self.layers.append((module, self._new_copy(module, weight, fp8_format)))
         self._index: Dict[int, int] = {}
         self._written: Dict[int, tuple] = {}

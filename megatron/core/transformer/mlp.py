@@ -23,7 +23,7 @@ def activate(hidden: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     activation = _ACTIVATIONS[config.activation]
     if not config.gated_linear_unit:
         return activation(hidden)
-    if config.activation == "silu" and config.bias_swiglu_fusion and triton_swiglu.available(hidden):
+    if triton_swiglu.configured(config) and triton_swiglu.available(hidden):
         return triton_swiglu.swiglu(hidden)
     gate, up = hidden.chunk(2, dim=-1)
     return activation(gate) * up

@@ -138,10 +138,15 @@ def _op():
     return _SWIGLU_OP
 
 
+def configured(config) -> bool:
+    """Whether a layer built with `config` runs SwiGLU through these kernels where they are `available`."""
+    return config.gated_linear_unit and config.activation == "silu" and config.bias_swiglu_fusion
+
+
 def register_for(config) -> None:
     """Registers the ops now where a model built with `config` will call them (CUDA, Triton, the
     fused SwiGLU on), so a compiled layer finds them registered rather than registering mid-trace."""
-    if HAS_TRITON and torch.cuda.is_available() and config.activation == "silu" and config.bias_swiglu_fusion:
+    if HAS_TRITON and torch.cuda.is_available() and configured(config):
         _op()
 
 
