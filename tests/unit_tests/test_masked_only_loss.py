@@ -110,6 +110,30 @@ def test_the_tied_embedding_adds_repeated_rows_into_the_handed_gradient():
         assert torch.equal(embedding(ids, weight, fresh), weight[ids]) and not fresh.armed
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="index_add_'s atomics and its deterministic path are CUDA's")
+def test_the_tied_rows_repeat_to_the_bit_under_deterministic_mode():
+    """--deterministic-mode (torch.use_deterministic_algorithms) makes the rows' in-place sum repeatable
+    even where many ids repeat (index_add_'s atomics would not be); the sum is the dense one's."""
+    from megatron.core.tensor_parallel.tied_gradient import add_rows
+
+    generator = torch.Generator().manual_seed(0)
+    handed = torch.randn(1000, 64, generator=generator).cuda()
+    ids = torch.randint(0, 1000, (4, 512), generator=generator).cuda()
+    ids[:, :256] = 7
+    upstream = torch.randn(4, 512, 64, generator=generator).cuda()
+    dense = torch.ops.aten.embedding_dense_backward(upstream.reshape(-1, 64), ids.reshape(-1), 1000, -1, False)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        sums = [handed.clone() for _ in range(2)]
+        for grad in sums:
+            add_rows(grad, ids, upstream)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(sums[0], sums[1])
+    torch.testing.assert_close(sums[0], handed + dense, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
 def test_gradients_through_the_per_token_losses(mode):
     tokens = ids()

@@ -57,6 +57,18 @@ def test_inductor_variant_rows_compile_under_their_options(monkeypatch):
         "coordinate_descent_tuning": True, "max_autotune_pointwise": False}
 
 
+def test_tied_gradient_rows_time_the_dense_and_the_in_place_sums():
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--tied-tokens", "32"])
+    spec = step_parts.shapes.MODELS["tiny"]
+    tied = {name: row for name, row in result["rows"].items() if name.startswith("tied gradient")}
+    assert len(tied) == 3 and all(row["ms"] > 0 for row in tied.values())
+    elements, rows = spec.vocab_size * spec.hidden_size, 32 * spec.hidden_size
+    assert tied["tied gradient, dense embedding gradient + add (32 ids)"]["bytes"] == 16 * elements + 8 * rows
+    assert tied["tied gradient, add_rows / index_add_ (32 ids)"]["bytes"] == 12 * rows
+    assert not any(name.startswith("tied gradient") for name in step_parts.main(
+        ["--model", "tiny", "--warmup", "0", "--repeats", "1"])["rows"])
+
+
 def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
     tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving

@@ -22,6 +22,10 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   output [--swiglu-tokens, 2 x ffn]: torch.compile's kernels and the Triton kernels at each
   BLOCKxWARPS named, against the 8 passes both need (forward: read gate and up, write the output;
   backward: read gate, up and the output gradient, write both gradients).
+* tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
+  loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
+  embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
+  `tied_gradient.add_rows` (index_add_), the way the model takes.
 
     python tools/benchmark/step_parts.py --model qwen3-1.7b --repeats 10 --compiled \
         --loss-kernels 4096x8,8192x16 --loss-chunk 4096 --swiglu-kernels 1024x4,2048x8
@@ -44,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
-from megatron.core.tensor_parallel import linear_cross_entropy, triton_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel import linear_cross_entropy, tied_gradient, triton_cross_entropy  # noqa: E402
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.compiled_adamw import CompiledAdamW  # noqa: E402
@@ -130,7 +134,32 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
     if args.swiglu_kernels:
         result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
+    if args.tied_tokens:
+        spec = shapes.MODELS[args.model]
+        result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
     return result
+
+
+def tied_gradient_rows(vocab: int, hidden: int, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+    """A tied weight's two gradients summed: the loss's fp32 [vocab, hidden] and the embedding's rows of
+    `tokens` ids (a quarter of them one repeated id, as frequent tokens are). The dense way writes a
+    zeroed [vocab, hidden] tensor and its rows, then reads both and writes the sum (16 bytes an element
+    plus the rows); adding the rows in place reads them and reads and writes their targets."""
+    generator = torch.Generator(device).manual_seed(0)
+    grad = torch.randn(vocab, hidden, device=device, generator=generator)
+    ids = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    ids[: tokens // 4] = ids[0]
+    rows = torch.randn(tokens, hidden, device=device, generator=generator)
+
+    def dense():
+        grad.add_(torch.ops.aten.embedding_dense_backward(rows, ids, vocab, -1, False))
+    in_place = 12 * tokens * hidden
+    return {f"tied gradient, dense embedding gradient + add ({tokens} ids)": (measure(dense), 16 * vocab * hidden
+                                                                             + 8 * tokens * hidden),
+            f"tied gradient, index_put_ accumulate ({tokens} ids)":
+                (measure(lambda: grad.index_put_((ids,), rows, accumulate=True)), in_place),
+            f"tied gradient, add_rows / index_add_ ({tokens} ids)":
+                (measure(lambda: tied_gradient.add_rows(grad, ids, rows)), in_place)}
 
 
 def compiled_adamw_rows(model, measure, count: int) -> Dict[str, tuple]:
@@ -258,6 +287,8 @@ def main(argv=None) -> dict:
                         help="Also time SwiGLU forward+backward: torch.compile's and the Triton kernels with these "
                              "column blocks x warps (e.g. 1024x4,2048x8).")
     parser.add_argument("--swiglu-tokens", type=int, default=8192, help="Tokens of the SwiGLU input timed.")
+    parser.add_argument("--tied-tokens", type=int, default=0,
+                        help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1:
@@ -269,8 +300,8 @@ def main(argv=None) -> dict:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.loss_chunk < 1 or args.swiglu_tokens < 1:
-        parser.error("--loss-chunk and --swiglu-tokens must be >= 1")
+    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or args.tied_tokens < 0:
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)

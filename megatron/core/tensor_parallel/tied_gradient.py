@@ -12,10 +12,12 @@ The embedding's backward always runs after the loss's (the loss reads the decode
 reads the embedding's), and the loss hands its gradient over only when the embedding armed the
 `TiedGradient` (it looked its ids up in the same weight with autograd on); otherwise, or where the
 loss returns its gradient as usual (the full-logits path), autograd adds the two as before.
-The rows are added with `index_put_(accumulate=True)`, which is deterministic on CUDA (a sorted
-segment sum; `index_add_` would use atomics), so runs repeat to the bit; the sum's rounding differs
-from the dense path's (the rows are added to the loss's values one by one, not summed first),
-within fp32 rounding.
+The rows are added with `index_add_`: on CUDA with atomics (0.17 ms at 8192 tokens x 2048 on an
+H200, against 1.5 ms for the dense passes and 1.5 ms for the sorted `index_put_(accumulate=True)`),
+so repeated ids make the sum's last bits vary from run to run, as in any atomics-based kernel;
+under `--deterministic-mode` (torch.use_deterministic_algorithms) torch runs it as the sorted,
+deterministic sum instead. Either way the rounding differs from the dense path's (the rows are added
+to the loss's values one by one, not summed first), within fp32 rounding.
 """
 
 from __future__ import annotations
@@ -54,9 +56,13 @@ class _TiedEmbedding(torch.autograd.Function):
         grad = ctx.tied.take()
         if grad is None:  # the loss made none (it did not need the weight's gradient): the plain one
             grad = grad_output.new_zeros(ctx.weight_shape, dtype=ctx.weight_dtype)
-        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(grad.dtype)
-        grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+        add_rows(grad, ids, grad_output)
         return None, grad, None
+
+
+def add_rows(grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """grad[ids[i]] += grad_output[i] for every looked-up token, in place (repeated ids summed)."""
+    grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, grad_output.shape[-1]).to(grad.dtype))
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
