@@ -163,6 +163,27 @@ def test_eval_without_grad_matches():
     torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("factor", [1.0, 0.5, 3.0])
+def test_the_gradients_are_scaled_only_by_a_factor_other_than_one(factor, monkeypatch):
+    """A unit gradient into the loss sum (the training loop's) skips the [V, h] scaling pass; any
+    other factor (fp16's loss scale) scales both gradients."""
+    from megatron.core.tensor_parallel import linear_cross_entropy as module
+
+    scaled, original = [], module._scale_
+    monkeypatch.setattr(module, "_scale_", lambda *args: scaled.append(args[2].item()) or original(*args))
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(30, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(20, 8, generator=generator, requires_grad=True)
+    targets, weights = torch.randint(0, 20, (30,), generator=generator), torch.rand(30, generator=generator)
+    _, loss_sum = linear_cross_entropy(hidden, weight, targets, weights, chunk_size=7)
+    (loss_sum * factor).backward()
+    expected = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets, reduction="none")
+    reference = torch.autograd.grad((expected * weights).sum() * factor, (hidden, weight))
+    assert scaled == ([] if factor == 1.0 else [factor])
+    for actual, want in zip((hidden.grad, weight.grad), reference):
+        torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6)
+
+
 def test_linear_cross_entropy_rejects_a_second_backward():
     hidden = torch.randn(5, 8, requires_grad=True)
     weight = torch.randn(11, 8, requires_grad=True)

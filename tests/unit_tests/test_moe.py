@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from megatron.core.models.difflm.diffusion import CorruptionKey
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.moe.balancing import finish_router_step
 from megatron.core.transformer.moe.config import MoEConfig, parse_layer_freq
@@ -211,3 +212,21 @@ def test_layer_freq_forms():
     model = GPTModel(cfg)
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers.values()] == ["MLP", "MoELayer", "MoELayer"]
     assert [router.layer_number for router in routers(model)] == [1, 2]
+
+
+def test_an_unnormalized_loss_weights_the_balancing_losses_by_the_normalizer():
+    """compute_loss(normalize=False), the loss sum the trainer backpropagates, gives normalizer times the
+    mean loss's gradients, the routers' balancing terms included (their scale is the normalizer)."""
+    torch.manual_seed(0)
+    model = GPTModel(config(aux_loss_coeff=0.1, z_loss_coeff=0.01), DLMConfig(mask_token_id=63))
+    tokens = torch.randint(0, 60, (2, 8))
+    grads = []
+    for normalize in (True, False):
+        model.zero_grad()
+        key = CorruptionKey.for_batch(0, iteration=1, global_batch_size=2, first_sample_index=0, batch_size=2)
+        out = model.compute_loss(tokens, key=key, normalize=normalize)
+        (out.loss if normalize else out.loss_sum).backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert "router" in " ".join(grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad * out.normalizer, rtol=1e-5, atol=1e-6, msg=name)

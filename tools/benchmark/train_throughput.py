@@ -10,14 +10,12 @@
     python tools/benchmark/train_throughput.py --model olmoe-1b-7b --num-layers 8 --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 10 --warmup 3 --baseline hf --compare-grouped-gemm [--profile DIR]
 
-Our row is the real thing on one device: `GPTModel` built from `TransformerConfig`/`DLMConfig`
-(bf16 autocast over fp32 master weights on CUDA, as pretrain_difflm.py; fp32 on CPU), the
-AdamW of megatron/core/optimizer (fused on GPU), and steps of `compute_loss` (the keyed
-diffusion corruption with 1/p weights normalised by B*L, or the next-token loss), backward,
-gradient clipping, optimizer step and zero-grad, on seeded random tokens. `compute_loss` builds
-the model's input, weights and normalizer with `objective.loss_inputs`, the function
-pretrain_difflm.forward_step trains with, so the step timed is the step trained. The library's
-levers are flags as in pretrain_difflm.py (`--masked-only-loss`, `--torch-compile`, ...).
+Our row is the real thing on one device: `GPTModel` from `TransformerConfig`/`DLMConfig` (bf16
+autocast over fp32 master weights on CUDA, fp32 on CPU), our AdamW (fused on GPU), and the
+trainer's step on seeded random tokens (`training_step`: `compute_loss` builds the input, weights
+and normalizer with `objective.loss_inputs`, as pretrain_difflm.forward_step does, each loss sum is
+backpropagated, the normalizer folded into the clip and the step). The levers are
+pretrain_difflm.py's flags (`--masked-only-loss`, `--torch-compile`, ...).
 
 `--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective (DLMConfig.block_diffusion):
 the model reads [x_t ; x_0], 2L tokens under the block_diffusion mask, FLOPs counted so; tokens/s
@@ -231,31 +229,37 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
                                                        compiled_step=args.compile_optimizer_step,
                                                        **moment_dtypes(args)))
-    batch = args.micro_batch_size
     copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None)
               if args.cache_low_precision_weights and config.bf16 else None)
     info["weight_copies"] = 0 if copies is None else len(copies.pairs)
     if float8_copies:
         info["fp8_linears"] = copies.float8_layers
 
+    return model, optimizer, training_step(model, optimizer, copies, args, dlm.is_diffusion, device), info
+
+
+def training_step(model, optimizer, copies, args: argparse.Namespace, diffusion_mode: bool, device: torch.device):
+    """The trainer's step: --accumulation micro-batches, each backpropagating its loss sum, then one
+    optimizer step with 1 / the step's normalizer folded into the clip and the fused AdamW
+    (loss_normalization.py). (tokens, step index) -> the detached loss."""
     def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
         if copies is not None:  # as the trainer does before each iteration
             copies.refresh()
-        micro_batches = tokens.split(batch)  # --accumulation of them, then one optimizer step
-        for part, micro in enumerate(micro_batches):
-            # The key of a training micro-batch: a new corruption every step, as in training.
-            first = (index * len(micro_batches) + part) * batch
-            key = diffusion.CorruptionKey.for_batch(args.seed, iteration=index, global_batch_size=batch * len(
-                micro_batches), first_sample_index=first, batch_size=batch, device=device)
-            loss = model.compute_loss(micro, key=key if dlm.is_diffusion else None).loss
-            (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()
-        clip_grad_norm(model.parameters(), CLIP_GRAD, optimizer=optimizer)  # the clip folded into a fused step
+        micro_batches, batch = tokens.split(args.micro_batch_size), args.micro_batch_size
+        loss_sum = normalizer = 0.0
+        for part, micro in enumerate(micro_batches):  # a new corruption every step, as in training
+            key = diffusion.CorruptionKey.for_batch(
+                args.seed, iteration=index, global_batch_size=batch * len(micro_batches),
+                first_sample_index=(index * len(micro_batches) + part) * batch, batch_size=batch, device=device)
+            out = model.compute_loss(micro, key=key if diffusion_mode else None, normalize=False)
+            out.loss_sum.backward()
+            loss_sum, normalizer = loss_sum + out.loss_sum.detach(), normalizer + out.normalizer
+        clip_grad_norm(model.parameters(), CLIP_GRAD, scale=1.0 / normalizer, optimizer=optimizer)
         optimizer.step()
         forget_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return model, optimizer, step, info
+        return loss_sum / normalizer
+    return step
 
 
 # ---------------------------------------------------------------------- timing and reporting
@@ -379,8 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=("dlm", "ar"), default="dlm",
                         help="dlm: masked diffusion, bidirectional attention; ar: next-token loss, causal.")
     parser.add_argument("--seq-length", type=int, help="Tokens per sequence (default: 4096; 128 for the tiny ones).")
-    parser.add_argument("--num-layers", type=int,
-                        help="Fewer (or more) layers than the shape has, in both rows, e.g. to fit memory.")
+    parser.add_argument("--num-layers", type=int, help="Fewer (or more) layers than the shape has, in both rows.")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--accumulation", type=int, default=1,
                         help="Micro-batches a step: N forward/backward passes, then one optimizer step.")
@@ -394,8 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="With --torch-compile: torch.compile's mode for the layers (max-autotune-no-cudagraphs "
                              "tunes Triton GEMMs against cuBLAS: minutes of compile; reduce-overhead: CUDA graphs).")
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
-                        help="Our output layer and cross-entropy only at the loss positions, in chunks "
-                             "(DLMConfig.masked_only_loss).")
+                        help="Our output layer and cross-entropy at the loss positions only, in chunks.")
     parser.add_argument("--compile-loss", action="store_true",
                         help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
                              "(DLMConfig.compile_loss).")
@@ -403,8 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="With --compile-loss: the hand-written Triton kernel (the default, where Triton "
                              "runs) or torch.compile's kernel of the same function.")
     parser.add_argument("--loss-chunk-size", type=int, default=DLMConfig.loss_chunk_size,
-                        help="With --masked-only-loss: tokens per chunk of the output layer "
-                             "(--difflm-loss-chunk-size).")
+                        help="With --masked-only-loss: tokens per output-layer chunk (--difflm-loss-chunk-size).")
     parser.add_argument("--compile-optimizer-step", action="store_true",
                         help="Our AdamW step compiled (CompiledAdamW, --compile-optimizer-step) instead of fused.")
     parser.add_argument("--block-diffusion", type=int, metavar="B",
@@ -434,8 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """The fp8 rows, and the storage of our AdamW's moments."""
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid",
-                        help="With --fp8: gradient element type.")
+    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradients' type.")
     parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
     parser.add_argument("--fp8-output-layer", action="store_true",
                         help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "

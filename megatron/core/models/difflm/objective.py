@@ -31,6 +31,7 @@ import torch
 from megatron.core.models.difflm import diffusion
 from megatron.core.models.difflm.batch import VOCAB_FIX, check_id_ranges
 from megatron.core.models.difflm.diffusion import Corruption, CorruptionKey
+from megatron.core.transformer.moe.moe_layer import set_aux_loss_scale
 from megatron.core.transformer.transformer_config import DLMConfig
 
 if TYPE_CHECKING:  # the model calls in here: an import at run time would be a cycle
@@ -141,12 +142,14 @@ def difflm_forward_process(model: "GPTModel", input_ids: torch.Tensor, key: Opti
 def compute_loss(model: "GPTModel", input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
                  loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                  document_ids: Optional[torch.Tensor] = None,
-                 position_ids: Optional[torch.Tensor] = None) -> LossOutput:
+                 position_ids: Optional[torch.Tensor] = None, normalize: bool = True) -> LossOutput:
     """Loss of a clean batch in the model's running mode, corruption included.
 
     DLM modes corrupt `input_ids` with `key` and weight the loss as the DLMConfig says.
     The vanilla mode predicts `labels` (default: the next token of `input_ids`, the last
-    position having no target) wherever `loss_mask` is set.
+    position having no target) wherever `loss_mask` is set. `normalize=False`: the model returns
+    the weighted sum itself (normalizer 1), as the training loop backpropagates it: backpropagate
+    `loss_sum` and fold 1 / normalizer into the step (loss_normalization.py).
     """
     dlm = model.dlm_config
     if dlm.is_diffusion:
@@ -157,10 +160,13 @@ def compute_loss(model: "GPTModel", input_ids: torch.Tensor, key: Optional[Corru
         labels, loss_mask = next_token_labels(input_ids, loss_mask)
     model_input, weights, normalizer, corruption = loss_inputs(input_ids, dlm, key, loss_mask, document_ids,
                                                                clamp_normalizer=True)
+    divisor = normalizer if normalize else 1.0
+    set_aux_loss_scale(model.routers, None if normalize else normalizer)  # MoE balancing: the loss's weight
     if dlm.is_diffusion:
-        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, normalizer,
+        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, divisor,
                                                document_ids, checked=True)
     else:
-        per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, normalizer,
-                                                document_ids)
-    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
+        per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, divisor, document_ids)
+    if normalize:
+        return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
+    return LossOutput(loss / normalizer, loss, normalizer, per_token, corruption)
