@@ -569,6 +569,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         params_dtype=torch.float32, bf16=args.bf16, fp16=args.fp16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion, bias_swiglu_fusion=args.bias_swiglu_fusion,
+        rmsnorm_fusion=args.rmsnorm_fusion,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
         sliding_window=args.sliding_window,

@@ -258,10 +258,16 @@ def test_compile_mode_and_gradient_fusion_flags_reach_our_model(monkeypatch):
 
 
 def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():
-    args = tt.build_parser().parse_args([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16"])
+    args = tt.build_parser().parse_args([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16",
+                                         "--rmsnorm-fusion"])
     tt.validate(args)
     model, optimizer, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
-    assert not model.config.bias_swiglu_fusion
+    assert not model.config.bias_swiglu_fusion and model.config.rmsnorm_fusion
+    from megatron.core.transformer.norms import RMSNorm
+
+    norms = [module for module in model.modules() if isinstance(module, RMSNorm)]
+    per_layer = 4 if tt.MODELS["tiny"].qk_layernorm else 2  # the query and key norms too
+    assert len(norms) == per_layer * model.config.num_layers + 1 and all(norm.fusion for norm in norms)
     assert optimizer.moment_dtypes == {"exp_avg": torch.float32, "exp_avg_sq": torch.bfloat16}
 
 

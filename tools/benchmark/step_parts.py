@@ -22,6 +22,10 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   output [--swiglu-tokens, 2 x ffn]: torch.compile's kernels and the Triton kernels at each
   BLOCKxWARPS named, against the 8 passes both need (forward: read gate and up, write the output;
   backward: read gate, up and the output gradient, write both gradients).
+* RMSNorm (`--rmsnorm-tokens`): a norm's forward and backward over bf16 activations, the hidden
+  norm [tokens, h] and the query norm [tokens, heads, head dim]: torch.compile's kernels and the
+  Triton kernels (triton_rmsnorm.py, where they run), against the 5 passes both need (forward: read
+  the input, write the output; backward: read the input and the gradient, write the input's gradient);
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -53,7 +57,8 @@ from megatron.core.tensor_parallel import linear_cross_entropy, tied_gradient, t
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.compiled_adamw import CompiledAdamW  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
-from megatron.core.transformer import triton_swiglu  # noqa: E402
+from megatron.core.transformer import triton_rmsnorm, triton_swiglu  # noqa: E402
+from megatron.core.transformer.norms import RMSNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
 
 
@@ -134,9 +139,35 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
     if args.swiglu_kernels:
         result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
+    if args.rmsnorm_tokens:
+        result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device, measure))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
+    return result
+
+
+def rmsnorm_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+    """RMSNorm forward + backward, torch.compile's and the Triton kernels', at the hidden and the
+    per-head (query norm) shape; each row moves its bf16 input 5 times."""
+    generator = torch.Generator(device).manual_seed(0)
+    result = {}
+    for label, shape in (("hidden", (tokens, spec.hidden_size)),
+                         ("query heads", (tokens, spec.num_attention_heads, spec.kv_channels))):
+        x = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16)
+        for name, fusion in (("torch.compile", False), ("Triton", True)):
+            if fusion and not triton_rmsnorm.available(x):
+                print("rmsnorm: its Triton kernels do not run here; only torch.compile's rows")
+                continue
+            norm = RMSNorm(shape[-1], fusion=fusion).to(device)
+            run = norm if fusion else torch.compile(norm)  # the ops are the same kernels compiled or not
+
+            def step(run=run, norm=norm, x=x, grad=grad):
+                x.grad = norm.weight.grad = None
+                run(x).backward(grad)
+            result[f"rmsnorm forward+backward, {name} ({label}, {' x '.join(map(str, shape))})"] = (
+                measure(step), 5 * x.numel() * x.element_size())
     return result
 
 
@@ -287,6 +318,8 @@ def main(argv=None) -> dict:
                         help="Also time SwiGLU forward+backward: torch.compile's and the Triton kernels with these "
                              "column blocks x warps (e.g. 1024x4,2048x8).")
     parser.add_argument("--swiglu-tokens", type=int, default=8192, help="Tokens of the SwiGLU input timed.")
+    parser.add_argument("--rmsnorm-tokens", type=int, default=0,
+                        help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
     parser.add_argument("--tied-tokens", type=int, default=0,
                         help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
@@ -300,8 +333,8 @@ def main(argv=None) -> dict:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or args.tied_tokens < 0:
-        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens >= 0")
+    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.rmsnorm_tokens) < 0:
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens and --rmsnorm-tokens >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)

@@ -138,14 +138,13 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "ma
 
 
 def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
-                       recompute: str = "none", grouped_gemm: Optional[bool] = True,
-                       gradient_accumulation_fusion: bool = True, swiglu_fusion: bool = True) -> TransformerConfig:
+                       recompute: str = "none", grouped_gemm: Optional[bool] = True, **fusions) -> TransformerConfig:
     """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
     batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
     `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
     --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config).
-    `gradient_accumulation_fusion`: weight gradients written in fp32 by their GEMM (the default).
-    `swiglu_fusion`: SwiGLU as its Triton kernels where they run (the default)."""
+    `fusions`: TransformerConfig's fusion switches (gradient_accumulation_fusion, bias_swiglu_fusion,
+    rmsnorm_fusion; the config's defaults otherwise)."""
     full = recompute == "full"
     moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
     return TransformerConfig(
@@ -157,8 +156,7 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
         layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
         activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
         params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
-        check_token_ids=False, moe=moe, gradient_accumulation_fusion=gradient_accumulation_fusion,
-        bias_swiglu_fusion=swiglu_fusion)
+        check_token_ids=False, moe=moe, **fusions)
 
 
 def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
@@ -207,7 +205,8 @@ def _compile_mode(args: argparse.Namespace) -> dict:
 def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
-                                args.gradient_accumulation_fusion, args.bias_swiglu_fusion)
+                                gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                                bias_swiglu_fusion=args.bias_swiglu_fusion, rmsnorm_fusion=args.rmsnorm_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
     dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size,
                               fp8_output_layer=args.fp8_format if args.fp8 and args.fp8_output_layer else None)
@@ -422,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "not written in fp32 by their GEMM.")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
+    parser.add_argument("--rmsnorm-fusion", action="store_true", help="Our RMSNorms through their Triton kernels.")
     parser.add_argument("--cache-low-precision-weights", action="store_true",
                         help="Our linear layers read bf16 working copies of their weights, written by the compiled "
                              "optimizer step (or refreshed before each step), instead of casting them each forward.")
@@ -543,7 +543,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
-                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
+                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"), (args.rmsnorm_fusion, " rmsnorm-fusion"),
                       (args.cache_low_precision_weights, " weight-copies"),
                       (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
                       (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),

@@ -146,6 +146,9 @@ class TransformerConfig:
     bias_swiglu_fusion: bool = True
     """SwiGLU's forward and backward as Triton kernels on CUDA (transformer/triton_swiglu.py) instead of
     the tensor math; Megatron's flag name (there is no fc1 bias to fuse when biases are off)."""
+    rmsnorm_fusion: bool = False
+    """RMSNorm's forward and backward as Triton kernels on CUDA (transformer/triton_rmsnorm.py: the
+    input's and the weight's gradients in one pass) instead of the tensor math; off until measured."""
 
     recompute_granularity: Optional[str] = None
     """None, 'selective' (recompute core attention only) or 'full' (whole layers)."""
@@ -217,6 +220,8 @@ class TransformerConfig:
         _check_choice(owner, "activation", self.activation, ACTIVATIONS)
         _check_choice(owner, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice(owner, "qk_layernorm_scope", self.qk_layernorm_scope, QK_LAYERNORM_SCOPES)
+        if self.rmsnorm_fusion and self.normalization != "RMSNorm":
+            raise ValueError(f"{owner}.rmsnorm_fusion needs normalization='RMSNorm'; drop --rmsnorm-fusion")
         if self.qk_layernorm_scope != "head" and not self.qk_layernorm:
             raise ValueError(f"{owner}.qk_layernorm_scope={self.qk_layernorm_scope!r} needs qk_layernorm; "
                              "add --qk-layernorm or drop the scope")
