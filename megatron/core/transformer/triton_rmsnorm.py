@@ -13,7 +13,7 @@ each reading the input and the incoming gradient; the profiles put the weight-gr
 Here each program of the backward walks a band of rows once: it writes their input gradients and
 keeps the band's weight-gradient sum in registers, and the bands' partial sums (a few MB) are added
 at the end. Whether that beats Inductor in a compiled layer, where its norm kernels also take in the
-residual add and RoPE, is measured (`tools/benchmark/step_parts.py --rmsnorm-kernels`), so the layers
+residual add and RoPE, is measured (`tools/benchmark/step_parts.py --rmsnorm-tokens`), so the layers
 use it only with `TransformerConfig.rmsnorm_fusion` (off by default).
 
 The ops are `torch.library.triton_op`s with autograd registered, as SwiGLU's (triton_swiglu.py):
