@@ -29,7 +29,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.transformer.triton_swiglu import HAS_TRITON, _interpreting, available  # noqa: F401
+from megatron.core.transformer.triton_swiglu import HAS_TRITON, interpreting, available  # noqa: F401
 
 TILE = 4096
 """Elements of one tile of rows (rows x the row width rounded up to a power of two)."""
@@ -103,7 +103,7 @@ def _register():
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         if rows:
             grid = (-(-rows // tile_rows),)
-            wrap_triton(_kernels(_interpreting())[0])[grid](x, scale, y, rstd, rows, width, eps,
+            wrap_triton(_kernels(interpreting())[0])[grid](x, scale, y, rstd, rows, width, eps,
                                                             ROWS=tile_rows, COLS=cols)
         return y, rstd
 
@@ -117,7 +117,7 @@ def _register():
         dx = torch.empty_like(x)
         partial = torch.zeros((max(programs, 1), width), dtype=torch.float32, device=x.device)
         if rows:
-            wrap_triton(_kernels(_interpreting())[1])[(programs,)](
+            wrap_triton(_kernels(interpreting())[1])[(programs,)](
                 grad, x, scale, rstd, dx, partial, rows, width, tiles_per_program, ROWS=tile_rows, COLS=cols)
         return dx, partial
 

@@ -34,7 +34,8 @@ BLOCK = 4096
 NUM_WARPS = 8
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs its kernels under the interpreter (TRITON_INTERPRET=1; also read by triton_rmsnorm)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -53,7 +54,7 @@ def available(x: torch.Tensor) -> bool:
         return False
     if x.is_cuda:
         return True
-    return interpreter_allowed and x.device.type == "cpu" and _interpreting()
+    return interpreter_allowed and x.device.type == "cpu" and interpreting()
 
 
 @functools.cache
@@ -103,7 +104,7 @@ def _register():
         width = x.shape[-1] // 2
         out = x.new_empty(x.shape[:-1] + (width,))
         if out.numel():
-            kernel = _kernels(_interpreting())[0]
+            kernel = _kernels(interpreting())[0]
             wrap_triton(kernel)[_grid(x, width)](x, out, width, BLOCK=BLOCK, num_warps=NUM_WARPS)
         return out
 
@@ -112,7 +113,7 @@ def _register():
         width = x.shape[-1] // 2
         dx = torch.empty_like(x)
         if dx.numel():
-            kernel = _kernels(_interpreting())[1]
+            kernel = _kernels(interpreting())[1]
             wrap_triton(kernel)[_grid(x, width)](grad, x, dx, width, BLOCK=BLOCK, num_warps=NUM_WARPS)
         return dx
 
