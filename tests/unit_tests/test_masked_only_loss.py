@@ -164,13 +164,15 @@ def test_eval_without_grad_matches():
 
 
 @pytest.mark.parametrize("factor", [1.0, 0.5, 3.0])
-def test_the_gradients_are_scaled_only_by_a_factor_other_than_one(factor, monkeypatch):
-    """A unit gradient into the loss sum (the training loop's) skips the [V, h] scaling pass; any
-    other factor (fp16's loss scale) scales both gradients."""
-    from megatron.core.tensor_parallel import linear_cross_entropy as module
+def test_the_gradients_are_scaled_by_the_loss_sums_gradient(factor, monkeypatch):
+    """The gradients made in forward are scaled by the loss sum's incoming gradient: left as they are
+    for the training loop's 1 (the [V, h] pass skipped on the device), fp16's loss scale or any other
+    factor scales both."""
+    from megatron.core.tensor_parallel import triton_cross_entropy
 
-    scaled, original = [], module._scale_
-    monkeypatch.setattr(module, "_scale_", lambda *args: scaled.append(args[2].item()) or original(*args))
+    factors, original = [], triton_cross_entropy.scale_unless_one_
+    monkeypatch.setattr(triton_cross_entropy, "scale_unless_one_",
+                        lambda tensor, f: factors.append(float(f)) or original(tensor, f))
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(30, 8, generator=generator, requires_grad=True)
     weight = torch.randn(20, 8, generator=generator, requires_grad=True)
@@ -179,7 +181,7 @@ def test_the_gradients_are_scaled_only_by_a_factor_other_than_one(factor, monkey
     (loss_sum * factor).backward()
     expected = torch.nn.functional.cross_entropy(hidden @ weight.t(), targets, reduction="none")
     reference = torch.autograd.grad((expected * weights).sum() * factor, (hidden, weight))
-    assert scaled == ([] if factor == 1.0 else [factor])
+    assert factors == [factor, factor]  # the hidden and the weight gradient
     for actual, want in zip((hidden.grad, weight.grad), reference):
         torch.testing.assert_close(actual, want, rtol=1e-5, atol=1e-6)
 

@@ -90,3 +90,49 @@ def test_bad_logits_are_refused():
     with pytest.raises(ValueError, match="valid_columns"):
         kernel.softmax_loss_gradient_(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long),
                                       torch.ones(4), 0)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 0.5, 3.0, 0.0])
+def test_scale_unless_one_multiplies_in_place(device, dtype, factor, monkeypatch):
+    """The grid-stride loop covers every element (several steps per program, a ragged last block) and
+    gives the multiply's bits in fp32 (the loss's gradients); a factor of 1 leaves the tensor as it
+    was. (Triton's interpreter rounds to bf16 towards zero, the GPU to nearest: bf16 within an ulp.)"""
+    monkeypatch.setattr(kernel, "SCALE_BLOCK", 16)
+    monkeypatch.setattr(kernel, "SCALE_PROGRAMS", 3)
+    x = torch.randn(7, 31, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    expected = x * torch.tensor(factor, device=device)
+    out = kernel.scale_unless_one_(x, torch.tensor(factor, device=device))
+    assert out is x
+    if dtype == torch.float32 or factor == 1.0:
+        assert torch.equal(x, expected)
+    else:
+        torch.testing.assert_close(x, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_scale_unless_one_never_waits_for_the_device(device, monkeypatch):
+    """The factor is read by the kernel, never by the host: the training loop's backward keeps its
+    launch queue full. On CUDA, torch's sync debug mode raises at any host synchronisation."""
+    x, factor = torch.ones(1000, device=device), torch.tensor(2.0, device=device)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("the factor was read on the host"))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel.scale_unless_one_(x, factor)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(x.cpu(), torch.full((1000,), 2.0))
+
+
+def test_scale_unless_one_without_the_kernel_multiplies_unless_one(monkeypatch):
+    """Where the kernel cannot run (no Triton, or a CPU tensor without the interpreter) the multiply
+    runs, skipped on CPU for a factor of exactly 1."""
+    monkeypatch.setattr(kernel, "_interpreting", lambda: False)
+    x = torch.full((5,), 3.0)
+    kernel.scale_unless_one_(x, torch.tensor(1.0))
+    kernel.scale_unless_one_(x, torch.tensor(0.5))
+    assert torch.equal(x, torch.full((5,), 1.5))

@@ -30,6 +30,8 @@ import torch
 BLOCK = 4096
 """Columns per step of a row's loops: 19 steps over Qwen3's 151,936-entry vocabulary."""
 NUM_WARPS = 8
+SCALE_BLOCK, SCALE_PROGRAMS = 4096, 1024
+"""`scale_unless_one_`'s elements per program and loop step, and its programs (a grid-stride loop)."""
 
 
 def _interpreting() -> bool:
@@ -51,11 +53,12 @@ def available(tensor: torch.Tensor) -> bool:
 
 
 def _kernels():
-    """(the one-rank fused kernel, the row statistics and the gradient of the tensor-parallel pair),
+    """(the one-rank fused kernel, the row statistics and the gradient of the tensor-parallel pair, the
+    scaling of the gradients made in forward),
     imported on first use (triton.jit reads TRITON_INTERPRET then, at the kernels' import)."""
     from megatron.core.tensor_parallel import triton_cross_entropy_kernels as kernels
 
-    return kernels.softmax_loss_gradient, kernels.row_statistics, kernels.logits_gradient
+    return kernels.softmax_loss_gradient, kernels.row_statistics, kernels.logits_gradient, kernels.scale_unless_one
 
 
 def _check_logits(logits: torch.Tensor, valid_columns: int, least: int) -> None:
@@ -105,3 +108,22 @@ def logits_gradient_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Ten
             logits, logits.stride(0), targets.contiguous(), lse.contiguous(), scale.float().contiguous(),
             logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return logits
+
+
+def scale_unless_one_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """tensor *= factor (one element) in place, without a pass over `tensor` when factor is exactly 1.
+
+    On CUDA with Triton one kernel does it: each program reads the factor on the device and returns at
+    once when it is 1, so the host never waits for it (a host read drains the launch queue, and the
+    GPU then idles until the next launches arrive: measured to cost as much as the pass it skipped).
+    On CPU the host reads the factor (no queue to drain there); under Triton's interpreter the kernel
+    runs, as in the tests. On CUDA without Triton the multiply always runs."""
+    if tensor.numel() == 0:
+        return tensor
+    on_kernel = tensor.is_cuda or (_interpreting() and tensor.device.type == "cpu")
+    if _has_triton() and on_kernel and tensor.is_contiguous() and factor.numel() == 1:
+        programs = min(SCALE_PROGRAMS, -(-tensor.numel() // SCALE_BLOCK))
+        _kernels()[3][(programs,)](tensor, factor, tensor.numel(), BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
+    elif tensor.is_cuda or factor.numel() != 1 or factor.item() != 1.0:
+        tensor.mul_(factor)
+    return tensor

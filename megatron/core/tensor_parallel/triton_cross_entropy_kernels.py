@@ -64,3 +64,15 @@ def logits_gradient(logits_ptr, row_stride, targets_ptr, lse_ptr, scale_ptr, col
     row = tl.program_id(0).to(tl.int64)
     write_gradient(logits_ptr + row * row_stride, columns, valid_columns, tl.load(targets_ptr + row),
                    tl.load(lse_ptr + row), tl.load(scale_ptr + row), BLOCK)
+
+
+@triton.jit
+def scale_unless_one(x_ptr, factor_ptr, numel, BLOCK: tl.constexpr):
+    # x *= factor in place, a grid-stride loop; every program returns at once when factor is 1.
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offsets = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, tl.num_programs(0) * BLOCK):
+            index = start + offsets
+            x = tl.load(x_ptr + index, mask=index < numel)
+            tl.store(x_ptr + index, (x.to(tl.float32) * factor).to(x_ptr.dtype.element_ty), mask=index < numel)
