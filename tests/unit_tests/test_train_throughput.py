@@ -414,13 +414,13 @@ def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["dlm", "ar"])
 def test_benchmark_step_backpropagates_the_loss_sum_as_the_trainer(mode, monkeypatch):
-    """Each micro-batch's loss sum is backpropagated (a unit gradient into the chunked loss: no scaling
-    pass) and 1 / the step's normalizer is applied once for the step: the gradients the optimizer
+    """Each micro-batch's loss sum is backpropagated (a unit gradient into the chunked loss, whose
+    scaling kernel then returns at once) and 1 / the step's normalizer is applied once for the step: the gradients the optimizer
     steps with are those of the mean loss over both micro-batches (no clipping, so scale shows)."""
     from megatron.core.tensor_parallel import linear_cross_entropy as lce
 
     scaled, original = [], lce._scale_
-    monkeypatch.setattr(lce, "_scale_", lambda *args: scaled.append(1) or original(*args))
+    monkeypatch.setattr(lce, "_scale_", lambda *args: scaled.append(args[-1].item()) or original(*args))
     monkeypatch.setattr(tt, "CLIP_GRAD", 0.0)
     spec, device = tt.MODELS["tiny"], torch.device("cpu")
     args = tt.build_parser().parse_args([*TINY, "--mode", mode, "--masked-only-loss", "--accumulation", "2"])
@@ -430,7 +430,7 @@ def test_benchmark_step_backpropagates_the_loss_sum_as_the_trainer(mode, monkeyp
     monkeypatch.setattr(optimizer, "step", lambda: seen.extend(p.grad.clone() for p in model.parameters()))
     tokens = tt.random_batches(spec, 1, 2 * args.micro_batch_size, args.seq_length, args.seed, device)[0]
     step(tokens, 3)
-    assert scaled == [] and len(seen) == len(list(model.parameters()))
+    assert scaled == [1.0, 1.0] and len(seen) == len(list(model.parameters()))
     outs = [model.compute_loss(micro, key=tt.diffusion.CorruptionKey.for_batch(
         args.seed, iteration=3, global_batch_size=len(tokens), first_sample_index=3 * len(tokens)
         + part * args.micro_batch_size, batch_size=args.micro_batch_size, device=device) if mode == "dlm" else None)
