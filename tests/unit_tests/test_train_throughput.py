@@ -415,8 +415,9 @@ def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["dlm", "ar"])
 def test_benchmark_step_backpropagates_the_loss_sum_as_the_trainer(mode, monkeypatch):
     """Each micro-batch's loss sum is backpropagated (a unit gradient into the chunked loss, whose
-    scaling kernel then returns at once) and 1 / the step's normalizer is applied once for the step: the gradients the optimizer
-    steps with are those of the mean loss over both micro-batches (no clipping, so scale shows)."""
+    scaling kernel then returns at once) and 1 / the step's normalizer is applied once for the step:
+    the gradients the optimizer steps with are those of the mean loss over both micro-batches (no
+    clipping, so scale shows)."""
     from megatron.core.tensor_parallel import linear_cross_entropy as lce
 
     scaled, original = [], lce._scale_

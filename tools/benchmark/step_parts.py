@@ -25,7 +25,9 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * RMSNorm (`--rmsnorm-tokens`): a norm's forward and backward over bf16 activations, the hidden
   norm [tokens, h] and the query norm [tokens, heads, head dim]: torch.compile's kernels and the
   Triton kernels (triton_rmsnorm.py, where they run), against the 5 passes both need (forward: read
-  the input, write the output; backward: read the input and the gradient, write the input's gradient);
+  the input, write the output; backward: read the input and the gradient, write the input's gradient).
+  On CUDA these rows are kernel time from the profiler: one call's GPU work (tens of microseconds)
+  is shorter than its Python and autograd overhead, which the events would time instead;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -50,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import kernel_breakdown  # noqa: E402
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
 from megatron.core.tensor_parallel import linear_cross_entropy, tied_gradient, triton_cross_entropy  # noqa: E402
@@ -92,6 +95,21 @@ def timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable
                 function()
                 times.append((time.perf_counter() - begin) * 1e3)
         return statistics.median(times)
+
+    return measure
+
+
+def kernel_timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable[[], None]], float]:
+    """The milliseconds of GPU kernels a call (the profiler's sum over `repeats` calls, divided), for
+    parts whose GPU work is shorter than the host's launching of it; wall time on CPU."""
+    if device.type != "cuda":
+        return timer(device, warmup, repeats)
+
+    def measure(function: Callable[[], None]) -> float:
+        for _ in range(max(warmup, 1)):
+            function()
+        profile = kernel_breakdown.profile_steps(lambda batch, index: function(), [None] * repeats, 0, device)
+        return profile["total_ms_per_step"]
 
     return measure
 
@@ -140,7 +158,8 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     if args.swiglu_kernels:
         result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
     if args.rmsnorm_tokens:
-        result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device, measure))
+        result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device,
+                                   kernel_timer(device, args.warmup, args.repeats)))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
