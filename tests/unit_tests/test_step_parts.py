@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
 import step_parts  # noqa: E402
 
+from megatron.core import triton_support  # noqa: E402
+
 
 def test_rows_count_the_bytes_of_the_real_parameter_set(tmp_path, capsys):
     out = tmp_path / "parts.json"
@@ -90,7 +92,7 @@ def test_swiglu_rows_time_both_implementations(monkeypatch):
     """SwiGLU's rows: torch.compile's kernels and, where the Triton kernels run (under the interpreter on
     CPU, when a test allows it), each configuration named (restored afterwards), each moving 8 passes."""
     kernel = step_parts.triton_swiglu
-    monkeypatch.setattr(kernel, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     default = (kernel.BLOCK, kernel.NUM_WARPS)
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
                               "--swiglu-kernels", "64x4,128x8", "--swiglu-tokens", "5"])
@@ -123,7 +125,7 @@ def test_bad_repeats_is_a_usage_error(capsys):
 def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
     """RMSNorm's rows: torch.compile's kernels and, where the Triton kernels run (the interpreter on CPU,
     when a test allows it), the hidden and the per-head shape, each moving 5 passes of its bf16 input."""
-    monkeypatch.setattr(step_parts.triton_swiglu, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--rmsnorm-tokens", "6"])
     spec = step_parts.shapes.MODELS["tiny"]
     names = [name for name in result["rows"] if name.startswith("rmsnorm")]

@@ -10,6 +10,7 @@ import torch
 
 from megatron.core.tensor_parallel import linear_cross_entropy as lce
 from megatron.core.tensor_parallel import triton_cross_entropy as kernel
+from megatron.core import triton_support
 
 # Where there is a GPU, tests/conftest.py leaves the interpreter off and the CUDA cases run the kernel.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -131,7 +132,7 @@ def test_scale_unless_one_never_waits_for_the_device(device, monkeypatch):
 def test_scale_unless_one_without_the_kernel_multiplies_unless_one(monkeypatch):
     """Where the kernel cannot run (no Triton, or a CPU tensor without the interpreter) the multiply
     runs, skipped on CPU for a factor of exactly 1."""
-    monkeypatch.setattr(kernel, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
     x = torch.full((5,), 3.0)
     kernel.scale_unless_one_(x, torch.tensor(1.0))
     kernel.scale_unless_one_(x, torch.tensor(0.5))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.core.transformer import triton_rmsnorm as kernel
-from megatron.core.transformer import triton_swiglu
+from megatron.core import triton_support
 from megatron.core.transformer.norms import RMSNorm, build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_triton_swiglu import CUDA, DEVICES  # the interpreter on CPU, the kernels on CUDA
@@ -17,7 +17,7 @@ def device(request, monkeypatch):
     # small tiles and few programs: several tiles a band, a ragged last tile and band
     monkeypatch.setattr(kernel, "TILE", 512)
     monkeypatch.setattr(kernel, "PROGRAMS", 3)
-    monkeypatch.setattr(triton_swiglu, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     return torch.device(request.param)
 
 

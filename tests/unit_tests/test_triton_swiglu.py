@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core import triton_support
 from megatron.core.transformer import triton_swiglu as kernel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,7 +28,7 @@ DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
 def device(request, monkeypatch):
     # on CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)
     monkeypatch.setattr(kernel, "BLOCK", 64)  # several programs per row, and a ragged last one
-    monkeypatch.setattr(kernel, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     return torch.device(request.param)
 
 

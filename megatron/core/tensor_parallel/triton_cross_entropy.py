@@ -21,11 +21,9 @@ or on CPU under Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run 
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
-
 import torch
+
+from megatron.core.triton_support import runs_on
 
 BLOCK = 4096
 """Columns per step of a row's loops: 19 steps over Qwen3's 151,936-entry vocabulary."""
@@ -34,22 +32,10 @@ SCALE_BLOCK, SCALE_PROGRAMS = 4096, 1024
 """`scale_unless_one_`'s elements per program and loop step, and its programs (a grid-stride loop)."""
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _has_triton() -> bool:
-    """Looked up once: the loss asks for every chunk."""
-    return importlib.util.find_spec("triton") is not None
-
-
 def available(tensor: torch.Tensor) -> bool:
     """True where the kernel can run on `tensor`: bf16/fp16 logits on CUDA with Triton installed, or on
     CPU under Triton's interpreter."""
-    if tensor.dtype not in (torch.bfloat16, torch.float16) or not _has_triton():
-        return False
-    return tensor.is_cuda or (_interpreting() and tensor.device.type == "cpu")
+    return tensor.dtype in (torch.bfloat16, torch.float16) and runs_on(tensor, in_compiled_layers=False)
 
 
 def _kernels():
@@ -120,8 +106,7 @@ def scale_unless_one_(tensor: torch.Tensor, factor: torch.Tensor) -> torch.Tenso
     runs, as in the tests. On CUDA without Triton the multiply always runs."""
     if tensor.numel() == 0:
         return tensor
-    on_kernel = tensor.is_cuda or (_interpreting() and tensor.device.type == "cpu")
-    if _has_triton() and on_kernel and tensor.is_contiguous() and factor.numel() == 1:
+    if runs_on(tensor, in_compiled_layers=False) and tensor.is_contiguous() and factor.numel() == 1:
         programs = min(SCALE_PROGRAMS, -(-tensor.numel() // SCALE_BLOCK))
         _kernels()[3][(programs,)](tensor, factor, tensor.numel(), BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
     elif tensor.is_cuda or factor.numel() != 1 or factor.item() != 1.0:

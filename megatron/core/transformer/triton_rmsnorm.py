@@ -29,12 +29,17 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.transformer.triton_swiglu import HAS_TRITON, interpreting, available  # noqa: F401
+from megatron.core.triton_support import HAS_TRITON, interpreting, runs_on
 
 TILE = 4096
 """Elements of one tile of rows (rows x the row width rounded up to a power of two)."""
 PROGRAMS = 512
 """Programs of the backward, each a band of rows: more parallelism, against more partial sums."""
+
+
+def available(x: torch.Tensor) -> bool:
+    """True where the kernels can run on `x` (as SwiGLU's: CUDA, or the interpreter where a test allows it)."""
+    return x.is_floating_point() and runs_on(x, in_compiled_layers=True)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -17,44 +17,27 @@ process's start that never runs them), or when a CUDA model that will use them i
 the package imports without Triton; `available(x)` says whether the kernels can run on `x`
 (CUDA with Triton installed). The MLP uses them when `TransformerConfig.bias_swiglu_fusion`
 is on (Megatron's default; `--no-bias-swiglu-fusion` turns it off) and runs the plain tensor
-math everywhere else. Tests run them on CPU under Triton's interpreter (`interpreter_allowed`).
+math everywhere else. Tests run them on CPU under Triton's interpreter (`triton_support.interpreter_allowed`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 
 import torch
 from torch.library import triton_op, wrap_triton
+
+from megatron.core.triton_support import HAS_TRITON, interpreting, runs_on
 
 BLOCK = 4096
 """Columns of one row per program."""
 NUM_WARPS = 8
 
 
-def interpreting() -> bool:
-    """Whether Triton runs its kernels under the interpreter (TRITON_INTERPRET=1; also read by triton_rmsnorm)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-interpreter_allowed = False
-"""Set by tests: lets `available` accept CPU tensors under TRITON_INTERPRET=1. Off by default, because
-a CPU model under torch.compile would hand the kernels to Inductor's CPU backend, which cannot run them."""
-
-
 def available(x: torch.Tensor) -> bool:
     """True where the kernels can run on `x`: a floating tensor on CUDA with Triton installed (or on
-    CPU under the interpreter, where a test allows it)."""
-    if not HAS_TRITON or not x.is_floating_point():
-        return False
-    if x.is_cuda:
-        return True
-    return interpreter_allowed and x.device.type == "cpu" and interpreting()
+    CPU under the interpreter, where a test allows it: `triton_support.interpreter_allowed`)."""
+    return x.is_floating_point() and runs_on(x, in_compiled_layers=True)
 
 
 @functools.cache

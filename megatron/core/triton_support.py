@@ -1,0 +1,35 @@
+"""Where the project's Triton kernels can run: the one gate the loss, SwiGLU and RMSNorm kernels read.
+
+A kernel runs on CUDA tensors wherever Triton is installed, and on CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, which the tests set). Kernels inside compiled layers (SwiGLU, RMSNorm)
+take CPU tensors only where a test allows it (`interpreter_allowed`): a CPU model under torch.compile
+would hand them to Inductor's CPU backend, which cannot run them. Kernels called eagerly (the loss's)
+use the interpreter whenever it is on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+interpreter_allowed = False
+"""Set by tests: lets the compiled layers' kernels accept CPU tensors under the interpreter."""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (read when a kernel is first jitted)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(tensor: torch.Tensor, in_compiled_layers: bool) -> bool:
+    """Whether a Triton kernel can run on `tensor` here (see the module's docstring)."""
+    if not HAS_TRITON:
+        return False
+    if tensor.is_cuda:
+        return True
+    allowed = interpreter_allowed or not in_compiled_layers
+    return allowed and tensor.device.type == "cpu" and interpreting()
