@@ -72,7 +72,7 @@ from megatron.core.models.difflm import diffusion  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
                                               forget_gradient_scale)
-from megatron.core.tensor_parallel import linear_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
 from megatron.core.tensor_parallel.weight_copies import attach_weight_copies  # noqa: E402
 from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
@@ -129,8 +129,7 @@ MODELS: Dict[str, ModelSpec] = {
                              moe=moe_models.OLMOE_1B_7B),
     # Its routing in miniature: 8 experts of ffn 32, top-2 (CPU tests, seconds).
     "olmoe-tiny": ModelSpec("olmoe", 2, 64, 4, 4, 16, 32, 1024, False, 10000.0, 256, default_seq_length=128,
-                            norm_epsilon=1e-5, moe=moe_models.OLMOE_TINY),
-}
+                            norm_epsilon=1e-5, moe=moe_models.OLMOE_TINY)}
 
 
 # ---------------------------------------------------------------------- configuration
@@ -250,8 +249,9 @@ def training_step(model, optimizer, copies, args: argparse.Namespace, diffusion_
             key = diffusion.CorruptionKey.for_batch(
                 args.seed, iteration=index, global_batch_size=batch * len(micro_batches),
                 first_sample_index=(index * len(micro_batches) + part) * batch, batch_size=batch, device=device)
-            out = model.compute_loss(micro, key=key if diffusion_mode else None, normalize=False)
-            out.loss_sum.backward()
+            with fp32_weight_grad.accumulating_into_grad():  # as the schedule in one process
+                out = model.compute_loss(micro, key=key if diffusion_mode else None, normalize=False)
+                out.loss_sum.backward()
             loss_sum, normalizer = loss_sum + out.loss_sum.detach(), normalizer + out.normalizer
         clip_grad_norm(model.parameters(), CLIP_GRAD, scale=1.0 / normalizer, optimizer=optimizer)
         optimizer.step()

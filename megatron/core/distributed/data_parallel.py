@@ -37,7 +37,7 @@ FSDP2's explicit forward prefetch.
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ContextManager, Dict, List, Optional, Tuple
 
@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
+from megatron.core.tensor_parallel.fp32_weight_grad import accumulating_into_grad
 from megatron.core.tensor_parallel.utils import group_size, local_tensor
 
 if TYPE_CHECKING:
@@ -241,14 +242,18 @@ def is_fully_sharded(model: nn.Module) -> bool:
 
 
 def no_sync(model: nn.Module, last_microbatch: bool) -> ContextManager:
-    """Skip the gradient reduction on every micro-batch but the last."""
-    if last_microbatch:
-        return nullcontext()
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    if is_fully_sharded(model):
-        return _fsdp_no_sync(model)
-    return nullcontext()
+    """Skip the gradient reduction on every micro-batch but the last. Also lets the linear layers add
+    their weight gradients into `.grad` in place (`fp32_weight_grad.accumulating_into_grad`) wherever
+    no wrapper's autograd hook needs to see them: in one process or under the schedules' own
+    reductions on every micro-batch, under DDP on its no-sync ones, under FSDP2 never."""
+    ddp, fsdp = isinstance(model, DistributedDataParallel), is_fully_sharded(model)
+    stack = ExitStack()
+    stack.enter_context(accumulating_into_grad(not fsdp and not (ddp and last_microbatch)))
+    if not last_microbatch and ddp:
+        stack.enter_context(model.no_sync())
+    elif not last_microbatch and fsdp:
+        stack.enter_context(_fsdp_no_sync(model))
+    return stack
 
 
 @contextmanager

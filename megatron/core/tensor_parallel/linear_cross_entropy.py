@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel import float8_matmul, triton_cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import _all_reduce
+from megatron.core.tensor_parallel.fp32_weight_grad import matmul_into
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 
@@ -166,21 +167,6 @@ def _vocab_parallel_fused(logits, targets, scale, layout: _Layout):
                                                                         layout.valid_rows)
 
 
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (fp32) = a @ b, or += with `accumulate`; a and b in the compute dtype. On CUDA the GEMM
-    writes or accumulates the fp32 result itself (out_dtype), with no low-precision product and
-    no separate add pass over out (for the [V, h] weight gradient, 1.2 GB of fp32 at Qwen3-1.7B)."""
-    if out.is_cuda and a.dtype != out.dtype:
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-        else:
-            torch.mm(a, b, out_dtype=out.dtype, out=out)
-    elif accumulate:
-        out += a @ b
-    else:
-        out.copy_(a @ b)
-
-
 def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: int, end: int,
                 add_hidden: bool, add_weight: bool, float8=None, fmt: Optional[str] = None) -> None:
     """The chunk's contribution written to (or, with add_*, added to) grad_hidden[start:end] and
@@ -188,12 +174,12 @@ def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: in
     `float8` (the weight's cast) and `fmt` (`_Layout.fp8`)."""
     grad_logits = grad_logits.to(weight.dtype)
     if float8 is None:
-        _matmul_into(grad_hidden[start:end], grad_logits, weight, add_hidden)
+        matmul_into(grad_hidden[start:end], grad_logits, weight, add_hidden)
     elif add_hidden:
         grad_hidden[start:end] += float8_matmul.input_gradient(grad_logits, float8, fmt)
     else:
         grad_hidden[start:end] = float8_matmul.input_gradient(grad_logits, float8, fmt)
-    _matmul_into(grad_weight, grad_logits.t(), hidden, add_weight)
+    matmul_into(grad_weight, grad_logits.t(), hidden, add_weight)
 
 
 def _compute_weight(weight: torch.Tensor, weight_low: Optional[torch.Tensor], layout: _Layout) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""Gradient-accumulation fusion across micro-batches (fp32_weight_grad.accumulating_into_grad): a linear
+layer whose fp32 weight already holds a `.grad` adds the next micro-batch's gradient into it inside the
+GEMM, and autograd gets none for it. The sums equal autograd's to the bit (CPU: the same bf16 product
+added in fp32), in Megatron's default configuration and the Llama style, DLM and AR; a compiled layer
+calls the in-place op on the gradient itself; the schedules enable it only where no wrapper's hook needs
+autograd's gradient."""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core.distributed import data_parallel
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.tensor_parallel import fp32_weight_grad
+from megatron.core.transformer.compilation import compile_transformer_layers
+from tests.unit_tests.test_gpt_model import dlm_config, tiny_config, tokens
+
+STYLES = {"megatron": dict(add_bias_linear=True, normalization="LayerNorm", qk_layernorm=False),
+          "llama": dict(add_bias_linear=False, normalization="RMSNorm", gated_linear_unit=True,
+                        activation="silu", qk_layernorm=True, share_embeddings_and_output_weights=False)}
+MODES = {"dlm": dict(model_running_mode="difflm-noshift"), "ar": dict(model_running_mode="vanilla")}
+MICRO_BATCHES = 3
+
+
+def _model(style: str, mode: str, bf16: bool = True) -> GPTModel:
+    torch.manual_seed(0)
+    return GPTModel(tiny_config(bf16=bf16, **STYLES[style]), dlm_config(**MODES[mode]))
+
+
+def _accumulate(model: GPTModel, in_place: bool) -> dict:
+    with fp32_weight_grad.accumulating_into_grad(in_place):
+        for index in range(MICRO_BATCHES):
+            torch.manual_seed(100 + index)  # the same corruption for both runs
+            model.compute_loss(tokens(seed=index), key=None).loss_sum.backward()
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("style", STYLES)
+def test_micro_batches_add_into_the_gradient_in_place_to_the_bit(style, mode, bf16, monkeypatch):
+    calls, original = [], fp32_weight_grad.accumulate_matmul_
+    monkeypatch.setattr(fp32_weight_grad, "accumulate_matmul_", lambda *args: calls.append(1) or original(*args))
+    reference = _accumulate(_model(style, mode, bf16), in_place=False)
+    assert calls == []  # outside the context autograd sums them
+    model = _model(style, mode, bf16)
+    ours = _accumulate(model, in_place=True)
+    linears = [module for module in model.decoder.modules() if hasattr(module, "fp32_weight_grad")]
+    assert linears and len(calls) == len(linears) * (MICRO_BATCHES - 1)
+    assert reference.keys() == ours.keys()
+    for name in reference:
+        assert torch.equal(ours[name], reference[name]), name
+
+
+def test_a_compiled_layer_adds_into_the_gradient_itself():
+    """Under torch.compile the backward calls the in-place op on the gradient (no copy written back),
+    and the gradients are those of the compiled layers without it."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = []
+    for in_place in (False, True):
+        model = _model("llama", "dlm")
+        compile_transformer_layers(model)
+        compiled.append(run_and_get_code(_accumulate, model, in_place))
+    (reference, reference_code), (ours, code) = compiled
+    assert not any("megadlms.accumulate_matmul_" in source for source in reference_code)
+    assert any("megadlms.accumulate_matmul_" in source for source in code)
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=0, msg=name)
+
+
+def test_a_gradient_it_cannot_add_into_goes_through_autograd():
+    """A weight whose `.grad` is not a contiguous fp32 tensor of its shape gets autograd's sum."""
+    weight = torch.randn(6, 4, requires_grad=True)
+    weight.grad = torch.ones(4, 6).t()  # the right shape, not contiguous
+    x = torch.randn(5, 4)
+    with fp32_weight_grad.accumulating_into_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_weight_grad.linear(x, weight).sum().backward()
+    expected = torch.ones(6, 4) + (torch.ones(5, 6).bfloat16().t() @ x.bfloat16()).float()
+    assert torch.equal(weight.grad, expected)
+
+
+class _Sharded(nn.Module):
+    """Stands for an FSDP2 module: data_parallel recognises one by set_requires_gradient_sync."""
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.sync = sync
+
+
+def _in_place_under_no_sync(model: nn.Module, last: bool) -> bool:
+    with data_parallel.no_sync(model, last_microbatch=last):
+        return fp32_weight_grad._in_place
+
+
+def _bare_ddp() -> nn.parallel.DistributedDataParallel:
+    """A DistributedDataParallel object without a process group: enough for `no_sync`, which checks the
+    type and enters DDP's own no_sync (it only flips require_backward_grad_sync)."""
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    nn.Module.__init__(ddp)
+    ddp.require_backward_grad_sync = True
+    return ddp
+
+
+def test_the_schedules_enable_it_where_no_hook_needs_autograds_gradient():
+    plain = nn.Linear(2, 2)
+    assert _in_place_under_no_sync(plain, last=False) and _in_place_under_no_sync(plain, last=True)
+    assert not _in_place_under_no_sync(_Sharded(), last=False) and not _in_place_under_no_sync(_Sharded(), True)
+    ddp = _bare_ddp()
+    assert _in_place_under_no_sync(ddp, last=False) and not _in_place_under_no_sync(ddp, last=True)
+    with data_parallel.no_sync(ddp, last_microbatch=False):
+        assert not ddp.require_backward_grad_sync  # DDP's own no_sync still entered
+    assert ddp.require_backward_grad_sync and not fp32_weight_grad._in_place  # restored on leaving
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_op_adds_the_fp32_product_in_place(device):
+    """out += a @ b with bf16 operands and an fp32 out: on CUDA the GEMM's own fp32 result (beta = 1),
+    elsewhere the bf16 product cast, as autograd's sum would add; into the same storage."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=generator).bfloat16().to(device) for shape in ((64, 48), (48, 40)))
+    out = torch.randn(64, 40, generator=generator).to(device)
+    before, pointer = out.clone(), out.data_ptr()
+    fp32_weight_grad.accumulate_matmul_(out, a.t().contiguous().t(), b)
+    product = torch.mm(a, b, out_dtype=torch.float32) if device == "cuda" else (a @ b).float()
+    assert out.data_ptr() == pointer
+    torch.testing.assert_close(out, before + product, rtol=1e-6, atol=1e-6)
