@@ -69,6 +69,7 @@ def test_a_compiled_layer_adds_into_the_gradient_itself():
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=0, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
 def test_a_gradient_it_cannot_add_into_goes_through_autograd():
     """A weight whose `.grad` is not a contiguous fp32 tensor of its shape gets autograd's sum."""
     weight = torch.randn(6, 4, requires_grad=True)
