@@ -40,6 +40,7 @@ from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.core.pipeline_parallel.compute_clock import ComputeClock
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
+from megatron.core.tensor_parallel.fp32_weight_grad import accumulating_into_grad
 
 LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 ForwardStep = Callable[[Iterator, nn.Module, int], Tuple[torch.Tensor, LossFunc]]
@@ -159,7 +160,10 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
         if kind == "F":
             received = None if first else links.recv_forward()
             unwrap(chunks[chunk]).set_input_tensor(received)
-            with computing("forward-compute"):
+            # weight gradients added into .grad in place where one exists (fp32_weight_grad); no wrapper
+            # hook reads them under pipelining but FSDP2's
+            in_place = accumulating_into_grad(not is_fully_sharded(chunks[chunk]))
+            with computing("forward-compute"), in_place:
                 output, loss_func = forward_step(iterators[chunk], chunks[chunk], microbatch)
                 if last:
                     loss_sum, normalizer = loss_func(output)

@@ -15,8 +15,8 @@ Across the micro-batches of a step (Megatron's accumulation into `main_grad`): i
 this micro-batch's gradient added by the GEMM itself (`out += a @ b`, cuBLAS's beta = 1), and autograd
 gets no gradient for it (fp32 training too). Autograd would otherwise write a fresh fp32 gradient and
 add it to `.grad` in a pass of its own: 16 bytes a parameter moved instead of 8. The schedules enable
-it wherever no autograd hook has to see the gradient (`data_parallel.no_sync`): one process, or DDP's
-no-sync micro-batches; never under FSDP2.
+it wherever no autograd hook has to see the gradient (`data_parallel.no_sync`, the pipeline schedule's
+forwards): one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2.
 
 On other devices (no `out_dtype` GEMM) the gradient is computed in the compute dtype and cast,
 exactly as autocast does, so CPU runs and tests see the same numbers either way.
