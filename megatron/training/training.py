@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_wei
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers
-from megatron.core.transformer.fp8 import enable_fp8_training
+from megatron.core.transformer.fp8 import enable_fp8_training, float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
@@ -492,6 +492,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
                      + (f", {copies.float8_layers} of them in float8" if args.fp8_format else
                         f" in {str(copies.dtype).replace('torch.', '')}"))
     if args.fp8_format:
+        float8_gemms_on_cpu(runtime.device)
         logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})"
                      + ("; the output layer's logits and input-gradient GEMMs too (tensorwise)"
                         if args.fp8_output_layer else ""))

@@ -54,7 +54,7 @@ def test_fp8_training_converts_the_decoder_and_trains():
                TENSORBOARD_DIR="/tmp/fp8-test-tb", CHECK_ARGS="0")  # the flags' check: test_launch_scripts.py
     result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--fp8-format", "hybrid",
                              "--difflm-masked-only-loss", "--fp8-output-layer"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)  # ~10 s
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("> fp8: 16 linear layers train in float8 (hybrid, tensorwise); the output layer's logits and "
             "input-gradient GEMMs too (tensorwise)") in result.stdout  # 4 layers x 4
@@ -73,3 +73,25 @@ def test_fp8_with_tensor_parallelism_is_refused_before_any_work():
                             timeout=120)
     assert result.returncode == 2
     assert "--fp8-format supports --tensor-model-parallel-size 1" in result.stderr
+
+
+def test_float8_gemms_on_cpu_leave_onednn_only_for_cpu_runs():
+    """oneDNN's float8 matmul is a reference loop on CPUs with AMX tiles (the quickstart's fp8 run took
+    over 10 minutes there): CPU runs turn it off for torch's own kernel, CUDA runs leave it alone."""
+    from megatron.core.transformer.fp8 import float8_gemms_on_cpu
+
+    enabled = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = True
+        float8_gemms_on_cpu(torch.device("cuda", 0))
+        assert torch.backends.mkldnn.enabled
+        float8_gemms_on_cpu(torch.device("cpu"))
+        assert not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
+        a, b = torch.randn(32, 64), torch.randn(48, 64)
+        one = torch.tensor(1.0)
+        product = torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), one, one,
+                                   out_dtype=torch.float32)
+        widened = a.to(torch.float8_e4m3fn).float() @ b.to(torch.float8_e4m3fn).float().t()
+        torch.testing.assert_close(product, widened)
+    finally:
+        torch.backends.mkldnn.enabled = enabled

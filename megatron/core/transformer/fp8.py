@@ -67,6 +67,16 @@ def float8_config(fp8_format: str = "hybrid", recipe: str = "tensorwise"):
     return dataclasses.replace(config, **changes)
 
 
+def float8_gemms_on_cpu(device: torch.device) -> None:
+    """Float8 GEMMs on a CPU (tests, the quickstart) through torch's own `_scaled_mm` kernel, which
+    widens the operands and runs its ordinary GEMM: oneDNN's float8 matmul, which torch takes on CPUs
+    with AMX tiles, is oneDNN's reference loop there (about 1 s for one [1024, 128] x [128, 384]
+    product on a Sapphire Rapids core, 3 ms through torch's kernel, the same bits). This turns oneDNN
+    off for the process, so call it only where float8 GEMMs run on the CPU."""
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        torch.backends.mkldnn.enabled = False
+
+
 def enable_fp8_training(model: nn.Module, fp8_format: str = "hybrid", recipe: str = "tensorwise") -> int:
     """The decoder's linear layers (dims divisible by 16, as fp8 GEMMs need) trained in fp8;
     returns how many were converted."""
