@@ -355,6 +355,18 @@ def test_missing_optional_package_is_named(module, flag, message, capsys, monkey
     assert capsys.readouterr().err.strip() == f"train_throughput.py: error: {message}"
 
 
+def test_float8_copies_on_cuda_need_no_torchao(monkeypatch):
+    """With --cache-low-precision-weights the CUDA run's layers cast and multiply in float8 themselves."""
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    args = tt.build_parser().parse_args(["--model", "tiny", "--fp8", "--cache-low-precision-weights",
+                                         "--device", "cuda"])
+    assert tt.validate(args) is tt.MODELS["tiny"]
+    args.device = "cpu"  # fp32 compute there: torchao's float8 linears
+    with pytest.raises(tt.UsageError, match="--fp8 needs torchao"):
+        tt.validate(args)
+
+
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recompute_reaches_our_model_and_leaves_the_losses_unchanged(recompute):
     spec = tt.MODELS["tiny"]

@@ -482,7 +482,9 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if args.baseline == "hf" and _transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
-    if args.fp8:
+    # float8 weight copies run the layers' own float8 GEMMs (bf16 compute, so CUDA); torchao's otherwise
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if args.fp8 and not (args.cache_low_precision_weights and on_cuda):
         try:
             import torchao.float8  # noqa: F401
         except ImportError:
