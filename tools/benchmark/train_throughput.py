@@ -74,7 +74,8 @@ from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer,
                                               forget_gradient_scale)
 from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
 from megatron.core.tensor_parallel.weight_copies import attach_weight_copies  # noqa: E402
-from megatron.core.transformer.fp8 import FP8_FORMATS, FP8_RECIPES, enable_fp8_training  # noqa: E402
+from megatron.core.transformer.fp8 import (  # noqa: E402
+    FP8_FORMATS, FP8_RECIPES, enable_fp8_training, float8_gemms_on_cpu)
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
@@ -216,6 +217,8 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     model = model.to(device).train()
     # float8 copies: the layers' own float8 GEMMs instead of torchao's (the copies need bf16 compute)
     float8_copies = args.fp8 and args.cache_low_precision_weights and config.bf16
+    if args.fp8:
+        float8_gemms_on_cpu(device)
     info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe)
             if args.fp8 and not float8_copies else 0,
             "compiled_layers": compile_transformer_layers(model, **_compile_mode(args)) if args.torch_compile else 0,
@@ -466,25 +469,19 @@ def validate(args: argparse.Namespace) -> ModelSpec:
         raise UsageError(f"--loss-chunk-size {args.loss_chunk_size} must be at least 1")
     if args.torch_compile_mode != "default" and not args.torch_compile:
         raise UsageError(f"--torch-compile-mode {args.torch_compile_mode} needs --torch-compile")
-    block_error = _block_diffusion_error(args)
-    if block_error:
-        raise UsageError(block_error)
-    moe_error = moe_models.flag_error(args, spec)
-    if moe_error:
-        raise UsageError(moe_error)
-    for flag in ("micro_batch_size", "steps", "accumulation"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup {args.warmup} must be at least 0")
+    for error in (_block_diffusion_error(args), moe_models.flag_error(args, spec)):
+        if error:
+            raise UsageError(error)
+    for flag, least in (("micro_batch_size", 1), ("steps", 1), ("accumulation", 1), ("warmup", 0)):
+        if getattr(args, flag) < least:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least {least}")
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if args.baseline == "hf" and _transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
-    # float8 weight copies run the layers' own float8 GEMMs (bf16 compute, so CUDA); torchao's otherwise
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if args.fp8 and not (args.cache_low_precision_weights and on_cuda):
+    if args.fp8 and not (args.cache_low_precision_weights and on_cuda):  # float8 copies: no torchao (CUDA)
         try:
             import torchao.float8  # noqa: F401
         except ImportError:
