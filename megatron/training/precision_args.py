@@ -22,7 +22,8 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                         "is installed).")
     g.add_argument("--rmsnorm-fusion", action="store_true",
                    help="RMSNorm's forward and backward as Triton kernels (the input's and the weight's gradients "
-                        "in one pass; used on CUDA where Triton is installed) instead of the tensor math.")
+                        "in one pass; used on CUDA where Triton is installed) instead of the tensor math. Under "
+                        "--torch-compile it measured 1.6%% slower (it ends the compiler's fusions across the norm).")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
                    help="Train the transformer layers' linear layers in fp8: e4m3 everywhere, or hybrid (e5m2 output "
                         "gradients). Through torchao's float8 linears, or with --cache-low-precision-weights through "

@@ -13,8 +13,10 @@ each reading the input and the incoming gradient; the profiles put the weight-gr
 Here each program of the backward walks a band of rows once: it writes their input gradients and
 keeps the band's weight-gradient sum in registers, and the bands' partial sums (a few MB) are added
 at the end. Whether that beats Inductor in a compiled layer, where its norm kernels also take in the
-residual add and RoPE, is measured (`tools/benchmark/step_parts.py --rmsnorm-tokens`), so the layers
-use it only with `TransformerConfig.rmsnorm_fusion` (off by default).
+residual add and RoPE, was measured (`tools/benchmark/step_parts.py --rmsnorm-tokens`, then the step):
+alone no faster than Inductor's norm, and 3.1 ms slower in the compiled 1.7B step, where the op ends
+those fusions (docs/performance.md). So the layers use it only with `TransformerConfig.rmsnorm_fusion`
+(off by default).
 
 The ops are `torch.library.triton_op`s with autograd registered, as SwiGLU's (triton_swiglu.py):
 torch.compile traces them into the layer's graph and eager code calls them; they are registered on
