@@ -227,7 +227,10 @@ def test_fp8_output_layer_reaches_the_fp8_row_only(monkeypatch):
     real = output_layer.linear_cross_entropy
     monkeypatch.setattr(output_layer, "linear_cross_entropy",
                         lambda *a, **k: formats.append(k.get("fp8")) or real(*a, **k))
+    devices = []
+    monkeypatch.setattr(tt, "float8_gemms_on_cpu", devices.append)  # a CPU run's float8 GEMMs: torch's kernel
     result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--masked-only-loss", "--fp8-output-layer"])
+    assert devices and all(device.type == "cpu" for device in devices)
     assert ["fp8-output-layer" in row["name"] for row in result["rows"]] == [False, True]
     assert set(formats) == {None, "hybrid"}, "the bf16 row keeps its GEMMs, the fp8 row's output layer is fp8"
 

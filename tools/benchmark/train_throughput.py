@@ -1,9 +1,9 @@
 """Training-step throughput of MegaDLMs, optionally next to a plain Hugging Face step of the same shape.
 
-    python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 \
-        --micro-batch-size 2 --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] \
-        [--masked-only-loss] [--compile-loss] [--recompute {none,selective,full}] [--attention-backend auto]
-        [--num-layers N] [--block-diffusion B] [--profile DIR] [--json OUT]
+    python tools/benchmark/train_throughput.py --model qwen3-1.7b --mode dlm --seq-length 4096 --micro-batch-size 2 \
+        --steps 20 [--warmup 5] [--baseline hf] [--fp8] [--torch-compile] [--masked-only-loss] [--compile-loss] \
+        [--recompute {none,selective,full}] [--attention-backend auto] [--num-layers N] [--block-diffusion B] \
+        [--profile DIR] [--json OUT]
 
     # OLMoE-1B-7B on one H200: ours grouped GEMM, ours per-expert loop, HF. 8 of its 16 layers peak at
     # 72 GB (12: 104 GB); all 6.9B parameters with AdamW need ~110 GB before any activation.
@@ -480,8 +480,7 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if args.baseline == "hf" and _transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
-    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if args.fp8 and not (args.cache_low_precision_weights and on_cuda):  # float8 copies: no torchao (CUDA)
+    if args.fp8 and not (args.cache_low_precision_weights and _device(args).type == "cuda"):  # copies: no torchao
         try:
             import torchao.float8  # noqa: F401
         except ImportError:
@@ -494,15 +493,12 @@ def validate(args: argparse.Namespace) -> ModelSpec:
 def _block_diffusion_error(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with --block-diffusion in this combination, or None."""
     block = args.block_diffusion
-    if block is None:
-        return None
-    if args.mode != "dlm":
+    if block is not None and args.mode != "dlm":
         return f"--block-diffusion needs --mode dlm (got --mode {args.mode})"
-    if block < 1 or args.seq_length % block:
+    if block is not None and (block < 1 or args.seq_length % block):
         return f"--block-diffusion {block} must be a positive divisor of --seq-length {args.seq_length}"
-    if args.baseline == "hf":
-        return "--block-diffusion has no Hugging Face equivalent; drop --baseline hf"
-    return None
+    return ("--block-diffusion has no Hugging Face equivalent; drop --baseline hf"
+            if block is not None and args.baseline == "hf" else None)
 
 
 def ratios(rows: List[dict], baseline: bool, fp8: bool, variants: int) -> dict:
@@ -575,10 +571,14 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     }
 
 
+def _device(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args)
     if device.type == "cuda" and device.index is None:  # the memory-stats calls want an index
         device = torch.device("cuda", torch.cuda.current_device())
     try:
