@@ -1,0 +1,117 @@
+"""The float8 weight gradient added into the fp32 `.grad` by its GEMM: a Triton kernel.
+
+Within `fp32_weight_grad.accumulating_into_grad()` (a step's micro-batches after the first) the bf16
+linear layers add their weight gradient into `.grad` through cuBLAS's beta = 1. `torch._scaled_mm` has
+no beta, so the float8 layers' weight gradient (`float8_matmul.float8_linear`) would leave its GEMM as
+a fresh fp32 tensor that autograd then adds to `.grad` in a pass of its own: 16 bytes a parameter moved
+(write the product; read it and the sum, write the sum) where the GEMM's epilogue needs 8 (read the sum,
+write it). At the `7b-shape` (1.75B decoder linear parameters) that is 14 GB a micro-batch.
+
+`accumulate_float8_matmul_(out, a, b, scale_a, scale_b)` computes `out += (a @ b^T) * scale_a * scale_b`
+with a [M, K] and b [N, K] in float8, both K-major (what the backward has: the output gradient's
+transposed cast and the input's saved transposed copy), out [M, N] fp32 and the two 0-d inverse scales.
+The products are summed in fp32 as cuBLAS does without fast accumulation (what `_scaled_mm` runs for the
+weight gradient): the tensor cores' float8 sums, which keep fewer bits, are promoted into the fp32
+accumulator after every `PROMOTE_EVERY` products of the inner dimension (Triton's
+`max_num_imprecise_acc`). The tile shape is autotuned per (M, N, K) on CUDA, the sum restored between
+trials. Where the kernel cannot run (no Triton, or a CPU tensor outside a test that allows the
+interpreter: `triton_support`), the op adds `_scaled_mm`'s fp32 product, the same sum autograd makes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.core.triton_support import interpreting, runs_on
+
+PROMOTE_EVERY = 128
+"""Products of the inner dimension the tensor cores sum in float8 precision before the fp32 accumulator
+takes them (None: never, the fast accumulation of the forward GEMMs)."""
+TILES = ((128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 4, 4))
+"""The autotuned configurations: BLOCK_M, BLOCK_N, warps, pipeline stages (BLOCK_K 128)."""
+INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+"""The one configuration the interpreter runs (small, so tests cover partial tiles and the grouping)."""
+
+
+@functools.cache
+def _kernel(interpreting: bool):
+    """The jitted kernel (once per interpreter setting: triton.jit reads it)."""
+    del interpreting  # part of the cache key only
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def accumulate(a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                   PROMOTE: tl.constexpr):
+        # tiles in groups of GROUP_M rows, so that consecutive programs share a's and b's tiles in L2
+        pid, tiles_n = tl.program_id(0), tl.cdiv(N, BLOCK_N)
+        first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+        group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+        pid_m = first_m + pid % (GROUP_M * tiles_n) % group_m
+        pid_n = pid % (GROUP_M * tiles_n) // group_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        # a partial tile's rows past M (columns past N) read earlier rows again: loads without masks, and
+        # those sums are never stored
+        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * K + inner[None, :]
+        b_ptrs = b_ptr + (cols % N).to(tl.int64)[None, :] * K + inner[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a, b = tl.load(a_ptrs), tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=inner[None, :] < K - start, other=0.0)
+                b = tl.load(b_ptrs, mask=inner[:, None] < K - start, other=0.0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+        offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(out_ptr + offsets, tl.load(out_ptr + offsets, mask=mask) + acc, mask=mask)
+
+    return accumulate
+
+
+@functools.cache
+def _autotuned():
+    """The kernel autotuned over TILES per (M, N, K); each trial adds into `out`, restored after it."""
+    import triton
+
+    configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, GROUP_M=8), num_warps=warps, num_stages=stages)
+               for m, n, warps, stages in TILES]
+    return triton.autotune(configs, key=["M", "N", "K"], restore_value=["out_ptr"])(_kernel(False))
+
+
+def _launch(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
+    (M, K), N = a.shape, b.shape[0]
+
+    def grid(meta):
+        return (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)
+    if interpreting():
+        tile = INTERPRETER_TILE
+        promote = None if PROMOTE_EVERY is None else min(PROMOTE_EVERY, tile["BLOCK_K"])
+        _kernel(True)[grid(tile)](a, b, out, scale_a, scale_b, M, N, K, EVEN_K=K % tile["BLOCK_K"] == 0,
+                                  PROMOTE=promote, **tile)
+    else:  # every configuration's BLOCK_K is 128
+        _autotuned()[grid](a, b, out, scale_a, scale_b, M, N, K, EVEN_K=K % 128 == 0, PROMOTE=PROMOTE_EVERY)
+
+
+def kernel_runs_on(out: torch.Tensor) -> bool:
+    """Whether the op runs the Triton kernel on `out` (else `_scaled_mm` and an add)."""
+    return runs_on(out, in_compiled_layers=True)  # the backward of a compiled layer calls it
+
+
+@torch.library.custom_op("megadlms::accumulate_float8_matmul_", mutates_args=("out",))
+def accumulate_float8_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                              scale_b: torch.Tensor) -> None:
+    """out (fp32 [M, N]) += (a [M, K] @ b [N, K]^T) * scale_a * scale_b, a and b float8 and contiguous: in
+    the GEMM's epilogue where the kernel runs (see the module), else `_scaled_mm`'s fp32 product added."""
+    if kernel_runs_on(out):
+        _launch(out, a, b, scale_a, scale_b)
+    else:
+        out += torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
