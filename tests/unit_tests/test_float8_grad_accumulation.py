@@ -124,3 +124,55 @@ def test_a_compiled_layer_adds_into_the_gradient_itself():
     assert any(re.search(r"megadlms\.accumulate_float8_matmul_\.default\(primals_\d+,", source) for source in code)
     for name in reference:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_the_op_keeps_the_faster_way_for_each_shape(kernel_faster, monkeypatch):
+    """The first call of a shape times both ways (a stand-in timer here: the kernel 1 ms, cuBLAS's GEMM and
+    the add 2 ms, or the other way round), keeps the faster without leaving either's sum in `out`, and does
+    not time the shape again."""
+    import triton.testing
+
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_float8_matmul, "CHOICES", {})
+    timed = []
+
+    def fake_bench(function, return_mode):
+        function()  # each way adds into `out`: the op must restore it
+        timed.append(1)
+        return (1.0 if kernel_faster else 3.0) if len(timed) % 2 else 2.0
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    out, a, b, scales = _operands(32, 48, 64, "cpu")
+    before = out.clone()
+    for _ in range(2):
+        assert triton_float8_matmul._kernel_wins(out, a, b, *scales) is kernel_faster
+        assert torch.equal(out, before)
+    assert len(timed) == 2 and list(triton_float8_matmul.CHOICES) == [(32, 48, 64, None)]
+
+
+@CUDA
+def test_deterministic_mode_adds_through_cublas():
+    out, a, b, scales = _operands(256, 384, 1024, "cuda")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not triton_float8_matmul.uses_kernel(out, a, b, *scales)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert triton_float8_matmul.kernel_runs_on(out)
+
+
+def test_a_kernel_that_does_not_build_leaves_cublas_with_a_warning(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    monkeypatch.setattr(triton_float8_matmul, "CHOICES", {})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda function, return_mode: function() or 1.0)
+
+    def broken(*args):
+        raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(triton_float8_matmul, "_launch", broken)
+    out, a, b, scales = _operands(32, 48, 64, "cpu")
+    before = out.clone()
+    with pytest.warns(UserWarning, match="kernel did not run .* adding cuBLAS's product instead"):
+        assert not triton_float8_matmul._kernel_wins(out, a, b, *scales)
+    assert torch.equal(out, before)

@@ -26,6 +26,7 @@ def test_every_way_computes_the_product_and_the_totals_add_up(tmp_path, monkeypa
     assert list(result["rows"]) == [f"weight {i} {shape}, {way}" for i, shape in enumerate(("64x32", "48x96"))
                                     for way in ways]
     assert all(row["error"] < 1e-5 and row["ms"] > 0 for row in result["rows"].values())  # each way's product
+    assert {row["op_takes"] for row in result["rows"].values()} == {"kernel"}  # the interpreter's: always
     for way in ways:
         assert result["micro_batch_ms"][way] == pytest.approx(sum(
             row["ms"] for name, row in result["rows"].items() if name.endswith(", " + way)))

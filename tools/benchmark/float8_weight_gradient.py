@@ -8,6 +8,8 @@ Rows, per linear weight [out, in] (query/key/value, attention output, fc1, fc2) 
 * kernel: triton_float8_matmul's GEMM adding into `.grad` in its epilogue, promoting its float8 sums
   into fp32 every PROMOTE_EVERY products (the layers' way now; its autotuned tile is printed);
 * kernel, fast accumulation (`--fast-accumulation`): the same without the promotion.
+and which way the layers' op keeps for the shape (it times the kernel against scaled_mm + add when it
+first meets one).
 Each row: the median ms of `--repeats` after `--warmup` (CUDA events; wall clock on CPU), TFLOP/s, and
 the largest error of the first `--check-rows` rows of the sum against fp64, relative to their largest
 value. The table ends with the model's total a micro-batch (every layer's four weights): the kernel's
@@ -67,9 +69,10 @@ def _ways(args, kernel: bool) -> List[Tuple[str, object]]:
     def kernel_with(promote):
         def run(out, grad, x, scales):
             triton_float8_matmul.PROMOTE_EVERY = promote
-            triton_float8_matmul.accumulate_float8_matmul_(out, grad, x, *scales)
+            triton_float8_matmul._launch(out, grad, x, *scales)
         return run
-    ways = [("scaled_mm", scaled_mm), ("scaled_mm + add", lambda out, *rest: out.add_(scaled_mm(out, *rest)))]
+    ways = [("scaled_mm", scaled_mm), ("scaled_mm + add", lambda out, grad, x, scales:
+                                       triton_float8_matmul._cublas(out, grad, x, *scales))]
     if kernel:
         ways.append((f"kernel, promoting every {triton_float8_matmul.PROMOTE_EVERY}",
                      kernel_with(triton_float8_matmul.PROMOTE_EVERY)))
@@ -94,6 +97,9 @@ def measure_shape(name: str, shape: Tuple[int, int], args, device: torch.device)
                                                                  tile=str(tile))
     finally:
         triton_float8_matmul.PROMOTE_EVERY = default
+    takes = "kernel" if triton_float8_matmul.uses_kernel(out, grad, x, *scales) else "scaled_mm + add"
+    for row in rows.values():
+        row["op_takes"] = takes  # the way the layers' op keeps for the shape (timed on its first call)
     return rows
 
 
@@ -125,9 +131,10 @@ def main(argv=None) -> dict:
     layers = 1 if args.shapes else spec.num_layers
     print(f"{'--shapes ' + args.shapes if args.shapes else args.model}, {args.tokens} tokens "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__})")
-    print("| weight, way | ms | TFLOP/s | error / amax | tile |\n|---|---|---|---|---|")
+    print("| weight, way | ms | TFLOP/s | error / amax | tile | the op takes |\n|---|---|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['ms']:.3f} | {row['tflops']:.1f} | {row['error']:.1e} | {row['tile']} |")
+        print(f"| {name} | {row['ms']:.3f} | {row['tflops']:.1f} | {row['error']:.1e} | {row['tile']} | "
+              f"{row['op_takes']} |")
     totals = {}
     for name, row in rows.items():
         way = name.split(", ", 1)[1]

@@ -14,13 +14,18 @@ The products are summed in fp32 as cuBLAS does without fast accumulation (what `
 weight gradient): the tensor cores' float8 sums, which keep fewer bits, are promoted into the fp32
 accumulator after every `PROMOTE_EVERY` products of the inner dimension (Triton's
 `max_num_imprecise_acc`). The tile shape is autotuned per (M, N, K) on CUDA, the sum restored between
-trials. Where the kernel cannot run (no Triton, or a CPU tensor outside a test that allows the
-interpreter: `triton_support`), the op adds `_scaled_mm`'s fp32 product, the same sum autograd makes.
+trials. The kernel's gain is the add's memory traffic, which a GEMM slower than cuBLAS's can lose, so
+on CUDA the op times both ways when it first meets a shape and keeps the faster (`uses_kernel`). Where
+the kernel does not run (no Triton; a CPU tensor outside a test that allows the interpreter, see
+`triton_support`; the slower way; deterministic mode) the op adds `_scaled_mm`'s fp32 product, the same
+sum autograd makes.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+from typing import Dict, Tuple
 
 import torch
 
@@ -79,12 +84,12 @@ def _kernel(interpreting: bool):
 
 @functools.cache
 def _autotuned():
-    """The kernel autotuned over TILES per (M, N, K); each trial adds into `out`, restored after it."""
+    """The kernel autotuned over TILES per (M, N, K, promotion); each trial adds into `out`, restored after it."""
     import triton
 
     configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, GROUP_M=8), num_warps=warps, num_stages=stages)
                for m, n, warps, stages in TILES]
-    return triton.autotune(configs, key=["M", "N", "K"], restore_value=["out_ptr"])(_kernel(False))
+    return triton.autotune(configs, key=["M", "N", "K", "PROMOTE"], restore_value=["out_ptr"])(_kernel(False))
 
 
 def _launch(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
@@ -102,16 +107,55 @@ def _launch(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.
 
 
 def kernel_runs_on(out: torch.Tensor) -> bool:
-    """Whether the op runs the Triton kernel on `out` (else `_scaled_mm` and an add)."""
+    """Whether the Triton kernel can run on `out` (else the op adds `_scaled_mm`'s product)."""
     return runs_on(out, in_compiled_layers=True)  # the backward of a compiled layer calls it
+
+
+def _cublas(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
+    out += torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+
+
+CHOICES: Dict[Tuple[int, int, int, int], bool] = {}
+"""(M, N, K, CUDA device) -> whether the kernel beat `_scaled_mm` + add when the op first met the shape."""
+
+
+def _kernel_wins(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                 scale_b: torch.Tensor) -> bool:
+    """On the first call of a shape, times the kernel (autotuned) against cuBLAS's GEMM and the add, and
+    keeps the faster: the kernel's gain is the add's memory traffic, which a slower GEMM can lose."""
+    key = (a.shape[0], b.shape[0], a.shape[1], out.device.index)
+    if key not in CHOICES:
+        from triton.testing import do_bench
+
+        saved = out.clone()
+        try:
+            kernel_ms = do_bench(lambda: _launch(out, a, b, scale_a, scale_b), return_mode="median")
+        except Exception as error:  # a Triton that cannot build it: cuBLAS's way, said once a shape
+            warnings.warn(f"the float8 weight-gradient kernel did not run for {key[:3]} ({type(error).__name__}: "
+                          f"{error}); adding cuBLAS's product instead")
+            kernel_ms = float("inf")
+        cublas_ms = do_bench(lambda: _cublas(out, a, b, scale_a, scale_b), return_mode="median")
+        out.copy_(saved)
+        CHOICES[key] = kernel_ms < cublas_ms
+    return CHOICES[key]
+
+
+def uses_kernel(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                scale_b: torch.Tensor) -> bool:
+    """Whether the op adds through the kernel: where it runs and, on CUDA, where it was the faster way
+    for the shape (never under torch.use_deterministic_algorithms: which way wins can differ between
+    runs, and the two ways round differently). Under Triton's interpreter (tests) always."""
+    if not (kernel_runs_on(out) and out.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
+        return False
+    if not out.is_cuda:
+        return True
+    return not torch.are_deterministic_algorithms_enabled() and _kernel_wins(out, a, b, scale_a, scale_b)
 
 
 @torch.library.custom_op("megadlms::accumulate_float8_matmul_", mutates_args=("out",))
 def accumulate_float8_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                               scale_b: torch.Tensor) -> None:
-    """out (fp32 [M, N]) += (a [M, K] @ b [N, K]^T) * scale_a * scale_b, a and b float8 and contiguous: in
-    the GEMM's epilogue where the kernel runs (see the module), else `_scaled_mm`'s fp32 product added."""
-    if kernel_runs_on(out):
-        _launch(out, a, b, scale_a, scale_b)
-    else:
-        out += torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    """out (fp32 [M, N]) += (a [M, K] @ b [N, K]^T) * scale_a * scale_b, a and b float8: in
+    the GEMM's epilogue where the kernel runs and wins (`uses_kernel`), else `_scaled_mm`'s fp32 product
+    added."""
+    (_launch if uses_kernel(out, a, b, scale_a, scale_b) else _cublas)(out, a, b, scale_a, scale_b)
