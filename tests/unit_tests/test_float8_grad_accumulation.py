@@ -176,3 +176,15 @@ def test_a_kernel_that_does_not_build_leaves_cublas_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="kernel did not run .* adding cuBLAS's product instead"):
         assert not triton_float8_matmul._kernel_wins(out, a, b, *scales)
     assert torch.equal(out, before)
+
+
+def test_operands_a_descriptor_cannot_read_go_through_cublas(monkeypatch):
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    out, a, b, scales = _operands(32, 48, 64, "cpu")
+    assert triton_float8_matmul.uses_kernel(out, a, b, *scales)
+    strided = torch.empty(48, 128, dtype=b.dtype)[:, :64]
+    strided.copy_(b)
+    assert not triton_float8_matmul.uses_kernel(out, a, strided, *scales)  # rows not contiguous
+    expected = _exact(out, a, b, scales)
+    triton_float8_matmul.accumulate_float8_matmul_(out, a, strided, *scales)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-4)

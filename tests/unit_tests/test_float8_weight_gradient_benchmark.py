@@ -45,3 +45,21 @@ def test_bad_flags_are_one_line(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         float8_weight_gradient.main(flags)
     assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_the_kernel_builds_for_the_h100_and_h200_in_every_configuration():
+    """Triton's compiler and its ptxas, no GPU: every autotuned tile, with and without the promotion,
+    builds for sm_90 (a kernel that only fails on the GPU machine would cost its scarce time). In a fresh
+    process: triton.jit reads TRITON_INTERPRET, which the tests set, when the kernel is made."""
+    import os
+    import subprocess
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = ROOT / "tools" / "benchmark" / "float8_weight_gradient.py"
+    run = subprocess.run([sys.executable, str(script), "--build-report", "90"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ") and "x" in line]
+    assert len(rows) == 2 * len(triton_float8_matmul.TILES)
+    for tile, promotion, shared, registers, spilled in rows:
+        assert promotion.strip() in ("128", "None") and int(shared) > 0 and 0 < int(registers) <= 255, tile

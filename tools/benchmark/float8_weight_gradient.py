@@ -16,6 +16,7 @@ value. The table ends with the model's total a micro-batch (every layer's four w
 time against scaled_mm + add's is what it saves a micro-batch after the first.
 
     python tools/benchmark/float8_weight_gradient.py --model 7b-shape --tokens 8192 --fast-accumulation
+    python tools/benchmark/float8_weight_gradient.py --build-report 90     # any machine: the kernel's build
 """
 
 from __future__ import annotations
@@ -103,6 +104,43 @@ def measure_shape(name: str, shape: Tuple[int, int], args, device: torch.device)
     return rows
 
 
+def build_report(capability: int = 90) -> List[dict]:
+    """Each autotuned configuration of the kernel built for the card (no GPU needed: Triton's compiler
+    and its bundled ptxas and cuobjdump): shared memory, registers a thread and bytes spilled to the
+    stack, with and without the promotion. Triton's internal compile API, so a newer Triton may need
+    this function changed; the kernel's own launch does not depend on it."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    kernel, rows = triton_float8_matmul._kernel(False), []
+    for promote in (triton_float8_matmul.PROMOTE_EVERY, None):
+        for block_m, block_n, warps, stages in triton_float8_matmul.TILES:
+            constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, PROMOTE=promote)
+            signature = {"a_desc": f"tensordesc<fp8e5[{block_m}, 128]>",
+                         "b_desc": f"tensordesc<fp8e4nv[{block_n}, 128]>", "out_ptr": "*fp32", "scale_a_ptr": "*fp32",
+                         "scale_b_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                         **{name: "constexpr" for name in constexprs}}
+            divisible = {(index,): [["tt.divisibility", 16]] for index in range(2, 8)}  # as a launch specialises
+            source = triton.compiler.ASTSource(kernel, signature, constexprs, divisible)
+            built = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                                   options=dict(num_warps=warps, num_stages=stages))
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(built.asm["cubin"])
+                cubin.flush()
+                usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                                       capture_output=True, text=True, check=True).stdout
+            registers, stack = (re.search(rf"{key}:(\d+)", usage) for key in ("REG", "STACK"))
+            rows.append(dict(tile=f"{block_m}x{block_n}, {warps} warps, {stages} stages", promote=promote,
+                             shared=built.metadata.shared, registers=int(registers.group(1)),
+                             spilled=int(stack.group(1))))
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="7b-shape", choices=sorted(shapes.MODELS))
@@ -112,8 +150,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3, help="Untimed calls first (the kernel autotunes in them).")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--check-rows", type=int, default=256, help="Rows of each sum checked against fp64.")
+    parser.add_argument("--build-report", type=int, metavar="CAPABILITY",
+                        help="Only build the kernel's configurations for this card (90: H100/H200) and print their "
+                             "registers, spills and shared memory; no GPU needed.")
     parser.add_argument("--json", help="Also write the results here.")
     args = parser.parse_args(argv)
+    if args.build_report:
+        rows = build_report(args.build_report)
+        print("| tile | promotion | shared bytes | registers | bytes spilled |\n|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['tile']} | {row['promote']} | {row['shared']} | {row['registers']} | {row['spilled']} |")
+        return {"build_report": rows}
     if min(args.tokens, args.repeats, args.check_rows) < 1 or args.warmup < 0 or args.tokens % 16:
         parser.error("--tokens (a multiple of 16), --repeats and --check-rows must be >= 1, --warmup >= 0")
     spec = shapes.MODELS[args.model]

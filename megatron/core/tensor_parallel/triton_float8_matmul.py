@@ -13,12 +13,13 @@ transposed cast and the input's saved transposed copy), out [M, N] fp32 and the 
 The products are summed in fp32 as cuBLAS does without fast accumulation (what `_scaled_mm` runs for the
 weight gradient): the tensor cores' float8 sums, which keep fewer bits, are promoted into the fp32
 accumulator after every `PROMOTE_EVERY` products of the inner dimension (Triton's
-`max_num_imprecise_acc`). The tile shape is autotuned per (M, N, K) on CUDA, the sum restored between
-trials. The kernel's gain is the add's memory traffic, which a GEMM slower than cuBLAS's can lose, so
-on CUDA the op times both ways when it first meets a shape and keeps the faster (`uses_kernel`). Where
-the kernel does not run (no Triton; a CPU tensor outside a test that allows the interpreter, see
-`triton_support`; the slower way; deterministic mode) the op adds `_scaled_mm`'s fp32 product, the same
-sum autograd makes.
+`max_num_imprecise_acc`). a and b are read through tensor descriptors (TMA, zeros past their edges);
+the tile shape is autotuned per (M, N, K) on CUDA, the sum restored between trials. The kernel's gain
+is the add's memory traffic, which a GEMM slower than cuBLAS's can lose, so on CUDA the op times both
+ways when it first meets a shape and keeps the faster (`uses_kernel`). Where the kernel does not run
+(no Triton; a CPU tensor outside a test that allows the interpreter, see `triton_support`; the slower
+way; deterministic mode; operands a descriptor cannot read) the op adds `_scaled_mm`'s fp32 product, the
+same sum autograd makes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megatron.core.triton_support import interpreting, runs_on
 PROMOTE_EVERY = 128
 """Products of the inner dimension the tensor cores sum in float8 precision before the fp32 accumulator
 takes them (None: never, the fast accumulation of the forward GEMMs)."""
-TILES = ((128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 4, 4))
+TILES = ((128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (128, 128, 4, 4))
 """The autotuned configurations: BLOCK_M, BLOCK_N, warps, pipeline stages (BLOCK_K 128)."""
 INTERPRETER_TILE = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 """The one configuration the interpreter runs (small, so tests cover partial tiles and the grouping)."""
@@ -48,38 +49,39 @@ def _kernel(interpreting: bool):
     import triton.language as tl
 
     @triton.jit
-    def accumulate(a_ptr, b_ptr, out_ptr, scale_a_ptr, scale_b_ptr, M, N, K, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                   PROMOTE: tl.constexpr):
+    def accumulate(a_desc, b_desc, out_ptr, scale_a_ptr, scale_b_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE: tl.constexpr):
         # tiles in groups of GROUP_M rows, so that consecutive programs share a's and b's tiles in L2
         pid, tiles_n = tl.program_id(0), tl.cdiv(N, BLOCK_N)
         first_m = pid // (GROUP_M * tiles_n) * GROUP_M
         group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
         pid_m = first_m + pid % (GROUP_M * tiles_n) % group_m
         pid_n = pid % (GROUP_M * tiles_n) // group_m
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        inner = tl.arange(0, BLOCK_K)
-        # a partial tile's rows past M (columns past N) read earlier rows again: loads without masks, and
-        # those sums are never stored
-        a_ptrs = a_ptr + (rows % M).to(tl.int64)[:, None] * K + inner[None, :]
-        b_ptrs = b_ptr + (cols % N).to(tl.int64)[None, :] * K + inner[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a, b = tl.load(a_ptrs), tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=inner[None, :] < K - start, other=0.0)
-                b = tl.load(b_ptrs, mask=inner[:, None] < K - start, other=0.0)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        for start in range(0, K, BLOCK_K):  # the descriptors' loads read zeros past M, N and K
+            a = a_desc.load([pid_m * BLOCK_M, start])
+            b = b_desc.load([pid_n * BLOCK_N, start])
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=PROMOTE)
         acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+        # `out` read and written half the columns at a time: fewer registers live beside the tile's sums
+        # (none spilled at 128 x 256 on sm_90, where a whole [128, 256] fp32 tile of `out` spilled)
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(out_ptr + offsets, tl.load(out_ptr + offsets, mask=mask) + acc, mask=mask)
+        tl.store(out_ptr + offsets, tl.load(out_ptr + offsets, mask=mask) + left, mask=mask)
+        offsets += BLOCK_N // 2
+        mask = (rows < M)[:, None] & (cols + BLOCK_N // 2 < N)[None, :]
+        tl.store(out_ptr + offsets, tl.load(out_ptr + offsets, mask=mask) + right, mask=mask)
 
     return accumulate
+
+
+def _set_blocks(nargs: dict) -> None:
+    """An autotuning configuration's tile on the two descriptors (their block shapes are part of them)."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 @functools.cache
@@ -87,28 +89,37 @@ def _autotuned():
     """The kernel autotuned over TILES per (M, N, K, promotion); each trial adds into `out`, restored after it."""
     import triton
 
-    configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, GROUP_M=8), num_warps=warps, num_stages=stages)
-               for m, n, warps, stages in TILES]
+    configs = [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=128, GROUP_M=8), num_warps=warps, num_stages=stages,
+                             pre_hook=_set_blocks) for m, n, warps, stages in TILES]
     return triton.autotune(configs, key=["M", "N", "K", "PROMOTE"], restore_value=["out_ptr"])(_kernel(False))
 
 
 def _launch(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     (M, K), N = a.shape, b.shape[0]
+    tile = INTERPRETER_TILE if interpreting() else dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)  # set per trial
+    a_desc = TensorDescriptor.from_tensor(a, [tile["BLOCK_M"], tile["BLOCK_K"]])
+    b_desc = TensorDescriptor.from_tensor(b, [tile["BLOCK_N"], tile["BLOCK_K"]])
 
     def grid(meta):
         return (-(-M // meta["BLOCK_M"]) * -(-N // meta["BLOCK_N"]),)
     if interpreting():
-        tile = INTERPRETER_TILE
         promote = None if PROMOTE_EVERY is None else min(PROMOTE_EVERY, tile["BLOCK_K"])
-        _kernel(True)[grid(tile)](a, b, out, scale_a, scale_b, M, N, K, EVEN_K=K % tile["BLOCK_K"] == 0,
-                                  PROMOTE=promote, **tile)
-    else:  # every configuration's BLOCK_K is 128
-        _autotuned()[grid](a, b, out, scale_a, scale_b, M, N, K, EVEN_K=K % 128 == 0, PROMOTE=PROMOTE_EVERY)
+        _kernel(True)[grid(tile)](a_desc, b_desc, out, scale_a, scale_b, M, N, K, PROMOTE=promote, **tile)
+    else:
+        _autotuned()[grid](a_desc, b_desc, out, scale_a, scale_b, M, N, K, PROMOTE=PROMOTE_EVERY)
 
 
 def kernel_runs_on(out: torch.Tensor) -> bool:
     """Whether the Triton kernel can run on `out` (else the op adds `_scaled_mm`'s product)."""
     return runs_on(out, in_compiled_layers=True)  # the backward of a compiled layer calls it
+
+
+def _descriptor_ready(operand: torch.Tensor) -> bool:
+    """Whether a float8 operand can be read through a tensor descriptor (TMA): contiguous rows of a
+    multiple of 16 bytes, from a 16-byte-aligned address."""
+    return operand.is_contiguous() and operand.shape[-1] % 16 == 0 and operand.data_ptr() % 16 == 0
 
 
 def _cublas(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
@@ -145,7 +156,7 @@ def uses_kernel(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: to
     """Whether the op adds through the kernel: where it runs and, on CUDA, where it was the faster way
     for the shape (never under torch.use_deterministic_algorithms: which way wins can differ between
     runs, and the two ways round differently). Under Triton's interpreter (tests) always."""
-    if not (kernel_runs_on(out) and out.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
+    if not (kernel_runs_on(out) and _descriptor_ready(a) and _descriptor_ready(b) and out.is_contiguous()):
         return False
     if not out.is_cuda:
         return True
