@@ -22,10 +22,12 @@ def test_every_way_computes_the_product_and_the_totals_add_up(tmp_path, monkeypa
     result = float8_weight_gradient.main(["--shapes", "64x32,48x96", "--tokens", "80", "--warmup", "0",
                                           "--repeats", "1", "--fast-accumulation", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    ways = ["scaled_mm", "scaled_mm + add", "kernel, promoting every 128", "kernel, fast accumulation"]
+    ways = ["scaled_mm", "scaled_mm, bf16 out (torchao's)", "scaled_mm + add", "kernel, promoting every 128",
+            "kernel, fast accumulation"]
     assert list(result["rows"]) == [f"weight {i} {shape}, {way}" for i, shape in enumerate(("64x32", "48x96"))
                                     for way in ways]
-    assert all(row["error"] < 1e-5 and row["ms"] > 0 for row in result["rows"].values())  # each way's product
+    for name, row in result["rows"].items():  # each way's product, the bf16 one rounded to bf16
+        assert row["ms"] > 0 and (1e-4 < row["error"] < 1e-2 if "bf16" in name else row["error"] < 1e-5), name
     assert {row["op_takes"] for row in result["rows"].values()} == {"kernel"}  # the interpreter's: always
     for way in ways:
         assert result["micro_batch_ms"][way] == pytest.approx(sum(

@@ -3,7 +3,9 @@ model's decoder linear shapes (what `triton_float8_matmul` was built to save, me
 
 Rows, per linear weight [out, in] (query/key/value, attention output, fc1, fc2) with --tokens rows:
 * scaled_mm: cuBLAS's float8 GEMM writing a fresh fp32 product (a step's first micro-batch);
-* scaled_mm + add: that product added into the fp32 `.grad` in a pass of its own (autograd's sum, the
+* scaled_mm, bf16 out: the same GEMM writing bf16, as torchao's recipe does (its error is the yardstick
+  for the others': what rounding each micro-batch's gradient to bf16 costs);
+* scaled_mm + add: the fp32 product added into the fp32 `.grad` in a pass of its own (autograd's sum, the
   float8 layers' way before the kernel);
 * kernel: triton_float8_matmul's GEMM adding into `.grad` in its epilogue, promoting its float8 sums
   into fp32 every PROMOTE_EVERY products (the layers' way now; its autotuned tile is printed);
@@ -72,8 +74,10 @@ def _ways(args, kernel: bool) -> List[Tuple[str, object]]:
             triton_float8_matmul.PROMOTE_EVERY = promote
             triton_float8_matmul._launch(out, grad, x, *scales)
         return run
-    ways = [("scaled_mm", scaled_mm), ("scaled_mm + add", lambda out, grad, x, scales:
-                                       triton_float8_matmul._cublas(out, grad, x, *scales))]
+    def scaled_mm_bf16(out, grad, x, scales):
+        return torch._scaled_mm(grad, x.t(), scale_a=scales[0], scale_b=scales[1], out_dtype=torch.bfloat16)
+    ways = [("scaled_mm", scaled_mm), ("scaled_mm, bf16 out (torchao's)", scaled_mm_bf16),
+            ("scaled_mm + add", lambda out, grad, x, scales: triton_float8_matmul._cublas(out, grad, x, *scales))]
     if kernel:
         ways.append((f"kernel, promoting every {triton_float8_matmul.PROMOTE_EVERY}",
                      kernel_with(triton_float8_matmul.PROMOTE_EVERY)))
