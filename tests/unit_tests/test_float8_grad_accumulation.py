@@ -64,16 +64,25 @@ def test_without_the_kernel_it_adds_scaled_mms_product():
 
 @CUDA
 @pytest.mark.parametrize("shape", [(256, 384, 4096), (272, 144, 1040)], ids=["tiles", "partial"])
-def test_on_cuda_the_sum_is_as_close_as_scaled_mms(shape):
-    """The autotuned kernel against cuBLAS's float8 GEMM without fast accumulation: both as near the
-    exact sum (a fast-accumulating kernel drifts at this depth)."""
+def test_on_cuda_the_kernel_sums_as_closely_as_scaled_mm(shape):
+    """The autotuned kernel itself against cuBLAS's float8 GEMM without fast accumulation: both as near
+    the exact sum (a fast-accumulating kernel drifts at this depth)."""
     out, a, b, scales = _operands(*shape, "cuda")
-    assert triton_float8_matmul.kernel_runs_on(out)
     exact = _exact(out, a, b, scales)
     cublas = out + torch._scaled_mm(a, b.t(), scale_a=scales[0], scale_b=scales[1], out_dtype=torch.float32)
-    triton_float8_matmul.accumulate_float8_matmul_(out, a, b, *scales)
+    triton_float8_matmul._launch(out, a, b, *scales)
     ours, theirs = (out.double() - exact).abs().max(), (cublas.double() - exact).abs().max()
     assert ours <= 2 * theirs + 1e-6 * exact.abs().max(), (ours, theirs)
+
+
+@CUDA
+def test_on_cuda_the_op_chooses_a_way_once_and_adds_the_product(monkeypatch):
+    monkeypatch.setattr(triton_float8_matmul, "CHOICES", {})
+    out, a, b, scales = _operands(512, 256, 2048, "cuda")
+    expected = _exact(out, a, b, scales)
+    triton_float8_matmul.accumulate_float8_matmul_(out, a, b, *scales)
+    assert list(triton_float8_matmul.CHOICES) == [(512, 256, 2048, out.device.index)]
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())
 
 
 def _accumulate(style: str, mode: str, in_place: bool, compiled: bool = False) -> dict:
