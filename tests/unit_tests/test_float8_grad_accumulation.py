@@ -157,6 +157,10 @@ def test_the_op_keeps_the_faster_way_for_each_shape(kernel_faster, monkeypatch):
         assert triton_float8_matmul._kernel_wins(out, a, b, *scales) is kernel_faster
         assert torch.equal(out, before)
     assert len(timed) == 2 and list(triton_float8_matmul.CHOICES) == [(32, 48, 64, None)]
+    monkeypatch.setattr(triton_float8_matmul, "_capturing", lambda out: True)
+    other = _operands(64, 48, 64, "cpu")
+    assert not triton_float8_matmul._kernel_wins(*other[:3], *other[3])  # inside a capture: no timing
+    assert len(timed) == 2 and len(triton_float8_matmul.CHOICES) == 1  # nor a choice kept
 
 
 @CUDA

@@ -132,11 +132,17 @@ CHOICES: Dict[Tuple[int, int, int, int], bool] = {}
 """(M, N, K, CUDA device) -> whether the kernel beat `_scaled_mm` + add when the op first met the shape."""
 
 
+def _capturing(out: torch.Tensor) -> bool:
+    return out.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _kernel_wins(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                  scale_b: torch.Tensor) -> bool:
     """On the first call of a shape, times the kernel (autotuned) against cuBLAS's GEMM and the add, and
     keeps the faster: the kernel's gain is the add's memory traffic, which a slower GEMM can lose."""
     key = (a.shape[0], b.shape[0], a.shape[1], out.device.index)
+    if key not in CHOICES and _capturing(out):
+        return False  # no timing inside a CUDA graph's capture: cuBLAS's way, and time the shape later
     if key not in CHOICES:
         from triton.testing import do_bench
 
