@@ -138,3 +138,33 @@ def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
     for name in names:
         label = "hidden" if "(hidden" in name else "query heads"
         assert result["rows"][name]["bytes"] == 5 * 6 * widths[label] * 2
+
+
+def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
+    """Each row runs the layers' cast (its values, transposed copy and scale are what float8_linear makes)
+    at the shape a decoder layer gives it, and counts one pass: read 2 bytes, write 1 twice."""
+    import torch
+
+    from megatron.core.tensor_parallel.float8_matmul import to_float8
+
+    seen = []
+
+    def recording_compile(function, **options):
+        def run(x, dtype):
+            values, transposed, inverse = function(x, dtype)
+            expected, expected_inverse = to_float8(x, dtype)
+            assert torch.equal(values.float(), expected.float()) and torch.equal(transposed.float(),
+                                                                                   expected.t().float())
+            assert torch.equal(inverse, expected_inverse)
+            seen.append((tuple(x.shape), dtype))
+            return values, transposed, inverse
+        return run
+    monkeypatch.setattr(step_parts.torch, "compile", recording_compile)  # the casts' results, not speed
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--float8-cast-tokens", "32"])
+    spec = step_parts.shapes.MODELS["tiny"]
+    rows = {name: row for name, row in result["rows"].items() if name.startswith("float8 cast")}
+    widths = [spec.hidden_size, spec.ffn_hidden_size, 2 * spec.ffn_hidden_size,
+              (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels]
+    assert [row["bytes"] for row in rows.values()] == [4 * 32 * width for width in widths]
+    assert sorted({shape for shape, _ in seen}) == sorted({(32, width) for width in widths})
+    assert {dtype for _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}

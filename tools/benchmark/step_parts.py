@@ -28,6 +28,10 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   the input, write the output; backward: read the input and the gradient, write the input's gradient).
   On CUDA these rows are kernel time from the profiler: one call's GPU work (tens of microseconds)
   is shorter than its Python and autograd overhead, which the events would time instead;
+* float8 casts (`--float8-cast-tokens`): the float8 layers' cast of an activation or gradient (its amax,
+  the scaled cast, the transposed copy the weight gradient reads) compiled as in a compiled layer, at each
+  shape a decoder layer has, against one pass over it (read 2 bytes an element, write 1 twice); on CUDA
+  the profiler's kernel time, as for RMSNorm;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -160,6 +164,9 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     if args.rmsnorm_tokens:
         result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device,
                                    kernel_timer(device, args.warmup, args.repeats)))
+    if args.float8_cast_tokens:
+        result.update(float8_cast_rows(shapes.MODELS[args.model], args.float8_cast_tokens, device,
+                                       kernel_timer(device, args.warmup, args.repeats)))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
@@ -311,6 +318,31 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
     return result
 
 
+def float8_cast_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+    """The float8 layers' casts of one micro-batch's activations and gradients (float8_matmul.float8_linear:
+    the amax, the scaled cast, the transposed copy the weight gradient reads), compiled as in a compiled
+    layer, at each shape they have in a decoder layer; each row against one pass (read 2 bytes an element,
+    write 1 twice), which the amax's own read keeps them above."""
+    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, to_float8
+
+    def both_layouts(x, dtype):
+        values, inverse = to_float8(x, dtype)
+        return values, values.t().contiguous(), inverse
+    compiled = torch.compile(both_layouts)
+    attention = spec.num_attention_heads * spec.kv_channels
+    tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, FORWARD_DTYPE),
+               "fc2's input": (spec.ffn_hidden_size, FORWARD_DTYPE),
+               "fc1's output gradient": (2 * spec.ffn_hidden_size, GRADIENT_DTYPES["hybrid"]),
+               "qkv's output gradient": (attention + 2 * spec.num_query_groups * spec.kv_channels,
+                                         GRADIENT_DTYPES["hybrid"])}
+    result, generator = {}, torch.Generator(device).manual_seed(0)
+    for name, (width, dtype) in tensors.items():
+        x = torch.randn(tokens, width, device=device, generator=generator).to(torch.bfloat16)
+        result[f"float8 cast, both layouts, torch.compile: {name} [{tokens} x {width}]"] = (
+            measure(lambda x=x, dtype=dtype: compiled(x, dtype)), 4 * x.numel())
+    return result
+
+
 def bandwidth(device: torch.device, measure: Callable[[Callable[[], None]], float], size: int) -> float:
     """Bytes per ms of one large device copy (read + write)."""
     source = torch.empty(size, dtype=torch.uint8, device=device)
@@ -339,6 +371,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--swiglu-tokens", type=int, default=8192, help="Tokens of the SwiGLU input timed.")
     parser.add_argument("--rmsnorm-tokens", type=int, default=0,
                         help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
+    parser.add_argument("--float8-cast-tokens", type=int, default=0,
+                        help="Also time the float8 layers' casts (amax, cast, transposed copy) over this many tokens.")
     parser.add_argument("--tied-tokens", type=int, default=0,
                         help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
@@ -352,8 +386,10 @@ def main(argv=None) -> dict:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.rmsnorm_tokens) < 0:
-        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens and --rmsnorm-tokens >= 0")
+    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.rmsnorm_tokens,
+                                                             args.float8_cast_tokens) < 0:
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens, --rmsnorm-tokens and "
+                     "--float8-cast-tokens >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)
