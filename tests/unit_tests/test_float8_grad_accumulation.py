@@ -72,7 +72,7 @@ def test_on_cuda_the_kernel_sums_as_closely_as_scaled_mm(shape):
     cublas = out + torch._scaled_mm(a, b.t(), scale_a=scales[0], scale_b=scales[1], out_dtype=torch.float32)
     triton_float8_matmul._launch(out, a, b, *scales)
     ours, theirs = (out.double() - exact).abs().max(), (cublas.double() - exact).abs().max()
-    assert ours <= 2 * theirs + 1e-5 * exact.abs().max(), (ours, theirs)  # fast accumulation: ~1e-3
+    assert ours <= 2 * theirs + 1e-5 * exact.abs().max(), (ours, theirs)  # fast accumulation drifts past it
 
 
 @CUDA
