@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.tensor_parallel.triton_float8_matmul import accumulate_float8_matmul_
+from megatron.core.tensor_parallel.triton_float8_matmul import accumulate_float8_matmul_, float8_product
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -147,8 +147,7 @@ class _Float8Linear(torch.autograd.Function):
         if ctx.grad_into is not None:
             accumulate_float8_matmul_(ctx.grad_into, grad8_t, x8_t, grad_inverse, x_inverse)
         else:
-            grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
-                                           out_dtype=torch.float32)
+            grad_weight = float8_product(grad8_t, x8_t, grad_inverse, x_inverse)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
                 None, None, None, None, None, None)

@@ -124,8 +124,13 @@ def _descriptor_ready(operand: torch.Tensor) -> bool:
     return operand.is_contiguous() and operand.shape[-1] % 16 == 0 and operand.data_ptr() % 16 == 0
 
 
+def float8_product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """(a [M, K] @ b [N, K]^T) * scale_a * scale_b in fp32 from cuBLAS's float8 GEMM (`_scaled_mm`)."""
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+
+
 def _cublas(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
-    out += torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    out += float8_product(a, b, scale_a, scale_b)
 
 
 CHOICES: Dict[Tuple[int, int, int, int], bool] = {}
@@ -141,21 +146,22 @@ def _kernel_wins(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: t
     """On the first call of a shape, times the kernel (autotuned) against cuBLAS's GEMM and the add, and
     keeps the faster: the kernel's gain is the add's memory traffic, which a slower GEMM can lose."""
     key = (a.shape[0], b.shape[0], a.shape[1], out.device.index)
-    if key not in CHOICES and _capturing(out):
+    if key in CHOICES:
+        return CHOICES[key]
+    if _capturing(out):
         return False  # no timing inside a CUDA graph's capture: cuBLAS's way, and time the shape later
-    if key not in CHOICES:
-        from triton.testing import do_bench
+    from triton.testing import do_bench
 
-        saved = out.clone()
-        try:
-            kernel_ms = do_bench(lambda: _launch(out, a, b, scale_a, scale_b), return_mode="median")
-        except Exception as error:  # a Triton that cannot build it: cuBLAS's way, said once a shape
-            warnings.warn(f"the float8 weight-gradient kernel did not run for {key[:3]} ({type(error).__name__}: "
-                          f"{error}); adding cuBLAS's product instead")
-            kernel_ms = float("inf")
-        cublas_ms = do_bench(lambda: _cublas(out, a, b, scale_a, scale_b), return_mode="median")
-        out.copy_(saved)
-        CHOICES[key] = kernel_ms < cublas_ms
+    saved = out.clone()
+    try:
+        kernel_ms = do_bench(lambda: _launch(out, a, b, scale_a, scale_b), return_mode="median")
+    except Exception as error:  # a Triton that cannot build it: cuBLAS's way, said once a shape
+        warnings.warn(f"the float8 weight-gradient kernel did not run for {key[:3]} ({type(error).__name__}: "
+                      f"{error}); adding cuBLAS's product instead")
+        kernel_ms = float("inf")
+    cublas_ms = do_bench(lambda: _cublas(out, a, b, scale_a, scale_b), return_mode="median")
+    out.copy_(saved)
+    CHOICES[key] = kernel_ms < cublas_ms
     return CHOICES[key]
 
 
