@@ -22,6 +22,8 @@ from tests.unit_tests.test_weight_copies import STYLES, build
 MODES = ("difflm-noshift", "vanilla")
 MICRO_BATCHES = 3
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case (the GPU machine runs it)")
+INTERPRETER = pytest.mark.skipif(not triton_support.interpreting(),
+                                 reason="CPU tensors under Triton's interpreter (CPU machines run it)")
 
 
 def _operands(m: int, n: int, k: int, device: str, a_dtype=torch.float8_e5m2, seed: int = 0):
@@ -39,6 +41,7 @@ def _exact(out, a, b, scales):
     return out.double() + product * (scales[0].double() * scales[1].double())
 
 
+@INTERPRETER
 @pytest.mark.parametrize("shape", [(48, 80, 96), (48, 80, 80), (96, 32, 64)], ids=["partial-tiles", "uneven-k",
                                                                                     "groups"])
 @pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["e5m2", "e4m3"])
@@ -135,6 +138,7 @@ def test_a_compiled_layer_adds_into_the_gradient_itself():
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=0, msg=name)
 
 
+@INTERPRETER
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_the_op_keeps_the_faster_way_for_each_shape(kernel_faster, monkeypatch):
     """The first call of a shape times both ways (a stand-in timer here: the kernel 1 ms, cuBLAS's GEMM and
@@ -191,6 +195,7 @@ def test_a_kernel_that_does_not_build_leaves_cublas_with_a_warning(monkeypatch):
     assert torch.equal(out, before)
 
 
+@INTERPRETER
 def test_operands_a_descriptor_cannot_read_go_through_cublas(monkeypatch):
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     out, a, b, scales = _operands(32, 48, 64, "cpu")

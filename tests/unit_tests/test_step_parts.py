@@ -141,10 +141,13 @@ def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
 
 
 def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
-    """Each row runs the layers' cast (its values, transposed copy and scale are what float8_linear makes)
-    at the shape a decoder layer gives it, and counts one pass: read 2 bytes, write 1 twice."""
+    """Each row runs the layers' cast (tensor math: its values, transposed copy and scale are what
+    float8_linear made before the kernel; the kernel's: both layouts of one tensor, under the interpreter,
+    whose float8 rounding is its own) at the shape a decoder layer gives it, and counts one pass: read 2
+    bytes, write 1 twice."""
     import torch
 
+    from megatron.core import triton_support
     from megatron.core.tensor_parallel.float8_matmul import to_float8
 
     seen = []
@@ -152,19 +155,25 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     def recording_compile(function, **options):
         def run(x, dtype):
             values, transposed, inverse = function(x, dtype)
+            assert values.dtype == dtype and torch.equal(transposed.float(), values.t().float())
             expected, expected_inverse = to_float8(x, dtype)
-            assert torch.equal(values.float(), expected.float()) and torch.equal(transposed.float(),
-                                                                                   expected.t().float())
+            if function.__name__ == "tensor_math":
+                assert torch.equal(values.float(), expected.float())
             assert torch.equal(inverse, expected_inverse)
-            seen.append((tuple(x.shape), dtype))
+            seen.append((function.__name__, tuple(x.shape), dtype))
             return values, transposed, inverse
         return run
     monkeypatch.setattr(step_parts.torch, "compile", recording_compile)  # the casts' results, not speed
-    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--float8-cast-tokens", "32"])
+    monkeypatch.setattr(triton_support, "interpreter_allowed", triton_support.interpreting())
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--float8-cast-tokens", "32",
+                              "--float8-cast-tiles", "32x32x4,16x32x2"])
     spec = step_parts.shapes.MODELS["tiny"]
     rows = {name: row for name, row in result["rows"].items() if name.startswith("float8 cast")}
     widths = [spec.hidden_size, spec.ffn_hidden_size, 2 * spec.ffn_hidden_size,
               (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels]
-    assert [row["bytes"] for row in rows.values()] == [4 * 32 * width for width in widths]
-    assert sorted({shape for shape, _ in seen}) == sorted({(32, width) for width in widths})
-    assert {dtype for _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}
+    ways = ["torch.compile", "Triton 32x32x4", "Triton 16x32x2"] if triton_support.interpreting() else ["torch.compile"]
+    assert [name.split(":")[0].split(", ")[-1] for name in rows] == [way for way in ways for _ in widths]
+    assert [row["bytes"] for row in rows.values()] == [4 * 32 * width for width in widths] * len(ways)
+    assert sorted({shape for _, shape, _ in seen}) == sorted({(32, width) for width in widths})
+    assert {dtype for _, _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}
+    assert len(seen) == len(ways) * len(widths)

@@ -30,8 +30,9 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   is shorter than its Python and autograd overhead, which the events would time instead;
 * float8 casts (`--float8-cast-tokens`): the float8 layers' cast of an activation or gradient (its amax,
   the scaled cast, the transposed copy the weight gradient reads) compiled as in a compiled layer, at each
-  shape a decoder layer has, against one pass over it (read 2 bytes an element, write 1 twice); on CUDA
-  the profiler's kernel time, as for RMSNorm;
+  shape a decoder layer has, as tensor math and through the Triton kernel at each `--float8-cast-tiles`,
+  against one pass over it (read 2 bytes an element, write 1 twice); on CUDA the profiler's kernel time,
+  as for RMSNorm;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -165,7 +166,7 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device,
                                    kernel_timer(device, args.warmup, args.repeats)))
     if args.float8_cast_tokens:
-        result.update(float8_cast_rows(shapes.MODELS[args.model], args.float8_cast_tokens, device,
+        result.update(float8_cast_rows(shapes.MODELS[args.model], args, device,
                                        kernel_timer(device, args.warmup, args.repeats)))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
@@ -318,28 +319,44 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
     return result
 
 
-def float8_cast_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tuple]:
     """The float8 layers' casts of one micro-batch's activations and gradients (float8_matmul.float8_linear:
     the amax, the scaled cast, the transposed copy the weight gradient reads), compiled as in a compiled
-    layer, at each shape they have in a decoder layer; each row against one pass (read 2 bytes an element,
-    write 1 twice), which the amax's own read keeps them above."""
-    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, to_float8
+    layer, at each shape they have in a decoder layer: as tensor math (Inductor's kernels) and, where it
+    runs, through the Triton kernel (triton_float8_cast.py) at each tile of `--float8-cast-tiles`; each row
+    against one pass (read 2 bytes an element, write 1 twice), which the amax's own read keeps them above."""
+    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
 
-    def both_layouts(x, dtype):
-        values, inverse = to_float8(x, dtype)
+    def tensor_math(x, dtype):
+        values, inverse = float8_matmul.to_float8(x, dtype)
         return values, values.t().contiguous(), inverse
-    compiled = torch.compile(both_layouts)
+    ways = {"torch.compile": lambda: torch.compile(tensor_math)}
+    default = (triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS)
+    for tile in args.float8_cast_tiles.split(","):
+        def kernel(tile=tuple(map(int, tile.split("x")))):
+            torch._dynamo.reset()  # the op reads the tile when it is traced
+            triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = tile
+            return torch.compile(float8_matmul.to_float8_both_layouts)
+        ways[f"Triton {tile}"] = kernel
     attention = spec.num_attention_heads * spec.kv_channels
-    tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, FORWARD_DTYPE),
-               "fc2's input": (spec.ffn_hidden_size, FORWARD_DTYPE),
-               "fc1's output gradient": (2 * spec.ffn_hidden_size, GRADIENT_DTYPES["hybrid"]),
+    tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, float8_matmul.FORWARD_DTYPE),
+               "fc2's input": (spec.ffn_hidden_size, float8_matmul.FORWARD_DTYPE),
+               "fc1's output gradient": (2 * spec.ffn_hidden_size, float8_matmul.GRADIENT_DTYPES["hybrid"]),
                "qkv's output gradient": (attention + 2 * spec.num_query_groups * spec.kv_channels,
-                                         GRADIENT_DTYPES["hybrid"])}
-    result, generator = {}, torch.Generator(device).manual_seed(0)
-    for name, (width, dtype) in tensors.items():
-        x = torch.randn(tokens, width, device=device, generator=generator).to(torch.bfloat16)
-        result[f"float8 cast, both layouts, torch.compile: {name} [{tokens} x {width}]"] = (
-            measure(lambda x=x, dtype=dtype: compiled(x, dtype)), 4 * x.numel())
+                                         float8_matmul.GRADIENT_DTYPES["hybrid"])}
+    generator = torch.Generator(device).manual_seed(0)
+    inputs = {name: (torch.randn(args.float8_cast_tokens, width, device=device, generator=generator)
+                     .to(torch.bfloat16), dtype) for name, (width, dtype) in tensors.items()}
+    result = {}
+    for way, make in ways.items():
+        if way != "torch.compile" and not triton_float8_cast.available(inputs["fc2's input"][0]):
+            print("float8 cast: the Triton kernel does not run here; only torch.compile's rows")
+            break
+        cast = make()
+        for name, (x, dtype) in inputs.items():
+            result[f"float8 cast, both layouts, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
+                measure(lambda x=x, dtype=dtype: cast(x, dtype)), 4 * x.numel())
+    triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = default
     return result
 
 
@@ -373,6 +390,8 @@ def main(argv=None) -> dict:
                         help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
     parser.add_argument("--float8-cast-tokens", type=int, default=0,
                         help="Also time the float8 layers' casts (amax, cast, transposed copy) over this many tokens.")
+    parser.add_argument("--float8-cast-tiles", metavar="MxKxWARPS,...", default="128x128x8",
+                        help="The Triton cast kernel's tiles timed with --float8-cast-tokens (e.g. 128x128x8,64x64x4).")
     parser.add_argument("--tied-tokens", type=int, default=0,
                         help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
@@ -382,6 +401,8 @@ def main(argv=None) -> dict:
     for flag, value in (("--loss-kernels", args.loss_kernels), ("--swiglu-kernels", args.swiglu_kernels)):
         if value and not all(part.count("x") == 1 and part.replace("x", "").isdigit() for part in value.split(",")):
             parser.error(f"{flag} {value!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
+    if not all(part.count("x") == 2 and part.replace("x", "").isdigit() for part in args.float8_cast_tiles.split(",")):
+        parser.error(f"--float8-cast-tiles {args.float8_cast_tiles!r} must be MxKxWARPS triples, e.g. 128x128x8")
     try:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.tensor_parallel import triton_float8_cast
 from megatron.core.tensor_parallel.triton_float8_matmul import accumulate_float8_matmul_, float8_product
 
 FORWARD_DTYPE = torch.float8_e4m3fn
@@ -54,21 +55,39 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
 
 
+def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return scale_of(tensor.detach().abs().amax(), dtype)
+
+
 def _cast(tensor: torch.Tensor, dtype: torch.dtype):
-    scale = scale_of(tensor.detach().abs().amax(), dtype)
+    scale = _scale(tensor, dtype)
     return scaled_cast(tensor, scale, dtype), scale.reciprocal()
 
 
 @functools.cache
-def _compiled_cast():
-    return torch.compile(_cast, dynamic=True)
+def _compiled(function):
+    return torch.compile(function, dynamic=True)
+
+
+def _eager_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and not torch.compiler.is_compiling()  # inside a compiled layer: traced
 
 
 def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
     """(tensor in `dtype`, scaled so that its amax lands on the dtype's largest value; the inverse scale,
     a 0-d fp32 tensor the GEMM multiplies back)."""
-    eager_cuda = tensor.is_cuda and not torch.compiler.is_compiling()  # inside a compiled layer: traced
-    return (_compiled_cast() if eager_cuda else _cast)(tensor, dtype)
+    return (_compiled(_cast) if _eager_cuda(tensor) else _cast)(tensor, dtype)
+
+
+def to_float8_both_layouts(tensor: torch.Tensor, dtype: torch.dtype):
+    """`to_float8` of a 2-D tensor, its values also transposed: (values [M, K], values [K, M] contiguous,
+    inverse scale). Where the Triton kernel runs, one pass writes both (triton_float8_cast.py)."""
+    if not triton_float8_cast.available(tensor):
+        values, inverse = to_float8(tensor, dtype)
+        return values, values.t().contiguous(), inverse
+    scale = (_compiled(_scale) if _eager_cuda(tensor) else _scale)(tensor, dtype)
+    rows, columns = triton_float8_cast.cast_both_layouts(tensor, scale, dtype)
+    return rows, columns, scale.reciprocal()
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,8 +147,8 @@ class _Float8Linear(torch.autograd.Function):
         ctx.grad_into = grad_into
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
-            x8, x_inverse = to_float8(flat.to(out_dtype), FORWARD_DTYPE)
-            ctx.save_for_backward(x8.t().contiguous(), x_inverse, columns, inverse_scale)
+            x8, x8_t, x_inverse = to_float8_both_layouts(flat.to(out_dtype), FORWARD_DTYPE)
+            ctx.save_for_backward(x8_t, x_inverse, columns, inverse_scale)
             output = torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
                                       use_fast_accum=True)
             if bias is not None:
@@ -140,10 +159,10 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad_inverse = to_float8(flat, ctx.gradient_dtype)
+        grad8, grad8_t, grad_inverse = to_float8_both_layouts(flat.contiguous(), ctx.gradient_dtype)
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
-        grad8_t, grad_weight = grad8.t().contiguous(), None
+        grad_weight = None
         if ctx.grad_into is not None:
             accumulate_float8_matmul_(ctx.grad_into, grad8_t, x8_t, grad_inverse, x_inverse)
         else:
