@@ -23,9 +23,11 @@ casting the fp32 weight every forward as torchao's float8 linears do. All three 
 output gradient x the weight's transposed copy) and the weight gradient (the output gradient x the
 input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's gradient leaves its
 GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
-an element instead of the compute dtype's 2, and no second cast in the backward). Given the weight's
-existing `.grad` (`grad_into`, under `fp32_weight_grad.accumulating_into_grad`), the weight gradient is
-added into it by its GEMM (triton_float8_matmul.py) and autograd gets none.
+an element instead of the compute dtype's 2, and no second cast in the backward). Each cast writes
+both layouts in one pass where the Triton kernel runs (triton_float8_cast.py). Unlike the bf16 layers,
+the weight gradient is not added into `.grad` by its GEMM (`_scaled_mm` has no beta; a Triton float8
+GEMM that did it was slower than cuBLAS's GEMM and the add at every 7B-width shape, docs/performance.md):
+autograd adds it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.tensor_parallel import triton_float8_cast
-from megatron.core.tensor_parallel.triton_float8_matmul import accumulate_float8_matmul_, float8_product
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -140,11 +141,9 @@ class _Float8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
-                inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype,
-                grad_into=None) -> torch.Tensor:
-        del weight  # its gradient is what the backward returns (or adds into grad_into); its values: the copies
+                inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype) -> torch.Tensor:
+        del weight  # its gradient is what the backward returns; its values come from the copies
         ctx.out_dtype, ctx.gradient_dtype, ctx.has_bias = out_dtype, gradient_dtype, bias is not None
-        ctx.grad_into = grad_into
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
             x8, x8_t, x_inverse = to_float8_both_layouts(flat.to(out_dtype), FORWARD_DTYPE)
@@ -162,14 +161,11 @@ class _Float8Linear(torch.autograd.Function):
         grad8, grad8_t, grad_inverse = to_float8_both_layouts(flat.contiguous(), ctx.gradient_dtype)
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
-        grad_weight = None
-        if ctx.grad_into is not None:
-            accumulate_float8_matmul_(ctx.grad_into, grad8_t, x8_t, grad_inverse, x_inverse)
-        else:
-            grad_weight = float8_product(grad8_t, x8_t, grad_inverse, x_inverse)
+        grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
+                                       out_dtype=torch.float32)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 def float8_ready(x: torch.Tensor) -> bool:
@@ -177,10 +173,8 @@ def float8_ready(x: torch.Tensor) -> bool:
     return x.numel() // x.shape[-1] % ALIGNMENT == 0
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype,
-                  grad_into=None) -> torch.Tensor:
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype) -> torch.Tensor:
     """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
-    `out_dtype`; the gradients of the fp32 weight and bias in fp32 (the weight's added into `grad_into`,
-    its existing fp32 `.grad`, when one is given). `x`'s rows: a multiple of 16."""
+    `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16."""
     return _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
-                               copy.gradient_dtype, grad_into)
+                               copy.gradient_dtype)

@@ -16,8 +16,7 @@ this micro-batch's gradient added by the GEMM itself (`out += a @ b`, cuBLAS's b
 gets no gradient for it (fp32 training too). Autograd would otherwise write a fresh fp32 gradient and
 add it to `.grad` in a pass of its own: 16 bytes a parameter moved instead of 8. The schedules enable
 it wherever no autograd hook has to see the gradient (`data_parallel.no_sync`, the pipeline schedule's
-forwards): one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2. The float8
-layers do the same through a Triton GEMM of their own (`_scaled_mm` has no beta; triton_float8_matmul.py).
+forwards): one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2.
 
 On other devices (no `out_dtype` GEMM) the gradient is computed in the compute dtype and cast,
 exactly as autocast does, so CPU runs and tests see the same numbers either way.
@@ -134,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         dtype = torch.get_autocast_dtype(device)
         if isinstance(weight_low, Float8Copy):
             if float8_ready(x):
-                return float8_linear(x, weight, bias, weight_low, dtype, _grad_to_add_into(weight))
+                return float8_linear(x, weight, bias, weight_low, dtype)
             weight_low = None
         if dtype != torch.float32:
             low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
