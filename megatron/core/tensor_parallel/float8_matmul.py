@@ -57,7 +57,11 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return scale_of(tensor.detach().abs().amax(), dtype)
+    """The scale of `tensor`'s amax. Rows first: compiled, one reduction over all of a [8192, 14336]
+    tensor ran at 0.5 TB/s on an H200 (docs/performance.md); the rows' maxima, then theirs, are the same
+    value."""
+    magnitude = tensor.detach().abs()
+    return scale_of(magnitude.amax(dim=-1).amax() if magnitude.dim() > 1 else magnitude.amax(), dtype)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype):
