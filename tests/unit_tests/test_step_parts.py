@@ -141,10 +141,11 @@ def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
 
 
 def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
-    """Each row runs the layers' cast (tensor math: its values, transposed copy and scale are what
+    """Each row runs the layers' amax or cast at the shape a decoder layer gives it (the amax rows: the
+    layers' scale, both ways the same; the tensor-math cast: the values, transposed copy and scale
     float8_linear made before the kernel; the kernel's: both layouts of one tensor, under the interpreter,
-    whose float8 rounding is its own) at the shape a decoder layer gives it, and counts one pass: read 2
-    bytes, write 1 twice."""
+    whose float8 rounding is its own) and counts its bytes: the amax reads 2 an element, a cast also
+    writes 1 twice."""
     import torch
 
     from megatron.core import triton_support
@@ -154,13 +155,17 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
 
     def recording_compile(function, **options):
         def run(x, dtype):
+            expected, expected_inverse = to_float8(x, dtype)
+            seen.append((function.__name__, tuple(x.shape), dtype))
+            if function.__name__ in ("_scale", "one_reduction"):
+                scale = function(x, dtype)
+                assert torch.equal(scale.reciprocal(), expected_inverse)
+                return scale
             values, transposed, inverse = function(x, dtype)
             assert values.dtype == dtype and torch.equal(transposed.float(), values.t().float())
-            expected, expected_inverse = to_float8(x, dtype)
             if function.__name__ == "tensor_math":
                 assert torch.equal(values.float(), expected.float())
             assert torch.equal(inverse, expected_inverse)
-            seen.append((function.__name__, tuple(x.shape), dtype))
             return values, transposed, inverse
         return run
     monkeypatch.setattr(step_parts.torch, "compile", recording_compile)  # the casts' results, not speed
@@ -171,9 +176,11 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     rows = {name: row for name, row in result["rows"].items() if name.startswith("float8 cast")}
     widths = [spec.hidden_size, spec.ffn_hidden_size, 2 * spec.ffn_hidden_size,
               (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels]
-    ways = ["torch.compile", "Triton 32x32x4", "Triton 16x32x2"] if triton_support.interpreting() else ["torch.compile"]
-    assert [name.split(":")[0].split(", ")[-1] for name in rows] == [way for way in ways for _ in widths]
-    assert [row["bytes"] for row in rows.values()] == [4 * 32 * width for width in widths] * len(ways)
+    ways = {"amax, rows first": 2, "amax, one reduction": 2, "both layouts, torch.compile": 4}
+    if triton_support.interpreting():
+        ways.update({"both layouts, Triton 32x32x4": 4, "both layouts, Triton 16x32x2": 4})
+    assert [name.split(":")[0].removeprefix("float8 cast, ") for name in rows] == [w for w in ways for _ in widths]
+    assert [row["bytes"] for row in rows.values()] == [ways[w] * 32 * width for w in ways for width in widths]
     assert sorted({shape for _, shape, _ in seen}) == sorted({(32, width) for width in widths})
     assert {dtype for _, _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}
     assert len(seen) == len(ways) * len(widths)

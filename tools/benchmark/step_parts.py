@@ -319,43 +319,56 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
     return result
 
 
+def float8_cast_inputs(spec, tokens: int, device: torch.device) -> Dict[str, tuple]:
+    """{name: (a bf16 [tokens, width] tensor, its float8 dtype)} for each cast a decoder layer makes."""
+    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+
+    attention = spec.num_attention_heads * spec.kv_channels
+    tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, FORWARD_DTYPE),
+               "fc2's input": (spec.ffn_hidden_size, FORWARD_DTYPE),
+               "fc1's output gradient": (2 * spec.ffn_hidden_size, GRADIENT_DTYPES["hybrid"]),
+               "qkv's output gradient": (attention + 2 * spec.num_query_groups * spec.kv_channels,
+                                         GRADIENT_DTYPES["hybrid"])}
+    generator = torch.Generator(device).manual_seed(0)
+    return {name: (torch.randn(tokens, width, device=device, generator=generator).to(torch.bfloat16), dtype)
+            for name, (width, dtype) in tensors.items()}
+
+
 def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tuple]:
     """The float8 layers' casts of one micro-batch's activations and gradients (float8_matmul.float8_linear:
     the amax, the scaled cast, the transposed copy the weight gradient reads), compiled as in a compiled
-    layer, at each shape they have in a decoder layer: as tensor math (Inductor's kernels) and, where it
-    runs, through the Triton kernel (triton_float8_cast.py) at each tile of `--float8-cast-tiles`; each row
-    against one pass (read 2 bytes an element, write 1 twice), which the amax's own read keeps them above."""
+    layer, at each shape they have in a decoder layer: the amax alone (the layers' rows-first reduction and
+    one reduction over every element, read 2 bytes an element), the whole cast as tensor math (Inductor's
+    kernels) and, where it runs, through the Triton kernel (triton_float8_cast.py) at each tile of
+    `--float8-cast-tiles`; a whole cast against one pass (read 2 bytes an element, write 1 twice), which the
+    amax's own read keeps it above."""
     from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
 
     def tensor_math(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
         return values, values.t().contiguous(), inverse
-    ways = {"torch.compile": lambda: torch.compile(tensor_math)}
+
+    def one_reduction(x, dtype):
+        return float8_matmul.scale_of(x.abs().amax(), dtype)
+    ways = {"amax, rows first": (lambda: torch.compile(float8_matmul._scale), 2),
+            "amax, one reduction": (lambda: torch.compile(one_reduction), 2),
+            "both layouts, torch.compile": (lambda: torch.compile(tensor_math), 4)}
     default = (triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS)
     for tile in args.float8_cast_tiles.split(","):
         def kernel(tile=tuple(map(int, tile.split("x")))):
             torch._dynamo.reset()  # the op reads the tile when it is traced
             triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = tile
             return torch.compile(float8_matmul.to_float8_both_layouts)
-        ways[f"Triton {tile}"] = kernel
-    attention = spec.num_attention_heads * spec.kv_channels
-    tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, float8_matmul.FORWARD_DTYPE),
-               "fc2's input": (spec.ffn_hidden_size, float8_matmul.FORWARD_DTYPE),
-               "fc1's output gradient": (2 * spec.ffn_hidden_size, float8_matmul.GRADIENT_DTYPES["hybrid"]),
-               "qkv's output gradient": (attention + 2 * spec.num_query_groups * spec.kv_channels,
-                                         float8_matmul.GRADIENT_DTYPES["hybrid"])}
-    generator = torch.Generator(device).manual_seed(0)
-    inputs = {name: (torch.randn(args.float8_cast_tokens, width, device=device, generator=generator)
-                     .to(torch.bfloat16), dtype) for name, (width, dtype) in tensors.items()}
-    result = {}
-    for way, make in ways.items():
-        if way != "torch.compile" and not triton_float8_cast.available(inputs["fc2's input"][0]):
-            print("float8 cast: the Triton kernel does not run here; only torch.compile's rows")
+        ways[f"both layouts, Triton {tile}"] = (kernel, 4)
+    inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
+    for way, (make, bytes_per_element) in ways.items():
+        if "Triton" in way and not triton_float8_cast.available(inputs["fc2's input"][0]):
+            print("float8 cast: the Triton kernel does not run here; no Triton rows")
             break
         cast = make()
         for name, (x, dtype) in inputs.items():
-            result[f"float8 cast, both layouts, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
-                measure(lambda x=x, dtype=dtype: cast(x, dtype)), 4 * x.numel())
+            result[f"float8 cast, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
+                measure(lambda x=x, dtype=dtype: cast(x, dtype)), bytes_per_element * x.numel())
     triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = default
     return result
 
