@@ -162,7 +162,7 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad8_t, grad_inverse = to_float8_both_layouts(flat.contiguous(), ctx.gradient_dtype)
+        grad8, grad8_t, grad_inverse = to_float8_both_layouts(flat, ctx.gradient_dtype)
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
