@@ -33,3 +33,19 @@ def runs_on(tensor: torch.Tensor, in_compiled_layers: bool) -> bool:
         return True
     allowed = interpreter_allowed or not in_compiled_layers
     return allowed and tensor.device.type == "cpu" and interpreting()
+
+
+class LazyOp:
+    """A `torch.library` op registered on first use: `op = LazyOp(register)`, then `op()(...)`. Registering
+    imports Triton and part of Inductor (seconds a process that never runs the kernels would pay), so it
+    waits for the first call, or for a model that will use the op (call `op()` before torch.compile traces
+    the layer). An object, not a cached function: compiled code traces `op()` into reading the registered
+    op, never into the registration."""
+
+    def __init__(self, register):
+        self._register, self._op = register, None
+
+    def __call__(self):
+        if self._op is None:
+            self._op = self._register()
+        return self._op

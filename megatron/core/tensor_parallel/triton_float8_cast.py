@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from megatron.core.triton_support import HAS_TRITON, interpreting, runs_on
+from megatron.core.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
 
 BLOCK_M, BLOCK_K, NUM_WARPS = 128, 128, 8
 """One program's tile of x and its warps (`step_parts.py --float8-cast-tokens` times the others)."""
@@ -81,16 +81,8 @@ def _register():
     return cast_op
 
 
-_CAST_OP = None
-
-
-def _op():
-    """The registered op (a global, not a cached function: torch.compile traces this call and must
-    read the op, never trace its registration)."""
-    global _CAST_OP
-    if _CAST_OP is None:
-        _CAST_OP = _register()
-    return _CAST_OP
+_op = LazyOp(_register)
+"""The registered op (triton_support.LazyOp)."""
 
 
 def register_for(tensor: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.triton_support import HAS_TRITON, interpreting, runs_on
+from megatron.core.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
 
 TILE = 4096
 """Elements of one tile of rows (rows x the row width rounded up to a power of two)."""
@@ -140,15 +140,8 @@ def _register():
     return rms_norm_op
 
 
-_RMS_NORM_OP = None
-
-
-def _op():
-    """The registered op (a global, as SwiGLU's: torch.compile reads it and never traces the registration)."""
-    global _RMS_NORM_OP
-    if _RMS_NORM_OP is None:
-        _RMS_NORM_OP = _register()
-    return _RMS_NORM_OP
+_op = LazyOp(_register)
+"""The registered op (triton_support.LazyOp)."""
 
 
 def register_for(config) -> None:

@@ -27,7 +27,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.triton_support import HAS_TRITON, interpreting, runs_on
+from megatron.core.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
 
 BLOCK = 4096
 """Columns of one row per program."""
@@ -110,16 +110,8 @@ def _register():
     return swiglu_op
 
 
-_SWIGLU_OP = None
-
-
-def _op():
-    """The registered op (a global, not a cached function: torch.compile traces this call and must
-    read the op, never trace its registration)."""
-    global _SWIGLU_OP
-    if _SWIGLU_OP is None:
-        _SWIGLU_OP = _register()
-    return _SWIGLU_OP
+_op = LazyOp(_register)
+"""The registered op (triton_support.LazyOp)."""
 
 
 def configured(config) -> bool:
