@@ -30,9 +30,9 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   is shorter than its Python and autograd overhead, which the events would time instead;
 * float8 casts (`--float8-cast-tokens`): the float8 layers' cast of an activation or gradient (its amax,
   the scaled cast, the transposed copy the weight gradient reads) compiled as in a compiled layer, at each
-  shape a decoder layer has, as tensor math and through the Triton kernel at each `--float8-cast-tiles`,
-  against one pass over it (read 2 bytes an element, write 1 twice); on CUDA the profiler's kernel time,
-  as for RMSNorm;
+  shape a decoder layer has, and its amax alone two ways (the rows' maxima first, as the layers take it, and
+  one reduction over every element), against one pass over it (read 2 bytes an element, write 1 twice); on
+  CUDA the profiler's kernel time, as for RMSNorm;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -338,38 +338,24 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     """The float8 layers' casts of one micro-batch's activations and gradients (float8_matmul.float8_linear:
     the amax, the scaled cast, the transposed copy the weight gradient reads), compiled as in a compiled
     layer, at each shape they have in a decoder layer: the amax alone (the layers' rows-first reduction and
-    one reduction over every element, read 2 bytes an element), the whole cast as tensor math (Inductor's
-    kernels) and, where it runs, through the Triton kernel (triton_float8_cast.py) at each tile of
-    `--float8-cast-tiles`; a whole cast against one pass (read 2 bytes an element, write 1 twice), which the
-    amax's own read keeps it above."""
-    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
+    one reduction over every element, read 2 bytes an element) and the whole cast (read 2 bytes an element,
+    write 1 twice), which the amax's own read keeps above one pass."""
+    from megatron.core.tensor_parallel import float8_matmul
 
-    def tensor_math(x, dtype):
+    def both_layouts(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
         return values, values.t().contiguous(), inverse
 
     def one_reduction(x, dtype):
         return float8_matmul.scale_of(x.abs().amax(), dtype)
-    ways = {"amax, rows first": (lambda: torch.compile(float8_matmul._scale), 2),
-            "amax, one reduction": (lambda: torch.compile(one_reduction), 2),
-            "both layouts, torch.compile": (lambda: torch.compile(tensor_math), 4)}
-    default = (triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS)
-    for tile in args.float8_cast_tiles.split(","):
-        def kernel(tile=tuple(map(int, tile.split("x")))):
-            torch._dynamo.reset()  # the op reads the tile when it is traced
-            triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = tile
-            return torch.compile(float8_matmul.to_float8_both_layouts)
-        ways[f"both layouts, Triton {tile}"] = (kernel, 4)
+    ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
+            "both layouts": (both_layouts, 4)}
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
-    for way, (make, bytes_per_element) in ways.items():
-        if "Triton" in way and not triton_float8_cast.available(inputs["fc2's input"][0]):
-            print("float8 cast: the Triton kernel does not run here; no Triton rows")
-            break
-        cast = make()
+    for way, (function, bytes_per_element) in ways.items():
+        cast = torch.compile(function)
         for name, (x, dtype) in inputs.items():
             result[f"float8 cast, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
                 measure(lambda x=x, dtype=dtype: cast(x, dtype)), bytes_per_element * x.numel())
-    triton_float8_cast.BLOCK_M, triton_float8_cast.BLOCK_K, triton_float8_cast.NUM_WARPS = default
     return result
 
 
@@ -403,8 +389,6 @@ def main(argv=None) -> dict:
                         help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
     parser.add_argument("--float8-cast-tokens", type=int, default=0,
                         help="Also time the float8 layers' casts (amax, cast, transposed copy) over this many tokens.")
-    parser.add_argument("--float8-cast-tiles", metavar="MxKxWARPS,...", default="128x128x8",
-                        help="The Triton cast kernel's tiles timed with --float8-cast-tokens (e.g. 128x128x8,64x64x4).")
     parser.add_argument("--tied-tokens", type=int, default=0,
                         help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
@@ -414,8 +398,6 @@ def main(argv=None) -> dict:
     for flag, value in (("--loss-kernels", args.loss_kernels), ("--swiglu-kernels", args.swiglu_kernels)):
         if value and not all(part.count("x") == 1 and part.replace("x", "").isdigit() for part in value.split(",")):
             parser.error(f"{flag} {value!r} must be BLOCKxWARPS pairs, e.g. 4096x8,8192x16")
-    if not all(part.count("x") == 2 and part.replace("x", "").isdigit() for part in args.float8_cast_tiles.split(",")):
-        parser.error(f"--float8-cast-tiles {args.float8_cast_tiles!r} must be MxKxWARPS triples, e.g. 128x128x8")
     try:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:

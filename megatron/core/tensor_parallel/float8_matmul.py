@@ -23,11 +23,11 @@ casting the fp32 weight every forward as torchao's float8 linears do. All three 
 output gradient x the weight's transposed copy) and the weight gradient (the output gradient x the
 input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's gradient leaves its
 GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
-an element instead of the compute dtype's 2, and no second cast in the backward). Each cast writes
-both layouts in one pass where the Triton kernel runs (triton_float8_cast.py). Unlike the bf16 layers,
-the weight gradient is not added into `.grad` by its GEMM (`_scaled_mm` has no beta; a Triton float8
-GEMM that did it was slower than cuBLAS's GEMM and the add at every 7B-width shape, docs/performance.md):
-autograd adds it.
+an element instead of the compute dtype's 2, and no second cast in the backward). Each cast is tensor
+math that the compiled layer fuses (a Triton kernel writing both layouts in one pass was no faster,
+docs/performance.md). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
+GEMM (`_scaled_mm` has no beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the
+add at every 7B-width shape, docs/performance.md): autograd adds it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-
-from megatron.core.tensor_parallel import triton_float8_cast
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -86,13 +84,9 @@ def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
 
 def to_float8_both_layouts(tensor: torch.Tensor, dtype: torch.dtype):
     """`to_float8` of a 2-D tensor, its values also transposed: (values [M, K], values [K, M] contiguous,
-    inverse scale). Where the Triton kernel runs, one pass writes both (triton_float8_cast.py)."""
-    if not triton_float8_cast.available(tensor):
-        values, inverse = to_float8(tensor, dtype)
-        return values, values.t().contiguous(), inverse
-    scale = (_compiled(_scale) if _eager_cuda(tensor) else _scale)(tensor, dtype)
-    rows, columns = triton_float8_cast.cast_both_layouts(tensor, scale, dtype)
-    return rows, columns, scale.reciprocal()
+    inverse scale)."""
+    values, inverse = to_float8(tensor, dtype)
+    return values, values.t().contiguous(), inverse
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:

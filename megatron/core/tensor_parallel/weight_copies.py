@@ -40,7 +40,6 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel import triton_float8_cast
 from megatron.core.tensor_parallel.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, to_float8
 
 BUFFER = "weight_low"
@@ -88,7 +87,6 @@ def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Fl
     for name, buffer in zip(FLOAT8_BUFFERS, buffers):
         module.register_buffer(name, buffer, persistent=False)  # not in checkpoints
     module.float8_gradient_dtype = GRADIENT_DTYPES[fp8_format]
-    triton_float8_cast.register_for(weight)  # before a compiled layer traces its casts
     return Float8Copy(*buffers, GRADIENT_DTYPES[fp8_format])
 
 
