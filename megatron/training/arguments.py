@@ -114,6 +114,9 @@ FLAG_NOTES = (
      lambda a: not a.mock_data),
     *((dest, "--fp16 (bf16 needs no loss scaling)", lambda a: a.fp16)
       for dest in ("loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "initial_loss_scale")),
+    # Megatron's default recipe is delayed, so its scripts pass these with --fp8-format alone.
+    *((dest, "--fp8-recipe delayed", lambda a: a.fp8_format is not None and a.fp8_recipe == "delayed")
+      for dest in ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")),
 )
 # What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not

@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import InputError
-from megatron.training.checkpointing import (STAGING_SUFFIX, TRACKER, _barrier, _metadata, _rank,
+from megatron.training.checkpointing import (FP8_DIR, STAGING_SUFFIX, TRACKER, _barrier, _metadata, _rank,
                                              _remove_old_checkpoints, _rng_state, checkpoint_dir, install_checkpoint,
-                                             iteration_dir, latest_iteration)
+                                             iteration_dir, latest_iteration, save_delayed_scaling)
 from megatron.training.configs import CheckpointConfig, RunRecord
 
 NON_PERSISTENT_SUBDIR = "non_persistent"
 PERSISTENT, NON_PERSISTENT, LOCAL = "persistent", "non-persistent", "local non-persistent"
-LOCAL_SHARDS, LOCAL_RNG = "shards.pt", "rng.pt"
+LOCAL_SHARDS, LOCAL_RNG, LOCAL_FP8 = "shards.pt", "rng.pt", "fp8.pt"
 CONVERT = ("convert it to Hugging Face with Megatron-LM's tools (MegaDLMs: tools/weights_conversion/"
            "megatron_to_hf_te.py), then with tools/weights_conversion/hf_to_megatron.py --hf-path HF --save DIR, "
            "and --load DIR --finetune")
@@ -56,6 +56,9 @@ class CheckpointSource:
 
     def rng_path(self, rank: int) -> str:
         return os.path.join(self.path, LOCAL_RNG if self.kind == LOCAL else os.path.join("rng", f"rank_{rank}.pt"))
+
+    def fp8_path(self, rank: int) -> str:
+        return os.path.join(self.path, LOCAL_FP8 if self.kind == LOCAL else os.path.join(FP8_DIR, f"rank_{rank}.pt"))
 
 
 _WARNED = set()
@@ -266,6 +269,7 @@ def save_local(config: CheckpointConfig, record: RunRecord, trainer, sharded) ->
                os.path.join(staged, LOCAL_SHARDS))
     if not config.no_save_rng:
         torch.save(_rng_state(trainer.model), os.path.join(staged, LOCAL_RNG))
+    save_delayed_scaling(trainer, os.path.join(staged, LOCAL_FP8))
     metadata = {**_metadata(record, trainer, iteration), "local_layout": local_layout(record), "rank": rank}
     with open(os.path.join(staged, "metadata.json"), "w") as handle:
         json.dump(metadata, handle, indent=1)

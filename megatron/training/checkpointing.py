@@ -5,6 +5,7 @@ Layout of `--save DIR`:
                                  `optimizer.exp_avg.*`, ...), in layout-independent global shapes
     DIR/iter_0000100/metadata.json   format version, model/DLM config, layout, tokenizer, TrainState
     DIR/iter_0000100/rng/rank_N.pt   every RNG of rank N (tensors only, loaded with weights_only)
+    DIR/iter_0000100/fp8/rank_N.pt   --fp8-recipe delayed: rank N's amax histories and scales (likewise)
     DIR/latest_checkpointed_iteration.txt   written last, atomically, once every rank finished
 Nothing in a checkpoint is unpickled as arbitrary objects (DCP's `.metadata` index goes through
 an allow-list unpickler, RNG states through `weights_only`). The diffusion corruption needs no
@@ -45,6 +46,7 @@ from megatron.core.distributed.data_parallel import unwrap
 
 FORMAT_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
+FP8_DIR = "fp8"
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -207,6 +209,7 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     if not config.no_save_rng:
         os.makedirs(os.path.join(target, "rng"), exist_ok=True)
         torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+    save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
     if rank == 0:
         with open(os.path.join(target, "metadata.json"), "w") as handle:
             json.dump(_metadata(record, trainer, iteration), handle, indent=1)
@@ -461,7 +464,35 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
         "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
     if not config.no_load_rng and same_layout and os.path.exists(rng_path):
         _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
+    _load_delayed_scaling(trainer, source.fp8_path(rank), log or print)
     return source.iteration
+
+
+def _delayed_scaling(trainer):
+    copies = getattr(trainer, "weight_copies", None)
+    return None if copies is None else copies.delayed_scaling
+
+
+def save_delayed_scaling(trainer, path: str) -> None:
+    """`--fp8-recipe delayed`: this rank's amax histories and scales (float8_scaling.py), tensors and
+    layer names only; nothing without it."""
+    scaling = _delayed_scaling(trainer)
+    if scaling is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(scaling.state_dict(), path)
+
+
+def _load_delayed_scaling(trainer, path: str, log: Callable[[str], None]) -> None:
+    """The histories and scales saved for this rank, where they fit this run; else the scales start
+    afresh (the first iteration scales by each tensor's own amax), said in one line."""
+    scaling = _delayed_scaling(trainer)
+    if scaling is None:
+        return
+    problem = "the checkpoint has none for this rank (saved without --fp8-recipe delayed, or by another layout)"
+    if os.path.exists(path):
+        problem = scaling.load_state_dict(torch.load(path, weights_only=True))
+    if problem is not None and _rank() == 0:
+        log(f"> --fp8-recipe delayed: amax histories start afresh: {problem}")
 
 
 def _initialise_adam_state(optimizer, step: float) -> None:

@@ -26,8 +26,8 @@ from megatron.training.tokenizer import TOKENIZER_ALIASES
 
 _FUSION = ("a Megatron/Transformer Engine fused-kernel toggle; these ops are plain PyTorch here (fused by "
            "--torch-compile), with the unfused numerics either way")
-_FP8_DELAYED = ("a delayed-scaling knob: fp8 here (torchao float8) scales every tensor from its current amax "
-                "(--fp8-recipe tensorwise or rowwise), so there is no amax history")
+_FP8_DELAYED = ("--fp8-recipe delayed updates its scales after every iteration here (Megatron deprecated the "
+                "interval too)")
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,6 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
              "batch divided by the global number of loss tokens (not a mean of micro-batch means)"),
     NoEffect("--tiktoken-pattern", "only Megatron's TikTokenizer reads it, and no tokenizer here does",
              {"default": None}),
-    NoEffect("--fp8-amax-history-len", _FP8_DELAYED, {"type": int, "default": None}),
-    NoEffect("--fp8-amax-compute-algo", _FP8_DELAYED, {"choices": ["max", "most_recent"], "default": None}),
-    NoEffect("--fp8-margin", _FP8_DELAYED, {"type": int, "default": None}),
     NoEffect("--fp8-interval", _FP8_DELAYED, {"type": int, "default": None}),
     NoEffect("--fp8-param-gather", "weights are kept and all-gathered in their master dtype here; torchao casts "
              "them to fp8 per GEMM"),

@@ -36,14 +36,20 @@ def validate_parallel(args: argparse.Namespace) -> None:
                          f"{args.data_parallel_sharding_strategy} gathers the weights in bf16 itself); drop it")
     if args.fp8_format:
         from megatron.core.transformer.fp8 import float8_config
+        from megatron.training.precision_args import delayed_scaling
 
         if args.tensor_model_parallel_size != 1:
             raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
-        if weight_copies and args.fp8_recipe != "tensorwise":
-            raise ValueError(f"--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies; "
-                             f"--fp8-recipe {args.fp8_recipe} scales per row: use --fp8-recipe tensorwise or drop "
+        if weight_copies and args.fp8_recipe == "rowwise":
+            raise ValueError("--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies; "
+                             "--fp8-recipe rowwise scales per row: use --fp8-recipe tensorwise or delayed, or drop "
                              "--cache-low-precision-weights")
-        if not weight_copies:
+        if args.fp8_recipe == "delayed":
+            if not weight_copies:
+                raise ValueError("--fp8-recipe delayed runs in the float8 layers of the weights' working copies "
+                                 "(torchao has no delayed scaling): add --cache-low-precision-weights")
+            delayed_scaling(args)  # raises on a bad history length or margin
+        elif not weight_copies:
             float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
 
 

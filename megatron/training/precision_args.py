@@ -28,8 +28,17 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="Train the transformer layers' linear layers in fp8: e4m3 everywhere, or hybrid (e5m2 output "
                         "gradients). Through torchao's float8 linears, or with --cache-low-precision-weights through "
                         "float8 working copies of the weights (no torchao needed). Tensor-parallel size 1.")
-    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"],
-                   help="With --fp8-format: one dynamic scale per tensor, or per row.")
+    g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
+                   help="With --fp8-format: one dynamic scale per tensor, or per row; or delayed (Megatron's "
+                        "recipe, with --cache-low-precision-weights): each layer's input and output gradient cast "
+                        "by scales from earlier iterations' amaxes (--fp8-amax-history-len, "
+                        "--fp8-amax-compute-algo, --fp8-margin), the amax read in the cast's own pass.")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="--fp8-recipe delayed: iterations of amaxes each scale looks back over.")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+                   help="--fp8-recipe delayed: the scale's amax is the last iteration's or the history's largest.")
+    g.add_argument("--fp8-margin", type=int, default=0,
+                   help="--fp8-recipe delayed: scales divided by 2^margin (headroom for growing amaxes).")
     g.add_argument("--fp8-output-layer", action="store_true",
                    help="With --fp8-format and --difflm-masked-only-loss: the output layer's logits and input-"
                         "gradient GEMMs in float8 too (tensorwise; the weight gradient stays in the compute dtype).")
@@ -51,3 +60,12 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
 def moment_dtypes(args: argparse.Namespace) -> dict:
     """OptimizerConfig's exp_avg_dtype and exp_avg_sq_dtype from the flags."""
     return {key: MOMENT_DTYPES[getattr(args, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")}
+
+
+def delayed_scaling(args: argparse.Namespace):
+    """`--fp8-recipe delayed`'s settings (float8_scaling.DelayedScalingConfig), or None."""
+    if not args.fp8_format or args.fp8_recipe != "delayed":
+        return None
+    from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig
+
+    return DelayedScalingConfig(args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin)

@@ -45,7 +45,7 @@ from megatron.training.data_parallel_args import describe as describe_data_paral
 from megatron.training.loss_scale import LossScale
 from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
 from megatron.training.loop_hooks import LoopHooks
-from megatron.training.precision_args import moment_dtypes
+from megatron.training.precision_args import delayed_scaling, moment_dtypes
 from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
@@ -265,6 +265,8 @@ class Trainer:
             self.grad_scaler.step(self.optimizer)
             self.scheduler.advance(batch[0])
         self.loss_scale.update(overflow=verdict.skip)  # fp16 only
+        if self.weight_copies is not None:  # --fp8-recipe delayed: the iteration's amaxes into the scales
+            self.weight_copies.end_iteration(skipped=verdict.skip)
         forget_gradient_scale(self.optimizer)
         self.hooks.phase_end("optimizer")
         numerics = self.rerun.report(zeros, self.rerun.params_norm(self.model, self._norm_groups())) if logged else None
@@ -486,7 +488,8 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     copies = None
     if args.cache_low_precision_weights:
-        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format)
+        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format,
+                                      delayed_scaling(args), replica_group(layout.groups))
         fp8_layers += copies.float8_layers
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
                      + (f", {copies.float8_layers} of them in float8" if args.fp8_format else

@@ -73,6 +73,7 @@ from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
                                               forget_gradient_scale)
 from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig  # noqa: E402
 from megatron.core.tensor_parallel.weight_copies import attach_weight_copies  # noqa: E402
 from megatron.core.transformer.fp8 import (  # noqa: E402
     FP8_FORMATS, FP8_RECIPES, enable_fp8_training, float8_gemms_on_cpu)
@@ -230,8 +231,9 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                        adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
                                                        compiled_step=args.compile_optimizer_step,
                                                        **moment_dtypes(args)))
-    copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None)
-              if args.cache_low_precision_weights and config.bf16 else None)
+    delayed = DelayedScalingConfig() if args.fp8 and args.fp8_recipe == "delayed" else None
+    copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None,
+                                   delayed) if args.cache_low_precision_weights and config.bf16 else None)
     info["weight_copies"] = 0 if copies is None else len(copies.pairs)
     if float8_copies:
         info["fp8_linears"] = copies.float8_layers
@@ -258,6 +260,8 @@ def training_step(model, optimizer, copies, args: argparse.Namespace, diffusion_
             loss_sum, normalizer = loss_sum + out.loss_sum.detach(), normalizer + out.normalizer
         clip_grad_norm(model.parameters(), CLIP_GRAD, scale=1.0 / normalizer, optimizer=optimizer)
         optimizer.step()
+        if copies is not None:
+            copies.end_iteration()  # delayed scaling's update, as the trainer's
         forget_gradient_scale(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return loss_sum / normalizer
@@ -439,7 +443,8 @@ def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """The fp8 rows, and the storage of our AdamW's moments."""
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
     parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradients' type.")
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise", help="With --fp8: scaling.")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES + ("delayed",), default="tensorwise",
+                        help="With --fp8: scaling (delayed: Megatron's defaults, with --cache-low-precision-weights).")
     parser.add_argument("--fp8-output-layer", action="store_true",
                         help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
                              "gradient) in float8 too.")
@@ -485,6 +490,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
             import torchao.float8  # noqa: F401
         except ImportError:
             raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
+    if args.fp8 and args.fp8_recipe == "delayed" and not args.cache_low_precision_weights:
+        raise UsageError("--fp8-recipe delayed runs in the float8 copies' layers: add --cache-low-precision-weights")
     if args.fp8_output_layer and not (args.fp8 and args.masked_only_loss):
         raise UsageError("--fp8-output-layer needs --fp8 and --masked-only-loss (the chunked output layer)")
     return spec
@@ -529,7 +536,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     for fp8 in ([False, True] if args.fp8 else [False]):
         for grouped in grouped_variants:
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
-            levers = [(fp8, " fp8"), (fp8 and args.fp8_output_layer, " fp8-output-layer"),
+            levers = [(fp8, " fp8"), (fp8 and args.fp8_recipe != "tensorwise", f" {args.fp8_recipe}"),
+                      (fp8 and args.fp8_output_layer, " fp8-output-layer"),
                       (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
                       (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),

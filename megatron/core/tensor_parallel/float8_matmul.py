@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -54,12 +55,23 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
 
 
+def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |tensor| in fp32 (0-d), the rows' maxima first (see `_scale`)."""
+    magnitude = tensor.detach().abs()
+    return (magnitude.amax(dim=-1).amax() if magnitude.dim() > 1 else magnitude.amax()).float()
+
+
+def record_amax(slot: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Raise the 0-d `slot` (delayed scaling's running amax) to max |tensor|. Traced into the compiled
+    layer, forward and backward, where the amax shares the cast's read."""
+    slot.copy_(torch.maximum(slot, tensor_amax(tensor)))
+
+
 def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The scale of `tensor`'s amax. Rows first: compiled, one reduction over all of a [8192, 14336]
     tensor ran at 0.5 TB/s on an H200 (docs/performance.md); the rows' maxima, then theirs, are the same
     value."""
-    magnitude = tensor.detach().abs()
-    return scale_of(magnitude.amax(dim=-1).amax() if magnitude.dim() > 1 else magnitude.amax(), dtype)
+    return scale_of(tensor_amax(tensor), dtype)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype):
@@ -134,17 +146,41 @@ def input_gradient(grad_logits: torch.Tensor, weight: Float8Weight, fmt: str) ->
     return product[:count]
 
 
+class DelayedScales(NamedTuple):
+    """A float8 layer's delayed scaling (float8_scaling.py): its row of the scales and of the running
+    amaxes ([2] each: the input, the output gradient), and whether the scales are set yet."""
+
+    scales: torch.Tensor
+    amax: torch.Tensor
+    ready: bool
+
+
+def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
+    """`to_float8_both_layouts`, with a given scale (delayed scaling) instead of the tensor's own amax."""
+    if scale is None:
+        return to_float8_both_layouts(tensor, dtype)
+    values = scaled_cast(tensor, scale, dtype)
+    return values, values.t().contiguous(), scale.reciprocal()
+
+
 class _Float8Linear(torch.autograd.Function):
-    """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring)."""
+    """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring);
+    with `scales` (delayed scaling) the input and the output gradient are cast by them, and `amax` [2]
+    records the output gradient's amax (the input's is recorded before the call)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
-                inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype) -> torch.Tensor:
+                inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype,
+                scales: Optional[torch.Tensor], amax: Optional[torch.Tensor]) -> torch.Tensor:
         del weight  # its gradient is what the backward returns; its values come from the copies
         ctx.out_dtype, ctx.gradient_dtype, ctx.has_bias = out_dtype, gradient_dtype, bias is not None
+        # Not saved tensors: the amaxes change under autograd's feet by design (every layer's record
+        # bumps the version counter they share), and the scales only between iterations.
+        ctx.scales, ctx.amax = scales, amax
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
-            x8, x8_t, x_inverse = to_float8_both_layouts(flat.to(out_dtype), FORWARD_DTYPE)
+            x8, x8_t, x_inverse = _cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
+                                                     None if scales is None else scales[0])
             ctx.save_for_backward(x8_t, x_inverse, columns, inverse_scale)
             output = torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
                                       use_fast_accum=True)
@@ -155,15 +191,19 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
+        scales, amax = ctx.scales, ctx.amax
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad8_t, grad_inverse = to_float8_both_layouts(flat, ctx.gradient_dtype)
+        if amax is not None:
+            record_amax(amax[1], flat)
+        grad8, grad8_t, grad_inverse = _cast_both_layouts(flat, ctx.gradient_dtype,
+                                                          None if scales is None else scales[1])
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
                                        out_dtype=torch.float32)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
-                None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def float8_ready(x: torch.Tensor) -> bool:
@@ -173,6 +213,14 @@ def float8_ready(x: torch.Tensor) -> bool:
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype) -> torch.Tensor:
     """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
-    `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16."""
+    `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16. With
+    the copy's `delayed` scales, the input and output gradient are cast by them once they are `ready`
+    (before, by their own amax), and both amaxes are recorded."""
+    delayed: Optional[DelayedScales] = copy.delayed
+    scales = amax = None
+    if delayed is not None:
+        amax = delayed.amax
+        record_amax(amax[0], x.to(out_dtype))
+        scales = delayed.scales if delayed.ready else None
     return _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
-                               copy.gradient_dtype)
+                               copy.gradient_dtype, scales, amax)

@@ -40,7 +40,9 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, to_float8
+from megatron.core.tensor_parallel.float8_matmul import (ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, DelayedScales,
+                                                         to_float8)
+from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
 
 BUFFER = "weight_low"
 FLOAT8_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inverse_scale")
@@ -56,6 +58,8 @@ class Float8Copy(NamedTuple):
     inverse_scale: torch.Tensor
     """0-d fp32: what the GEMMs multiply the products back by (the weight's amax over e4m3's largest)."""
     gradient_dtype: torch.dtype
+    delayed: Optional[DelayedScales] = None
+    """The input's and output gradient's delayed scaling (`--fp8-recipe delayed`), in training."""
 
 
 def _cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
@@ -104,7 +108,8 @@ def _output_weight_owners(model: nn.Module) -> Dict[int, bool]:
 class WeightCopies:
     """The compute-dtype copies of `model`'s tensor-parallel linear weights (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, fp8_format: Optional[str] = None) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, fp8_format: Optional[str] = None,
+                 delayed: Optional[DelayedScalingConfig] = None, group=None) -> None:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         self.dtype = dtype
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
@@ -121,7 +126,18 @@ class WeightCopies:
         self._index: Dict[int, int] = {}
         self._written: Dict[int, tuple] = {}
         """Copies the optimizer wrote since the last refresh: index -> the weight's stamp then."""
+        self.delayed_scaling: Optional[DelayedScaling] = None
+        """`--fp8-recipe delayed`: the float8 layers' amax histories and scales (float8_scaling.py)."""
+        if delayed is not None and fp8_format is not None:
+            names = {id(module): name for name, module in model.named_modules()}
+            float8 = [module for module, copy in self.layers if isinstance(copy, Float8Copy)]
+            self.delayed_scaling = DelayedScaling(float8, [names[id(m)] for m in float8], fp8_format, delayed, group)
         self.refresh()
+
+    def end_iteration(self, skipped: bool = False) -> None:
+        """After the optimizer step: delayed scaling takes the iteration's amaxes (float8_scaling.py)."""
+        if self.delayed_scaling is not None:
+            self.delayed_scaling.update(skipped)
 
     def _new_copy(self, module: nn.Module, weight: torch.Tensor, fp8_format: Optional[str]):
         if fp8_format is not None and all(size % ALIGNMENT == 0 for size in weight.shape):
@@ -179,7 +195,9 @@ def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
     in evaluation a float8 layer's weight is cast afresh, any other layer casts its own."""
     if hasattr(module, "float8_gradient_dtype"):
         buffers = [getattr(module, name) for name in FLOAT8_BUFFERS]
-        copy = Float8Copy(*buffers, module.float8_gradient_dtype)
+        delayed = (DelayedScales(module.fp8_scale, module.fp8_amax, module.fp8_delayed_ready)
+                   if hasattr(module, "fp8_scale") and module.training else None)
+        copy = Float8Copy(*buffers, module.float8_gradient_dtype, delayed)
         if not module.training:
             copy = Float8Copy(*(torch.empty_like(b) for b in buffers), module.float8_gradient_dtype)
             cast_float8([copy], [module.weight])
@@ -187,15 +205,16 @@ def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
     return getattr(module, BUFFER, None) if module.training else None
 
 
-def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype,
-                         fp8_format: Optional[str] = None) -> WeightCopies:
+def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype, fp8_format: Optional[str] = None,
+                         delayed: Optional[DelayedScalingConfig] = None, group=None) -> WeightCopies:
     """Copies for `model`'s linear layers (float8 ones under `fp8_format`), written by each of this
     rank's `CompiledAdamW` steps (the other optimizers leave them to `refresh`). After the data-parallel
-    wrapper: its buffers are not broadcast, and these need not be (every rank writes its own)."""
+    wrapper: its buffers are not broadcast, and these need not be (every rank writes its own).
+    `delayed`: the float8 layers' delayed scaling, its amaxes the largest over `group` (the replicas)."""
     from megatron.core.optimizer.compiled_adamw import CompiledAdamW
     from megatron.core.optimizer.optimizer import local_optimizers
 
-    copies = WeightCopies(model, dtype, fp8_format)
+    copies = WeightCopies(model, dtype, fp8_format, delayed, group)
     for local in local_optimizers(optimizer):
         if isinstance(local, CompiledAdamW):
             local.weight_copies = copies

@@ -1,0 +1,127 @@
+"""Delayed scaling for the float8 layers (`--fp8-recipe delayed`, Megatron's recipe under Transformer
+Engine): a layer casts its input and its output gradient with scales taken from earlier iterations'
+amaxes instead of this tensor's own, so the cast needs no reduction before it and the amax it records
+is read in the same pass (the compiled layer fuses both: `float8_matmul.record_amax`).
+
+State, per float8 layer (`weight_copies.Float8Copy`, so only with `--cache-low-precision-weights`), two
+columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
+- `current` [2]: this iteration's running amax, which every micro-batch's forward (the input) and
+  backward (the output gradient) raises (`float8_matmul.record_amax`);
+- `history` [--fp8-amax-history-len, 2]: the amaxes of the last iterations, most recent first;
+- `scales` [2]: what the casts multiply by: largest / amax / 2^--fp8-margin, amax being the most recent
+  entry (`--fp8-amax-compute-algo most_recent`, Megatron's default) or the history's largest (`max`).
+
+`DelayedScaling.update` runs once an iteration, after the optimizer step: it takes the largest amax over
+the data-parallel replicas (one all-reduce of [layers, 2]; every replica then casts with the same
+scales, and a checkpoint holds what every rank holds), pushes it into the history and recomputes the
+scales; a scale whose amax is zero or not finite keeps its last value, and a skipped iteration (a
+non-finite loss or norm) leaves the history alone. Micro-batches of one iteration share its scales.
+
+The first iteration of a run has no history: its layers scale each tensor by its own amax (the
+tensorwise recipe, and so the same values) while recording; the next ones read the scales (`ready`
+turns on, which the compiled layers see once, as a recompilation). Transformer Engine starts from a
+scale of 1 instead, which flushes small gradients to zero in e5m2 on the first step. Evaluation scales
+by the current amax and records nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.tensor_parallel.utils import group_size
+
+ALGORITHMS = ("most_recent", "max")
+
+
+@dataclass(frozen=True)
+class DelayedScalingConfig:
+    """Megatron's delayed-scaling flags."""
+
+    history_len: int = 1
+    """--fp8-amax-history-len: iterations of amaxes kept."""
+    algo: str = "most_recent"
+    """--fp8-amax-compute-algo: the scale's amax is the most recent one or the history's largest."""
+    margin: int = 0
+    """--fp8-margin: the scale divided by 2^margin, headroom for amaxes that grow."""
+
+    def __post_init__(self) -> None:
+        if self.history_len < 1:
+            raise ValueError(f"--fp8-amax-history-len {self.history_len}: must be at least 1")
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"--fp8-amax-compute-algo {self.algo!r}: choose one of {', '.join(ALGORITHMS)}")
+        if self.margin < 0:
+            raise ValueError(f"--fp8-margin {self.margin}: must be 0 or more")
+
+
+class DelayedScaling:
+    """The amax histories and scales of `modules` (float8 layers, called `names` in checkpoints), one row
+    each; every module gets views of its row as non-persistent buffers: `fp8_amax` (current) and
+    `fp8_scale` (scales)."""
+
+    def __init__(self, modules: List[nn.Module], names: List[str], fp8_format: str, config: DelayedScalingConfig,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        device = modules[0].weight.device if modules else torch.device("cpu")
+        count = len(modules)
+        self.config, self.group, self.modules, self.names = config, group, modules, list(names)
+        self.current = torch.zeros(count, 2, device=device)
+        self.history = torch.zeros(count, config.history_len, 2, device=device)
+        self.scales = torch.ones(count, 2, device=device)
+        self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
+                                    dtype=torch.float64, device=device)
+        for index, module in enumerate(modules):
+            module.register_buffer("fp8_amax", self.current[index], persistent=False)
+            module.register_buffer("fp8_scale", self.scales[index], persistent=False)
+        self._set_ready(False)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the scales come from a recorded iteration (else the layers scale by the current amax)."""
+        return self._ready
+
+    def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
+        for module in self.modules:
+            module.fp8_delayed_ready = ready  # a Python flag: compiled layers guard on it
+
+    @torch.no_grad()
+    def update(self, skipped: bool = False) -> None:
+        """After an iteration's optimizer step: its amaxes (the largest over the replicas) into the
+        history and the scales from it; `skipped`: the iteration was dropped, its amaxes too."""
+        if not self.modules:
+            return
+        if skipped:
+            self.current.zero_()
+            return
+        if group_size(self.group) > 1:
+            dist.all_reduce(self.current, op=dist.ReduceOp.MAX, group=self.group)
+        latest = torch.where(self.current.isfinite(), self.current, torch.zeros_like(self.current))
+        self.history.copy_(torch.cat([latest[:, None], self.history[:, :-1]], dim=1))
+        amax = self.history[:, 0] if self.config.algo == "most_recent" else self.history.amax(dim=1)
+        scales = (self.largest / amax.double().clamp(min=1e-12) / 2.0 ** self.config.margin).float()
+        self.scales.copy_(torch.where(amax > 0, scales, self.scales))
+        self.current.zero_()
+        self._set_ready(True)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The histories and scales, for this rank's checkpoint file."""
+        return {"layers": self.names, "history": self.history.cpu(), "scales": self.scales.cpu(),
+                "ready": torch.tensor(self.ready)}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> Optional[str]:
+        """Restore `state_dict`'s tensors; None, or why they do not fit this run (it then starts afresh)."""
+        if state["layers"] != self.names:
+            return f"they are of {len(state['layers'])} other layers than this rank's {len(self.names)}"
+        if tuple(state["history"].shape) != tuple(self.history.shape):
+            return (f"their history is {state['history'].shape[1]} iterations long, this run's "
+                    f"{self.config.history_len} (--fp8-amax-history-len)")
+        self.history.copy_(state["history"])
+        self.scales.copy_(state["scales"])
+        self.current.zero_()
+        self._set_ready(bool(state["ready"]))
+        return None

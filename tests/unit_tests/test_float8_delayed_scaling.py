@@ -1,0 +1,178 @@
+"""--fp8-recipe delayed (float8_scaling.py): the float8 layers cast their input and output gradient by
+scales from earlier iterations' amaxes.
+
+Each test fails if its part broke: the update's arithmetic (Megatron's formula, the history, the
+margin, a zero or non-finite amax, a skipped iteration), the layer's casts (the first iteration is the
+tensorwise recipe bit for bit, the next ones saturate at the last iteration's amax, both amaxes are
+recorded, forward and backward), the compiled layers (the recording traced without a graph break), the
+flags, and training from the command line (resume: tests/distributed/test_checkpoint_resume.py; the
+replicas' shared amax: tests/distributed/test_weight_copies_parallel.py)."""
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
+from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
+from megatron.core.tensor_parallel.weight_copies import WeightCopies
+from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
+
+E4M3, E5M2 = torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES["hybrid"]).max
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("algo, margin", [("most_recent", 0), ("max", 1)])
+def test_the_update_is_megatrons_delayed_scaling(algo, margin):
+    """Four iterations of two layers' amaxes, written through each layer's own buffer view, against the
+    formula computed here: scale = largest / amax / 2^margin, amax the latest or the history's largest;
+    a zero or non-finite amax keeps the scale it had; a skipped iteration changes nothing."""
+    layers = [nn.Linear(16, 16), nn.Linear(16, 16)]
+    scaling = DelayedScaling(layers, ["first", "second"], "hybrid", DelayedScalingConfig(3, algo, margin))
+    assert not scaling.ready and not any(layer.fp8_delayed_ready for layer in layers)
+    assert torch.equal(scaling.scales, torch.ones(2, 2))
+    iterations = [[[2.0, 8.0], [0.5, 0.0]], [[4.0, math.inf], [1.0, 2.0]], [[1.0, 1.0], [0.25, 4.0]],
+                  [[3.0, 0.5], [2.0, 0.125]]]
+    history = [[[] for _ in range(2)] for _ in range(2)]
+    expected = [[1.0, 1.0], [1.0, 1.0]]
+    for index, amaxes in enumerate(iterations):
+        for layer, values in zip(layers, amaxes):
+            layer.fp8_amax.copy_(torch.tensor(values))
+        if index == 2:  # a skipped iteration: its amaxes are dropped
+            before = (scaling.history.clone(), scaling.scales.clone())
+            scaling.update(skipped=True)
+            assert torch.equal(scaling.current, torch.zeros(2, 2))
+            assert torch.equal(scaling.history, before[0]) and torch.equal(scaling.scales, before[1])
+            continue
+        scaling.update()
+        for row in range(2):
+            for column, largest in enumerate((E4M3, E5M2)):
+                value = amaxes[row][column]
+                history[row][column] = ([value if math.isfinite(value) else 0.0] + history[row][column])[:3]
+                amax = history[row][column][0] if algo == "most_recent" else max(history[row][column])
+                if amax > 0:
+                    expected[row][column] = largest / amax / 2 ** margin
+        assert scaling.ready and all(layer.fp8_delayed_ready for layer in layers)
+        assert torch.allclose(scaling.scales, torch.tensor(expected), rtol=1e-6), (index, scaling.scales, expected)
+        padded = [[column + [0.0] * (3 - len(column)) for column in row] for row in history]
+        assert torch.equal(scaling.history, torch.tensor(padded).transpose(1, 2)), index
+        assert torch.equal(scaling.current, torch.zeros(2, 2))
+
+
+def test_a_checkpointed_state_loads_only_where_it_fits():
+    layers = [nn.Linear(16, 16)]
+    scaling = DelayedScaling(layers, ["layer"], "e4m3", DelayedScalingConfig(2))
+    layers[0].fp8_amax.copy_(torch.tensor([2.0, 4.0]))
+    scaling.update()
+    state = scaling.state_dict()
+    other = DelayedScaling([nn.Linear(16, 16)], ["layer"], "e4m3", DelayedScalingConfig(2))
+    assert other.load_state_dict(state) is None and other.ready
+    assert torch.equal(other.scales, scaling.scales) and torch.equal(other.history, scaling.history)
+    assert "other layers" in DelayedScaling([nn.Linear(16, 16)], ["renamed"], "e4m3",
+                                            DelayedScalingConfig(2)).load_state_dict(state)
+    longer = DelayedScaling([nn.Linear(16, 16)], ["layer"], "e4m3", DelayedScalingConfig(3))
+    assert "--fp8-amax-history-len" in longer.load_state_dict(state) and not longer.ready
+
+
+def _pair(seed: int = 0):
+    """A float8 layer with delayed scaling and its twin with the tensorwise recipe (the same weights)."""
+    torch.manual_seed(seed)
+    layer = ColumnParallelLinear(64, 48, bias=True, init_std=0.5)
+    with torch.no_grad():
+        layer.bias.normal_()
+    twin = copy.deepcopy(layer)
+    delayed = WeightCopies(nn.Sequential(layer), torch.bfloat16, "hybrid", DelayedScalingConfig())
+    WeightCopies(nn.Sequential(twin), torch.bfloat16, "hybrid")
+    return layer, twin, delayed
+
+
+def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x)
+    (out.float() * grad).sum().backward()
+    return out.float(), x.grad
+
+
+def test_the_first_iteration_is_tensorwise_and_the_next_casts_by_its_amaxes():
+    layer, twin, copies = _pair()
+    x, grad = torch.randn(2, 16, 64), torch.randn(2, 16, 48)
+    first, reference = _run(layer, x, grad), _run(twin, x, grad)
+    for mine, theirs in zip(first, reference):
+        assert torch.equal(mine, theirs)  # no history yet: each tensor by its own amax
+    x_amax, grad_amax = x.to(torch.bfloat16).abs().max().float(), grad.to(torch.bfloat16).abs().max().float()
+    assert torch.equal(layer.fp8_amax, torch.stack([x_amax, grad_amax]))  # forward's and backward's
+    copies.end_iteration()
+    assert torch.equal(layer.fp8_scale, torch.stack([scale_of(x_amax, FORWARD_DTYPE),
+                                                     scale_of(grad_amax, GRADIENT_DTYPES["hybrid"])]))
+    # The next iteration's input is 3x larger: cast by the last amax, its largest values saturate.
+    bigger = 3 * x
+    out, x_grad = _run(layer, bigger, grad)
+    scale = layer.fp8_scale[0]
+    x8 = (bigger.to(torch.bfloat16).float() * scale).clamp(-E4M3, E4M3).to(FORWARD_DTYPE).float() / scale
+    weight = layer.weight_fp8.float() * layer.weight_fp8_inverse_scale
+    expected = x8 @ weight.t() + layer.bias.detach().to(torch.bfloat16).float()
+    assert (out - expected).abs().max() < 1e-2 * expected.abs().max()  # bf16 output's rounding
+    tensorwise = _run(twin, bigger, grad)
+    assert (out - tensorwise[0]).abs().max() > 0.2 * expected.abs().max()  # the saturation shows
+    # The output gradient's amax did not move: its scale is what tensorwise computes, bit for bit.
+    assert torch.equal(x_grad, tensorwise[1])
+    assert torch.equal(layer.fp8_amax, torch.stack([bigger.to(torch.bfloat16).abs().max().float(), grad_amax]))
+
+
+def test_evaluation_scales_by_the_current_amax_and_records_nothing():
+    layer, twin, copies = _pair(seed=1)
+    x = torch.randn(32, 64)
+    _run(layer, x, torch.randn(32, 48))
+    copies.end_iteration()
+    layer.eval(), twin.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(5 * x), twin(5 * x))
+    assert torch.equal(layer.fp8_amax, torch.zeros(2))
+
+
+def test_compiled_layers_record_the_amaxes_without_a_graph_break():
+    """fullgraph=True: the forward's record and the backward's (a buffer written in a compiled backward)
+    trace; the compiled layer's outputs, gradients and amaxes are the eager layer's, and the flag that
+    turns the scales on recompiles once."""
+    eager, _, eager_copies = _pair(seed=2)
+    layer, _, copies = _pair(seed=2)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        x, grad = torch.randn(32, 64) * (step + 1), torch.randn(32, 48) / (step + 1)
+        for mine, theirs in zip(_run(compiled, x, grad), _run(eager, x, grad)):
+            assert torch.equal(mine, theirs), step
+        assert torch.equal(layer.fp8_amax, eager.fp8_amax) and layer.fp8_amax.min() > 0
+        copies.end_iteration(), eager_copies.end_iteration()
+        assert torch.equal(layer.fp8_scale, eager.fp8_scale)
+
+
+def test_the_flags_need_the_float8_copies(capsys):
+    message = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], capsys)
+    assert "--fp8-recipe delayed runs in the float8 layers of the weights' working copies" in message
+    assert "--cache-low-precision-weights" in message
+    message = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                                  "--cache-low-precision-weights", "--fp8-amax-history-len", "0"], capsys)
+    assert message.endswith("--fp8-amax-history-len 0: must be at least 1")
+
+
+def test_the_command_line_trains_with_delayed_scaling():
+    run = run_cli(*TINY, "--bf16", "--train-iters", "4", "--log-interval", "1", "--lr", "1e-2", "--micro-batch-size",
+                  "2", "--global-batch-size", "4", "--fp8-format", "hybrid", "--cache-low-precision-weights",
+                  "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"> fp8: \d+ linear layers train in float8 \(hybrid, delayed\)", run.stdout)
+    losses = [float(v) for v in re.findall(r"lm loss: ([0-9.E+-]+)", run.stdout)]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    noted = run_cli(*TINY, "--bf16", "--train-iters", "1", "--fp8-format", "hybrid", "--cache-low-precision-weights",
+                    "--fp8-amax-history-len", "1024")
+    assert noted.returncode == 0 and "--fp8-amax-history-len has no effect without --fp8-recipe delayed" in noted.stderr
