@@ -48,8 +48,51 @@ def test_float8_copies_train_under_zero1_as_replicated(tmp_path):
         base = (SHAPE + CONFIGS[config] + MODES[mode] + ["--compile-optimizer-step", "--bf16", "--lr", "1e-2",
                                                          "--fp8-format", "hybrid", "--cache-low-precision-weights"])
         argvs += [base, base + ["--use-distributed-optimizer"]]
+    delayed = ["--fp8-recipe", "delayed"]  # the replicas' shared amaxes: the same scales on every rank
+    argvs += [argvs[0] + delayed, argvs[1] + delayed]
     results = run_many(2, argvs, tmp_path, "float8_copies")
-    for index, case in enumerate(FLOAT8_CASES):
+    for index, case in enumerate(FLOAT8_CASES + [FLOAT8_CASES[0] + ("delayed",)]):
         replicated, zero1 = results[2 * index], results[2 * index + 1]
         assert len(replicated["losses"]) == 3
         assert zero1["losses"] == replicated["losses"], case
+
+
+def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layers = [nn.Linear(16, 16), nn.Linear(16, 16)]
+    scaling = DelayedScaling(layers, ["a", "b"], "hybrid", DelayedScalingConfig(), dist.group.WORLD)
+    torch.manual_seed(rank)
+    seen = torch.rand(2, 2) * (rank + 1)
+    for layer, row in zip(layers, seen):
+        layer.fp8_amax.copy_(row)
+    scaling.update()
+    torch.save({"seen": seen, "history": scaling.history.clone(), "scales": scaling.scales.clone()}, f"{out}.{rank}")
+
+
+def test_delayed_scaling_shares_the_replicas_largest_amax(tmp_path):
+    """--fp8-recipe delayed: every replica casts with the scales of the largest amax any of them saw
+    (one all-reduce in the update), so replicas agree and a checkpoint holds what each rank holds."""
+    import torch
+
+    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
+    from tests.distributed.parity import free_port, start_workers
+
+    out = str(tmp_path / "amax")
+    start_workers(_shared_amax_worker, (2, free_port(), out), 2)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
+    largest = torch.maximum(ranks[0]["seen"], ranks[1]["seen"])
+    assert not torch.equal(ranks[0]["seen"], largest)  # the ranks saw different amaxes
+    expected = torch.stack([torch.stack([scale_of(row[0], FORWARD_DTYPE), scale_of(row[1], GRADIENT_DTYPES["hybrid"])])
+                            for row in largest])
+    for rank in ranks:
+        assert torch.equal(rank["history"][:, 0], largest)
+        assert torch.equal(rank["scales"], expected)

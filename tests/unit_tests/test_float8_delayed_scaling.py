@@ -83,10 +83,10 @@ def test_a_checkpointed_state_loads_only_where_it_fits():
     assert "--fp8-amax-history-len" in longer.load_state_dict(state) and not longer.ready
 
 
-def _pair(seed: int = 0):
+def _pair(seed: int = 0, device: str = "cpu"):
     """A float8 layer with delayed scaling and its twin with the tensorwise recipe (the same weights)."""
     torch.manual_seed(seed)
-    layer = ColumnParallelLinear(64, 48, bias=True, init_std=0.5)
+    layer = ColumnParallelLinear(64, 48, bias=True, init_std=0.5).to(device)
     with torch.no_grad():
         layer.bias.normal_()
     twin = copy.deepcopy(layer)
@@ -97,7 +97,7 @@ def _pair(seed: int = 0):
 
 def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
     x = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out = module(x)
     (out.float() * grad).sum().backward()
     return out.float(), x.grad
@@ -140,17 +140,24 @@ def test_evaluation_scales_by_the_current_amax_and_records_nothing():
     assert torch.equal(layer.fp8_amax, torch.zeros(2))
 
 
-def test_compiled_layers_record_the_amaxes_without_a_graph_break():
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case (the GPU machine runs it)")
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=CUDA)])
+def test_compiled_layers_record_the_amaxes_without_a_graph_break(device, backend):
     """fullgraph=True: the forward's record and the backward's (a buffer written in a compiled backward)
-    trace; the compiled layer's outputs, gradients and amaxes are the eager layer's, and the flag that
-    turns the scales on recompiles once."""
-    eager, _, eager_copies = _pair(seed=2)
-    layer, _, copies = _pair(seed=2)
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    trace; the compiled layer's outputs, gradients and amaxes are the eager layer's (Inductor's fused
+    casts: within float8's rounding), and the flag that turns the scales on recompiles once."""
+    eager, _, eager_copies = _pair(seed=2, device=device)
+    layer, _, copies = _pair(seed=2, device=device)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
     for step in range(3):
-        x, grad = torch.randn(32, 64) * (step + 1), torch.randn(32, 48) / (step + 1)
+        x, grad = torch.randn(32, 64, device=device) * (step + 1), torch.randn(32, 48, device=device) / (step + 1)
         for mine, theirs in zip(_run(compiled, x, grad), _run(eager, x, grad)):
-            assert torch.equal(mine, theirs), step
+            if backend == "aot_eager":
+                assert torch.equal(mine, theirs), step
+            else:
+                assert (mine - theirs).abs().max() <= 0.07 * theirs.abs().max(), step
         assert torch.equal(layer.fp8_amax, eager.fp8_amax) and layer.fp8_amax.min() > 0
         copies.end_iteration(), eager_copies.end_iteration()
         assert torch.equal(layer.fp8_scale, eager.fp8_scale)
