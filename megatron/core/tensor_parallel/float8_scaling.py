@@ -108,12 +108,12 @@ class DelayedScaling:
         self.current.zero_()
         self._set_ready(True)
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The histories and scales, for this rank's checkpoint file."""
+    def state_dict(self) -> Dict[str, object]:
+        """The layers' names, histories and scales, for this rank's checkpoint file (tensors, a list of str)."""
         return {"layers": self.names, "history": self.history.cpu(), "scales": self.scales.cpu(),
                 "ready": torch.tensor(self.ready)}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> Optional[str]:
+    def load_state_dict(self, state: Dict[str, object]) -> Optional[str]:
         """Restore `state_dict`'s tensors; None, or why they do not fit this run (it then starts afresh)."""
         if state["layers"] != self.names:
             return f"they are of {len(state['layers'])} other layers than this rank's {len(self.names)}"
