@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import os
 import random
 import shutil
@@ -490,7 +491,11 @@ def _load_delayed_scaling(trainer, path: str, log: Callable[[str], None]) -> Non
         return
     problem = "the checkpoint has none for this rank (saved without --fp8-recipe delayed, or by another layout)"
     if os.path.exists(path):
-        problem = scaling.load_state_dict(torch.load(path, weights_only=True))
+        try:
+            problem = scaling.load_state_dict(torch.load(path, weights_only=True))
+        except (RuntimeError, OSError, KeyError, TypeError, pickle.UnpicklingError) as error:
+            raise InputError(f"{path} cannot be read ({str(error).splitlines()[0][:200]}); delete it and the "
+                             "run starts its fp8 amax histories afresh") from None
     if problem is not None and _rank() == 0:
         log(f"> --fp8-recipe delayed: amax histories start afresh: {problem}")
 
