@@ -337,6 +337,8 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "olmoe-tiny", "--hf-experts-implementation", "eager"],
      "--hf-experts-implementation needs --baseline hf"),
     (["--model", "tiny", "--fp8-output-layer", "--masked-only-loss"], "--fp8-output-layer needs --fp8 and"),
+    (["--model", "tiny", "--fp8", "--fp8-recipe", "delayed", "--device", "cpu"],
+     "--fp8-recipe delayed runs in the float8 copies' layers"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

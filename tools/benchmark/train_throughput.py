@@ -490,8 +490,10 @@ def validate(args: argparse.Namespace) -> ModelSpec:
             import torchao.float8  # noqa: F401
         except ImportError:
             raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
-    if args.fp8 and args.fp8_recipe == "delayed" and not args.cache_low_precision_weights:
-        raise UsageError("--fp8-recipe delayed runs in the float8 copies' layers: add --cache-low-precision-weights")
+    if args.fp8 and args.fp8_recipe == "delayed" and not (args.cache_low_precision_weights and
+                                                          _device(args).type == "cuda"):
+        raise UsageError("--fp8-recipe delayed runs in the float8 copies' layers, which need "
+                         "--cache-low-precision-weights and bf16 (a CUDA device here)")
     if args.fp8_output_layer and not (args.fp8 and args.masked_only_loss):
         raise UsageError("--fp8-output-layer needs --fp8 and --masked-only-loss (the chunked output layer)")
     return spec
