@@ -116,7 +116,8 @@ class DelayedScaling:
     def load_state_dict(self, state: Dict[str, object]) -> Optional[str]:
         """Restore `state_dict`'s tensors; None, or why they do not fit this run (it then starts afresh)."""
         if state["layers"] != self.names:
-            return f"they are of {len(state['layers'])} other layers than this rank's {len(self.names)}"
+            return (f"the saved {len(state['layers'])} float8 layers are not this rank's {len(self.names)} "
+                    "(another layout)")
         if tuple(state["history"].shape) != tuple(self.history.shape):
             return (f"their history is {state['history'].shape[1]} iterations long, this run's "
                     f"{self.config.history_len} (--fp8-amax-history-len)")
