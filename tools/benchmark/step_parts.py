@@ -31,8 +31,9 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 * float8 casts (`--float8-cast-tokens`): the float8 layers' cast of an activation or gradient (its amax,
   the scaled cast, the transposed copy the weight gradient reads) compiled as in a compiled layer, at each
   shape a decoder layer has, and its amax alone two ways (the rows' maxima first, as the layers take it, and
-  one reduction over every element), against one pass over it (read 2 bytes an element, write 1 twice); on
-  CUDA the profiler's kernel time, as for RMSNorm;
+  one reduction over every element), and delayed scaling's cast (the scale given, the amax recorded) as
+  tensor math and through the one-pass Triton kernel where it runs, against one pass over it (read 2 bytes
+  an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -45,6 +46,7 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -338,9 +340,11 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     """The float8 layers' casts of one micro-batch's activations and gradients (float8_matmul.float8_linear:
     the amax, the scaled cast, the transposed copy the weight gradient reads), compiled as in a compiled
     layer, at each shape they have in a decoder layer: the amax alone (the layers' rows-first reduction and
-    one reduction over every element, read 2 bytes an element) and the whole cast (read 2 bytes an element,
-    write 1 twice), which the amax's own read keeps above one pass."""
-    from megatron.core.tensor_parallel import float8_matmul
+    one reduction over every element, read 2 bytes an element), the tensorwise cast (read 2 bytes an
+    element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
+    given, the amax recorded beside the cast) as tensor math and, where it runs, through the one-pass
+    Triton kernel (triton_float8_cast.py)."""
+    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
 
     def both_layouts(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
@@ -348,9 +352,17 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
 
     def one_reduction(x, dtype):
         return float8_matmul.scale_of(x.abs().amax(), dtype)
+
+    amax, scale = torch.zeros((), device=device), torch.tensor(10.0, device=device)
+    triton_float8_cast.register_for(amax)
+
+    def delayed(x, dtype, kernel=True):
+        return float8_matmul._cast_both_layouts(x, dtype, scale, amax, kernel=kernel)
     ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
-            "both layouts": (both_layouts, 4)}
+            "both layouts": (both_layouts, 4), "delayed, tensor math": (functools.partial(delayed, kernel=False), 4)}
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
+    if triton_float8_cast.available(inputs["fc2's input"][0]):
+        ways["delayed, Triton"] = (delayed, 4)
     for way, (function, bytes_per_element) in ways.items():
         cast = torch.compile(function)
         for name, (x, dtype) in inputs.items():

@@ -25,7 +25,8 @@ input, both transposed in the cast that makes them; fp32 out, so the fp32 weight
 GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
 an element instead of the compute dtype's 2, and no second cast in the backward). Each cast is tensor
 math that the compiled layer fuses (a Triton kernel writing both layouts in one pass was no faster,
-docs/performance.md). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
+docs/performance.md), except under delayed scaling, where the scale is given and that kernel casts
+in one pass (triton_float8_cast.py). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
 GEMM (`_scaled_mm` has no beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the
 add at every 7B-width shape, docs/performance.md): autograd adds it.
 """
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+
+from megatron.core.tensor_parallel import triton_float8_cast
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -155,8 +158,17 @@ class DelayedScales(NamedTuple):
     ready: bool
 
 
-def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
-    """`to_float8_both_layouts`, with a given scale (delayed scaling) instead of the tensor's own amax."""
+def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor],
+                       amax: Optional[torch.Tensor] = None, kernel: bool = True):
+    """`to_float8_both_layouts`, with a given scale (delayed scaling) instead of the tensor's own amax,
+    raising the 0-d `amax` (delayed scaling's running amax) to this tensor's when given. With a given scale
+    the Triton kernel does all of it in one pass where it runs (triton_float8_cast.py; `kernel=False`:
+    tensor math, for the benchmark's comparison)."""
+    if scale is not None and kernel and triton_float8_cast.available(tensor):
+        rows, columns = triton_float8_cast.cast_both_layouts(tensor, scale, dtype, amax)
+        return rows, columns, scale.reciprocal()
+    if amax is not None:
+        record_amax(amax, tensor)
     if scale is None:
         return to_float8_both_layouts(tensor, dtype)
     values = scaled_cast(tensor, scale, dtype)
@@ -193,10 +205,8 @@ class _Float8Linear(torch.autograd.Function):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
         scales, amax = ctx.scales, ctx.amax
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        if amax is not None:
-            record_amax(amax[1], flat)
-        grad8, grad8_t, grad_inverse = _cast_both_layouts(flat, ctx.gradient_dtype,
-                                                          None if scales is None else scales[1])
+        grad8, grad8_t, grad_inverse = _cast_both_layouts(
+            flat, ctx.gradient_dtype, None if scales is None else scales[1], None if amax is None else amax[1])
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.tensor_parallel import triton_float8_cast
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
 from megatron.core.tensor_parallel.utils import group_size
 
@@ -74,6 +75,8 @@ class DelayedScaling:
         self.scales = torch.ones(count, 2, device=device)
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
+        if modules:
+            triton_float8_cast.register_for(self.current)  # the one-pass cast, before a compiled layer traces it
         for index, module in enumerate(modules):
             module.register_buffer("fp8_amax", self.current[index], persistent=False)
             module.register_buffer("fp8_scale", self.scales[index], persistent=False)
