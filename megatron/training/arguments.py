@@ -22,7 +22,7 @@ from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_comp
                                            resolve_compat_args, unknown_flag_error)
 from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
-from megatron.training.precision_args import add_precision_args
+from megatron.training.precision_args import PRECISION_FLAG_NOTES, add_precision_args
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
 from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
 from megatron.training.lm_eval_args import LM_EVAL_FLAG_NEEDS, add_lm_eval_args, validate_lm_eval_args
@@ -114,10 +114,7 @@ FLAG_NOTES = (
      lambda a: not a.mock_data),
     *((dest, "--fp16 (bf16 needs no loss scaling)", lambda a: a.fp16)
       for dest in ("loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "initial_loss_scale")),
-    # Megatron's default recipe is delayed, so its scripts pass these with --fp8-format alone.
-    *((dest, "--fp8-recipe delayed", lambda a: a.fp8_format is not None and a.fp8_recipe == "delayed")
-      for dest in ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin")),
-)
+) + PRECISION_FLAG_NOTES
 # What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)

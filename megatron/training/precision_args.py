@@ -57,6 +57,13 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                        help=f"With --use-precision-aware-optimizer: storage of Adam's {moment} moment.")
 
 
+# Notes, not errors (arguments.FLAG_NOTES): Megatron's default recipe is delayed, so its scripts pass
+# these with --fp8-format alone.
+PRECISION_FLAG_NOTES = tuple((dest, "--fp8-recipe delayed", lambda a: a.fp8_format is not None and
+                              a.fp8_recipe == "delayed")
+                             for dest in ("fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin"))
+
+
 def moment_dtypes(args: argparse.Namespace) -> dict:
     """OptimizerConfig's exp_avg_dtype and exp_avg_sq_dtype from the flags."""
     return {key: MOMENT_DTYPES[getattr(args, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")}

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys
@@ -65,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_breakdown  # noqa: E402
 import moe_models  # noqa: E402
 import trace_gaps  # noqa: E402
+from throughput_table import device_name, format_row, print_table, ratios, write_json  # noqa: E402, F401
 from hf_baseline import (BETAS, CLIP_GRAD, DLM_EPS, LR, WEIGHT_DECAY, _transformers_version,  # noqa: E402, F401
                          build_hf, hf_model, leaks_future, llada_loss, make_bidirectional, mask_token_id)
 
@@ -314,7 +314,7 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     times, loss = time_steps(step, batches[:timed], args.warmup, device)
     median_ms = statistics.median(times)
     tokens = args.micro_batch_size * args.accumulation * args.seq_length
-    peak = flops.peak_tflops(_device_name(device), precision) if device.type == "cuda" else None
+    peak = flops.peak_tflops(device_name(device), precision) if device.type == "cuda" else None
     metrics = flops.throughput_metrics(flops_per_iteration, tokens, median_ms / 1e3, world_size=1, peak=peak)
     row = {"name": name, "precision": precision, "parameters": sum(p.numel() for p in model.parameters()),
            "step_ms": times, "median_step_ms": median_ms, **metrics, "peak_tflops": peak,
@@ -334,51 +334,6 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def write_json(path: str, result) -> None:
-    """`result` as JSON at `path`, written under a temporary name and renamed when complete (every
-    benchmark here writes its --json so): an earlier file is never left half overwritten."""
-    with open(path + ".tmp", "w") as handle:
-        json.dump(result, handle, indent=1)
-    os.replace(path + ".tmp", path)
-
-
-def _device_name(device: torch.device) -> Optional[str]:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
-TABLE_HEADER = ("| implementation | precision | parameters | median ms/step | tokens/s/GPU | TFLOP/s/GPU | MFU | "
-                "tokens/s vs HF | peak memory GiB |\n|---|---|---|---|---|---|---|---|---|")
-
-
-def format_row(row: dict, baseline: Optional[dict] = None) -> str:
-    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-    versus = "-" if baseline is None else f"{row['tokens_per_sec_per_gpu'] / baseline['tokens_per_sec_per_gpu']:.3f}x"
-    return (f"| {row['name']} | {row['precision']} | {row['parameters'] / 1e6:,.1f}M | {row['median_step_ms']:.1f} | "
-            f"{row['tokens_per_sec_per_gpu']:,.0f} | {row['tflops_per_gpu']:.2f} | {mfu} | {versus} | "
-            f"{'-' if row['peak_memory_gib'] is None else format(row['peak_memory_gib'], '.1f')} |")
-
-
-def print_table(result: dict) -> None:
-    cfg = result["config"]
-    print(f"\n{cfg['model']} ({cfg['mode']}, {result['attention_mask_type']}), seq {cfg['seq_length']} x micro-batch "
-          f"{cfg['micro_batch_size']} x {cfg['accumulation']} accumulated, {cfg['steps']} timed steps after "
-          f"{cfg['warmup']}, {result['device']}, "
-          f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
-    print(TABLE_HEADER)
-    baseline = result["rows"][-1] if cfg["baseline"] == "hf" else None
-    for row in result["rows"]:
-        print(format_row(row, baseline))
-    if baseline is not None and baseline.get("experts_implementation"):
-        print(f"HF experts implementation: {baseline['experts_implementation']} (--hf-experts-implementation)")
-    for label, key in (("ours / baseline", "ratio"), ("grouped GEMM / per-expert loop", "grouped_gemm_ratio")):
-        if result.get(key):
-            print(f"{label}: tokens/s {result[key]['tokens_per_sec_per_gpu']:.3f}x, "
-                  f"TFLOP/s {result[key]['tflops_per_gpu']:.3f}x")
-    if result.get("fp8_ratio"):
-        print("fp8 tokens/s: " + ", ".join(f"{value:.3f}x {name.replace('_', ' ')}"
-                                           for name, value in result["fp8_ratio"].items()))
 
 
 # ---------------------------------------------------------------------- command line
@@ -510,21 +465,6 @@ def _block_diffusion_error(args: argparse.Namespace) -> Optional[str]:
             if block is not None and args.baseline == "hf" else None)
 
 
-def ratios(rows: List[dict], baseline: bool, fp8: bool, variants: int) -> dict:
-    """Our first row over the baseline, fp8 over our bf16 row (the first fp8 row follows our
-    `variants` bf16 rows) and, with both expert paths, the grouped-GEMM row over the per-expert loop."""
-    keys = ("tokens_per_sec_per_gpu", "tflops_per_gpu")
-
-    def over(row: dict, base: dict) -> dict:
-        return {key: row[key] / base[key] for key in keys}
-
-    fp8_ratio = {"over_ours": over(rows[variants], rows[0])[keys[0]]} if fp8 else None
-    if fp8 and baseline:
-        fp8_ratio["over_baseline"] = over(rows[variants], rows[-1])[keys[0]]
-    return {"ratio": over(rows[0], rows[-1]) if baseline else None, "fp8_ratio": fp8_ratio,
-            "grouped_gemm_ratio": over(rows[0], rows[1]) if variants == 2 else None}
-
-
 def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: List[str]) -> dict:
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
     grouped_variants = moe_models.grouped_variants(args, spec)
@@ -577,7 +517,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
-        "device": _device_name(device) or "cpu",
+        "device": device_name(device) or "cpu",
     }
 
 
