@@ -49,12 +49,15 @@ def test_float8_copies_train_under_zero1_as_replicated(tmp_path):
                                                          "--fp8-format", "hybrid", "--cache-low-precision-weights"])
         argvs += [base, base + ["--use-distributed-optimizer"]]
     delayed = ["--fp8-recipe", "delayed"]  # the replicas' shared amaxes: the same scales on every rank
-    argvs += [argvs[0] + delayed, argvs[1] + delayed]
+    argvs += [argv + delayed for argv in argvs]
     results = run_many(2, argvs, tmp_path, "float8_copies")
-    for index, case in enumerate(FLOAT8_CASES + [FLOAT8_CASES[0] + ("delayed",)]):
+    for index, case in enumerate(FLOAT8_CASES + [case + ("delayed",) for case in FLOAT8_CASES]):
         replicated, zero1 = results[2 * index], results[2 * index + 1]
         assert len(replicated["losses"]) == 3
         assert zero1["losses"] == replicated["losses"], case
+    for index in range(len(FLOAT8_CASES)):  # delayed scaling ran: its first step is tensorwise, later ones not
+        tensorwise, delayed_run = results[2 * index]["losses"], results[2 * (index + len(FLOAT8_CASES))]["losses"]
+        assert tensorwise[0] == delayed_run[0] and tensorwise[1:] != delayed_run[1:]
 
 
 def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:

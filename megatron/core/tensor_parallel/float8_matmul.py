@@ -97,13 +97,6 @@ def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
     return (_compiled(_cast) if _eager_cuda(tensor) else _cast)(tensor, dtype)
 
 
-def to_float8_both_layouts(tensor: torch.Tensor, dtype: torch.dtype):
-    """`to_float8` of a 2-D tensor, its values also transposed: (values [M, K], values [K, M] contiguous,
-    inverse scale)."""
-    values, inverse = to_float8(tensor, dtype)
-    return values, values.t().contiguous(), inverse
-
-
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
     """A float8 [rows, k] padded with zero rows to a multiple of ALIGNMENT (through its bytes)."""
     rows = tensor.shape[0]
@@ -160,19 +153,21 @@ class DelayedScales(NamedTuple):
 
 def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor],
                        amax: Optional[torch.Tensor] = None, kernel: bool = True):
-    """`to_float8_both_layouts`, with a given scale (delayed scaling) instead of the tensor's own amax,
-    raising the 0-d `amax` (delayed scaling's running amax) to this tensor's when given. With a given scale
-    the Triton kernel does all of it in one pass where it runs (triton_float8_cast.py; `kernel=False`:
-    tensor math, for the benchmark's comparison)."""
+    """A float8 layer's cast of a 2-D tensor: (values [M, K], the values transposed [K, M] contiguous,
+    inverse scale), scaled by its own amax or by a given `scale` (delayed scaling), raising the 0-d `amax`
+    (delayed scaling's running amax) to this tensor's when given. With a given scale the Triton kernel
+    does all of it in one pass where it runs (triton_float8_cast.py; `kernel=False`: tensor math, for the
+    benchmark's comparison)."""
     if scale is not None and kernel and triton_float8_cast.available(tensor):
         rows, columns = triton_float8_cast.cast_both_layouts(tensor, scale, dtype, amax)
         return rows, columns, scale.reciprocal()
     if amax is not None:
         record_amax(amax, tensor)
     if scale is None:
-        return to_float8_both_layouts(tensor, dtype)
-    values = scaled_cast(tensor, scale, dtype)
-    return values, values.t().contiguous(), scale.reciprocal()
+        values, inverse = to_float8(tensor, dtype)
+    else:
+        values, inverse = scaled_cast(tensor, scale, dtype), scale.reciprocal()
+    return values, values.t().contiguous(), inverse
 
 
 class _Float8Linear(torch.autograd.Function):
