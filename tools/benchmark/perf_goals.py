@@ -58,13 +58,20 @@ def run_one(arm: str, tree: str, goal: str, argv: List[str], json_path: str, tim
     if code is None:
         record["error"] = f"timed out after {timeout:g} s"
     elif code != 0 or not os.path.exists(json_path):
-        record["error"] = f"exit {code} (see {log_path})"
+        record["error"] = f"exit {code} (see {log_path}): {_last_line(log_path)}"
     else:
         with open(json_path) as handle:
             result = json.load(handle)
         record["rows"] = [{key: row.get(key) for key in ("name", "median_step_ms", "tflops_per_gpu", "mfu",
                                                          "peak_memory_gib")} for row in result["rows"]]
     return record
+
+
+def _last_line(log_path: str) -> str:
+    """The log's last non-empty line: usually the error that ended the run."""
+    with open(log_path, errors="replace") as log:
+        lines = [line.strip() for line in log if line.strip()]
+    return lines[-1] if lines else "(empty log)"
 
 
 def plan(goals: List[str], arms: List[str], repeats: int) -> List[tuple]:

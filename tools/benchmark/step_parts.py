@@ -46,7 +46,6 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -342,9 +341,8 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     layer, at each shape they have in a decoder layer: the amax alone (the layers' rows-first reduction and
     one reduction over every element, read 2 bytes an element), the tensorwise cast (read 2 bytes an
     element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
-    given, the amax recorded beside the cast) as tensor math and, where it runs, through the one-pass
-    Triton kernel (triton_float8_cast.py)."""
-    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
+    given, the amax recorded beside the cast)."""
+    from megatron.core.tensor_parallel import float8_matmul
 
     def both_layouts(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
@@ -354,15 +352,13 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
         return float8_matmul.scale_of(x.abs().amax(), dtype)
 
     amax, scale = torch.zeros((), device=device), torch.tensor(10.0, device=device)
-    triton_float8_cast.register_for(amax)
 
-    def delayed(x, dtype, kernel=True):
-        return float8_matmul._cast_both_layouts(x, dtype, scale, amax, kernel=kernel)
+    def delayed(x, dtype):
+        float8_matmul.record_amax(amax, x)
+        return float8_matmul._cast_both_layouts(x, dtype, scale)
     ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
-            "both layouts": (both_layouts, 4), "delayed, tensor math": (functools.partial(delayed, kernel=False), 4)}
+            "both layouts": (both_layouts, 4), "delayed": (delayed, 4)}
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
-    if triton_float8_cast.available(inputs["fc2's input"][0]):
-        ways["delayed, Triton"] = (delayed, 4)
     for way, (function, bytes_per_element) in ways.items():
         cast = torch.compile(function)
         for name, (x, dtype) in inputs.items():

@@ -25,8 +25,7 @@ input, both transposed in the cast that makes them; fp32 out, so the fp32 weight
 GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
 an element instead of the compute dtype's 2, and no second cast in the backward). Each cast is tensor
 math that the compiled layer fuses (a Triton kernel writing both layouts in one pass was no faster,
-docs/performance.md), except under delayed scaling, where the scale is given and that kernel casts
-in one pass (triton_float8_cast.py). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
+under either recipe, docs/performance.md). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
 GEMM (`_scaled_mm` has no beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the
 add at every 7B-width shape, docs/performance.md): autograd adds it.
 """
@@ -38,8 +37,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
-
-from megatron.core.tensor_parallel import triton_float8_cast
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -66,7 +63,7 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
 
 def record_amax(slot: torch.Tensor, tensor: torch.Tensor) -> None:
     """Raise the 0-d `slot` (delayed scaling's running amax) to max |tensor|. Traced into the compiled
-    layer, forward and backward, where the amax shares the cast's read."""
+    layer's forward, where the amax shares the read of the kernel that made the tensor."""
     slot.copy_(torch.maximum(slot, tensor_amax(tensor)))
 
 
@@ -144,25 +141,18 @@ def input_gradient(grad_logits: torch.Tensor, weight: Float8Weight, fmt: str) ->
 
 class DelayedScales(NamedTuple):
     """A float8 layer's delayed scaling (float8_scaling.py): its row of the scales and of the running
-    amaxes ([2] each: the input, the output gradient), and whether the scales are set yet."""
+    amaxes ([2] each: the input, the output gradient), whether the scales are set yet, and the leaf
+    whose gradient carries the output gradient's amax out of the backward (`gradient_amax`)."""
 
     scales: torch.Tensor
     amax: torch.Tensor
     ready: bool
+    gradient_amax: torch.Tensor
 
 
-def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor],
-                       amax: Optional[torch.Tensor] = None, kernel: bool = True):
+def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
     """A float8 layer's cast of a 2-D tensor: (values [M, K], the values transposed [K, M] contiguous,
-    inverse scale), scaled by its own amax or by a given `scale` (delayed scaling), raising the 0-d `amax`
-    (delayed scaling's running amax) to this tensor's when given. With a given scale the Triton kernel
-    does all of it in one pass where it runs (triton_float8_cast.py; `kernel=False`: tensor math, for the
-    benchmark's comparison)."""
-    if scale is not None and kernel and triton_float8_cast.available(tensor):
-        rows, columns = triton_float8_cast.cast_both_layouts(tensor, scale, dtype, amax)
-        return rows, columns, scale.reciprocal()
-    if amax is not None:
-        record_amax(amax, tensor)
+    inverse scale), scaled by its own amax or by a given `scale` (delayed scaling)."""
     if scale is None:
         values, inverse = to_float8(tensor, dtype)
     else:
@@ -172,18 +162,19 @@ def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional
 
 class _Float8Linear(torch.autograd.Function):
     """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring);
-    with `scales` (delayed scaling) the input and the output gradient are cast by them, and `amax` [2]
-    records the output gradient's amax (the input's is recorded before the call)."""
+    with `scales` (delayed scaling) the input and the output gradient are cast by them, and the output
+    gradient's amax is the gradient of the leaf `gradient_amax` [1] (the input's is recorded before the
+    call). A gradient, not a write into the running amax: a compiled backward that writes into a tensor
+    must save it, and torch before 2.13 then checks its version counter, which other layers' records
+    (and other micro-batches' backwards, under pipeline schedules) have moved by then."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
                 inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype,
-                scales: Optional[torch.Tensor], amax: Optional[torch.Tensor]) -> torch.Tensor:
+                scales: Optional[torch.Tensor], gradient_amax: Optional[torch.Tensor]) -> torch.Tensor:
         del weight  # its gradient is what the backward returns; its values come from the copies
         ctx.out_dtype, ctx.gradient_dtype, ctx.has_bias = out_dtype, gradient_dtype, bias is not None
-        # Not saved tensors: the amaxes change under autograd's feet by design (every layer's record
-        # bumps the version counter they share), and the scales only between iterations.
-        ctx.scales, ctx.amax = scales, amax
+        ctx.scales = scales  # changed between iterations only
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
             x8, x8_t, x_inverse = _cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
@@ -198,17 +189,18 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
-        scales, amax = ctx.scales, ctx.amax
+        scales = ctx.scales
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad8_t, grad_inverse = _cast_both_layouts(
-            flat, ctx.gradient_dtype, None if scales is None else scales[1], None if amax is None else amax[1])
+        grad8, grad8_t, grad_inverse = _cast_both_layouts(flat, ctx.gradient_dtype,
+                                                          None if scales is None else scales[1])
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
                                        out_dtype=torch.float32)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_amax = tensor_amax(flat).reshape(1) if ctx.needs_input_grad[9] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, grad_amax)
 
 
 def float8_ready(x: torch.Tensor) -> bool:
@@ -222,10 +214,9 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: 
     the copy's `delayed` scales, the input and output gradient are cast by them once they are `ready`
     (before, by their own amax), and both amaxes are recorded."""
     delayed: Optional[DelayedScales] = copy.delayed
-    scales = amax = None
+    scales = gradient_amax = None
     if delayed is not None:
-        amax = delayed.amax
-        record_amax(amax[0], x.to(out_dtype))
-        scales = delayed.scales if delayed.ready else None
+        record_amax(delayed.amax[0], x.to(out_dtype))
+        scales, gradient_amax = delayed.scales if delayed.ready else None, delayed.gradient_amax
     return _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
-                               copy.gradient_dtype, scales, amax)
+                               copy.gradient_dtype, scales, gradient_amax)

@@ -5,8 +5,11 @@ is read in the same pass (the compiled layer fuses both: `float8_matmul.record_a
 
 State, per float8 layer (`weight_copies.Float8Copy`, so only with `--cache-low-precision-weights`), two
 columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
-- `current` [2]: this iteration's running amax, which every micro-batch's forward (the input) and
-  backward (the output gradient) raises (`float8_matmul.record_amax`);
+- `current` [2]: this iteration's running amax, which every micro-batch's forward (the input,
+  `float8_matmul.record_amax`) and backward (the output gradient) raises; the backward hands its amax
+  out as the gradient of a leaf, `gradient_amax` [1], whose hook raises the running amax and drops the
+  gradient (a compiled backward writing into the amax itself fails torch 2.11's saved-tensor version
+  check, `float8_matmul._Float8Linear`);
 - `history` [--fp8-amax-history-len, 2]: the amaxes of the last iterations, most recent first;
 - `scales` [2]: what the casts multiply by: largest / amax / 2^--fp8-margin, amax being the most recent
   entry (`--fp8-amax-compute-algo most_recent`, Megatron's default) or the history's largest (`max`).
@@ -33,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.tensor_parallel import triton_float8_cast
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
 from megatron.core.tensor_parallel.utils import group_size
 
@@ -62,8 +64,8 @@ class DelayedScalingConfig:
 
 class DelayedScaling:
     """The amax histories and scales of `modules` (float8 layers, called `names` in checkpoints), one row
-    each; every module gets views of its row as non-persistent buffers: `fp8_amax` (current) and
-    `fp8_scale` (scales)."""
+    each; every module gets views of its row as non-persistent buffers, `fp8_amax` (current) and
+    `fp8_scale` (scales), and its output gradient's amax leaf as `fp8_gradient_amax`."""
 
     def __init__(self, modules: List[nn.Module], names: List[str], fp8_format: str, config: DelayedScalingConfig,
                  group: Optional[dist.ProcessGroup] = None) -> None:
@@ -75,12 +77,23 @@ class DelayedScaling:
         self.scales = torch.ones(count, 2, device=device)
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
-        if modules:
-            triton_float8_cast.register_for(self.current)  # the one-pass cast, before a compiled layer traces it
         for index, module in enumerate(modules):
             module.register_buffer("fp8_amax", self.current[index], persistent=False)
             module.register_buffer("fp8_scale", self.scales[index], persistent=False)
+            module.fp8_gradient_amax = self._gradient_amax_leaf(self.current[index, 1:])
         self._set_ready(False)
+
+    @staticmethod
+    def _gradient_amax_leaf(slot: torch.Tensor) -> torch.Tensor:
+        """A [1] leaf whose gradient, once autograd has put it in `.grad`, raises `slot` and is dropped."""
+        leaf = torch.zeros(1, device=slot.device, requires_grad=True)
+
+        def raise_slot(tensor: torch.Tensor) -> None:
+            with torch.no_grad():
+                slot.copy_(torch.maximum(slot, tensor.grad))
+            tensor.grad = None
+        leaf.register_post_accumulate_grad_hook(raise_slot)
+        return leaf
 
     @property
     def ready(self) -> bool:

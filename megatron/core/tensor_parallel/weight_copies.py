@@ -197,7 +197,7 @@ def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
     in evaluation a float8 layer's weight is cast afresh, any other layer casts its own."""
     if hasattr(module, "float8_gradient_dtype"):
         buffers = [getattr(module, name) for name in FLOAT8_BUFFERS]
-        delayed = (DelayedScales(module.fp8_scale, module.fp8_amax, module.fp8_delayed_ready)
+        delayed = (DelayedScales(module.fp8_scale, module.fp8_amax, module.fp8_delayed_ready, module.fp8_gradient_amax)
                    if hasattr(module, "fp8_scale") and module.training else None)
         copy = Float8Copy(*buffers, module.float8_gradient_dtype, delayed)
         if not module.training:
