@@ -188,9 +188,10 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend):
         for part in range(2):  # the second micro-batch's backward first, as pipeline schedules may
             for name in outputs:
                 (outputs[name][1 - part].float() * (part + 1) * 3).sum().backward()
-        for mine, theirs in zip(model, eager):
-            assert torch.equal(mine.fp8_amax, theirs.fp8_amax) and mine.fp8_amax.min() > 0, step
-            assert mine.fp8_gradient_amax.grad is None
+        for mine, theirs in zip(model, eager):  # Inductor's casts round within float8's: so do the amaxes after
+            tolerance = 0 if backend == "aot_eager" else 0.02
+            assert torch.allclose(mine.fp8_amax, theirs.fp8_amax, rtol=tolerance, atol=0), step
+            assert mine.fp8_amax.min() > 0 and mine.fp8_gradient_amax.grad is None
         assert model[1].fp8_amax[1] == 6.0  # the last layer's output gradients: 3, then 6 everywhere
         copies.end_iteration(), eager_copies.end_iteration()
 
