@@ -2,7 +2,8 @@
 without, under ZeRO-1 (each rank's compiled step writes its own shard's copies; the shards the other
 ranks broadcast move no version counter, so they must be re-cast) and under TP=2 with sequence
 parallelism, and with two pipeline stages, in Megatron's default configuration and the Llama style, DLM
-and AR, with and without the masked-only loss (whose chunked output layer reads a copy of its weight)."""
+and AR, with and without the masked-only loss (whose chunked output layer reads a copy of its weight);
+float8 copies under ZeRO-1 and, with delayed scaling, two pipeline stages."""
 
 import pytest
 
@@ -58,6 +59,26 @@ def test_float8_copies_train_under_zero1_as_replicated(tmp_path):
     for index in range(len(FLOAT8_CASES)):  # delayed scaling ran: its first step is tensorwise, later ones not
         tensorwise, delayed_run = results[2 * index]["losses"], results[2 * (index + len(FLOAT8_CASES))]["losses"]
         assert tensorwise[0] == delayed_run[0] and tensorwise[1:] != delayed_run[1:]
+
+
+def test_delayed_scaling_under_pipeline_parallelism_trains_as_one_process(tmp_path):
+    """--fp8-recipe delayed with two pipeline stages and four micro-batches (1F1B: several forwards before
+    their backwards, so the running amaxes move between a layer's forward and its backward): each stage
+    records and scales its own layers as one process does, losses and gradients, in the Llama style (DLM)
+    and Megatron's default configuration (AR); and delayed scaling ran (after step 1 it is not tensorwise)."""
+    pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
+    from tests.distributed.parity import assert_same_training
+
+    float8 = ["--bf16", "--lr", "1e-2", "--fp8-format", "hybrid", "--cache-low-precision-weights",
+              "--global-batch-size", "8"]
+    argvs = [SHAPE + CONFIGS[config] + MODES[mode] + float8 + recipe
+             for config, mode in FLOAT8_CASES for recipe in (["--fp8-recipe", "delayed"], [])]
+    single = run_many(1, argvs, tmp_path, "one_stage")
+    pipelined = run_many(2, [argv + ["--pipeline-model-parallel-size", "2"] for argv in argvs[::2]], tmp_path, "pp2")
+    for index, case in enumerate(FLOAT8_CASES):
+        delayed, tensorwise = single[2 * index], single[2 * index + 1]
+        assert_same_training(delayed, pipelined[index], by_name=True)
+        assert delayed["losses"][0] == tensorwise["losses"][0] and delayed["losses"][1:] != tensorwise["losses"][1:]
 
 
 def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
