@@ -143,8 +143,8 @@ def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
 def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     """Each row runs the layers' amax or cast at the shape a decoder layer gives it (the amax rows: the
     layers' scale, both ways the same; the casts: the values, transposed copy and scale float8_linear
-    makes, by the tensor's amax or, delayed, by the given scale) and counts its bytes: the amax reads 2 an
-    element, a cast also writes 1 twice."""
+    makes, by the tensor's amax or, delayed, by the given scale, and the delayed cast's two halves alone)
+    and counts its bytes: the amax reads 2 an element, a cast also writes 1 twice (a half: once)."""
     import torch
 
     from megatron.core.tensor_parallel.float8_matmul import scaled_cast, to_float8
@@ -156,13 +156,18 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
 
         def run(x, dtype):
             expected, expected_inverse = to_float8(x, dtype)
-            if name == "delayed":
+            if name in ("delayed", "rows_only", "transposed_only"):
                 expected, expected_inverse = scaled_cast(x, torch.tensor(10.0), dtype), torch.tensor(0.1)
             seen.append((name, tuple(x.shape), dtype))
             if name in ("_scale", "one_reduction"):
                 scale = function(x, dtype)
                 assert torch.equal(scale.reciprocal(), expected_inverse)
                 return scale
+            if name in ("rows_only", "transposed_only"):  # delayed scaling's two halves
+                half = function(x, dtype)
+                whole = expected if name == "rows_only" else expected.t()
+                assert half.is_contiguous() and torch.equal(half.float(), whole.float())
+                return half
             values, transposed, inverse = function(x, dtype)
             assert values.dtype == dtype and torch.equal(transposed.float(), values.t().float())
             assert torch.equal(values.float(), expected.float())
@@ -175,7 +180,8 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     rows = {name: row for name, row in result["rows"].items() if name.startswith("float8 cast")}
     widths = [spec.hidden_size, spec.ffn_hidden_size, 2 * spec.ffn_hidden_size,
               (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels]
-    ways = {"amax, rows first": 2, "amax, one reduction": 2, "both layouts": 4, "delayed": 4}
+    ways = {"amax, rows first": 2, "amax, one reduction": 2, "both layouts": 4, "delayed": 4,
+            "delayed, rows only": 3, "delayed, transposed only": 3}
     assert [name.split(":")[0].removeprefix("float8 cast, ") for name in rows] == [w for w in ways for _ in widths]
     assert [row["bytes"] for row in rows.values()] == [ways[w] * 32 * width for w in ways for width in widths]
     assert sorted({shape for _, shape, _ in seen}) == sorted({(32, width) for width in widths})

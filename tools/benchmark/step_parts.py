@@ -341,7 +341,9 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     layer, at each shape they have in a decoder layer: the amax alone (the layers' rows-first reduction and
     one reduction over every element, read 2 bytes an element), the tensorwise cast (read 2 bytes an
     element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
-    given, the amax recorded beside the cast)."""
+    given, the amax recorded beside the cast), whole and in its two halves: the row-major values with the
+    amax, and the transposed copy alone (read 2, write 1 each), which say whether the whole is one pass or
+    two."""
     from megatron.core.tensor_parallel import float8_matmul
 
     def both_layouts(x, dtype):
@@ -356,8 +358,16 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     def delayed(x, dtype):
         float8_matmul.record_amax(amax, x)
         return float8_matmul._cast_both_layouts(x, dtype, scale)
+
+    def rows_only(x, dtype):
+        float8_matmul.record_amax(amax, x)
+        return float8_matmul.scaled_cast(x, scale, dtype)
+
+    def transposed_only(x, dtype):
+        return float8_matmul.scaled_cast(x.t(), scale, dtype).contiguous()
     ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
-            "both layouts": (both_layouts, 4), "delayed": (delayed, 4)}
+            "both layouts": (both_layouts, 4), "delayed": (delayed, 4), "delayed, rows only": (rows_only, 3),
+            "delayed, transposed only": (transposed_only, 3)}
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
         cast = torch.compile(function)
