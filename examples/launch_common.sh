@@ -15,6 +15,8 @@
 #   EXTRA_ARGS       appended verbatim (e.g. "--attention-backend flex")
 #   CHECK_ARGS       1 (default): the flags are validated once (pretrain_difflm.py --check-args) before
 #                    torchrun starts, so a bad flag is one line; 0 skips that (a few seconds of start-up)
+#   CHECK_ONLY       1: validate the flags for GPUS_PER_NODE x NNODES ranks and stop before torchrun (no
+#                    GPU needed: check a layout on a laptop before it queues on a cluster)
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,8 +62,12 @@ run_pretrain() {
     cd "$ROOT_DIR"
     # shellcheck disable=SC2206
     local args=("$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} ${EXTRA_ARGS:-})
-    if [[ "${CHECK_ARGS:-1}" != 0 ]]; then
+    if [[ "${CHECK_ARGS:-1}" != 0 || "${CHECK_ONLY:-0}" == 1 ]]; then
         WORLD_SIZE=$(( GPUS_PER_NODE * NNODES )) python pretrain_difflm.py --check-args "${args[@]}"
+    fi
+    if [[ "${CHECK_ONLY:-0}" == 1 ]]; then
+        echo "> the flags hold for $(( GPUS_PER_NODE * NNODES )) ranks (CHECK_ONLY=1: not launched)"
+        return 0
     fi
     torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "${args[@]}"
 }

@@ -56,6 +56,22 @@ def test_a_bad_layout_is_a_usage_error_before_any_run(tmp_path, capsys):
     assert not list(tmp_path.iterdir()), "nothing ran"
 
 
+def test_check_only_validates_each_layout_and_launches_nothing(tmp_path, capsys):
+    """--check-only: the launch script's flags checked for each layout's ranks (CHECK_ONLY=1), a layout
+    they do not fit named with the check's line and a non-zero exit, and no run started (no logs)."""
+    argv = ["--script", "examples/dlm_training/dlm_pretrain_1.7b.sh", "--global-batch-size", "16", "--extra",
+            "--num-layers 12", "--log-dir", str(tmp_path / "logs"), "--check-only", "--layouts"]
+    assert layout_parity.main(argv + ["1gpu", "pp2v2", "tp2sppp2dp2"]) == {}
+    assert capsys.readouterr().out.splitlines() == [f"{name}: the flags hold" for name in ("1gpu", "pp2v2",
+                                                                                            "tp2sppp2dp2")]
+    with pytest.raises(SystemExit) as exit_info:
+        layout_parity.main(argv + ["pp2", "pp4v2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert exit_info.value.code == 1 and lines[0] == "pp2: the flags hold"
+    assert lines[1].startswith("pp4v2: ") and "--num-layers 12" in lines[1]
+    assert not (tmp_path / "logs").exists()
+
+
 TINY_SCRIPT = """#!/usr/bin/env bash
 RUN_NAME=tiny
 source "{root}/examples/launch_common.sh"

@@ -2,7 +2,7 @@
 pipeline bubble.
 
     python tools/benchmark/layout_parity.py --script examples/dlm_training/dlm_pretrain_1.7b.sh \\
-        --iters 20 --extra "--num-layers 16" --layouts 1gpu dp2 tp2sp pp2 pp2v2 [--json OUT]
+        --iters 20 --extra "--num-layers 16" --layouts 1gpu dp2 tp2sp pp2 pp2v2 [--json OUT] [--check-only]
 
 A layout is named by its sizes, in any order: `tp2` (tensor parallel; `sp` adds sequence
 parallelism), `pp4` (pipeline stages; `v2`: two interleaved virtual stages per rank), `cp2`
@@ -14,7 +14,8 @@ iteration; pipelined layouts also run the level-2 timers, whose report states ea
 measured bubble. Prints every step's `lm loss` next to the first layout's, and per layout: the
 largest relative loss difference, the median tokens/s/GPU and TFLOP/s/GPU over the second half
 of the steps, the total against the first layout's (speed-up and its efficiency per GPU) and,
-for pipelines, the median measured bubble against 1F1B's (p - 1) / (m * v + p - 1).
+for pipelines, the median measured bubble against 1F1B's (p - 1) / (m * v + p - 1). `--check-only`
+validates every layout's flags for its number of ranks (the scripts' CHECK_ONLY=1) and launches nothing.
 """
 
 from __future__ import annotations
@@ -117,11 +118,25 @@ def parse_log(text: str, iters: int) -> dict:
             "bubble": statistics.median(bubbles[len(bubbles) // 2:]) if bubbles else None}
 
 
+def _environment(layout: Layout, args: argparse.Namespace, port: int) -> Dict[str, str]:
+    """The launch script's environment for this layout (examples/launch_common.sh)."""
+    return dict(os.environ, GPUS_PER_NODE=str(layout.gpus), TRAIN_ITERS=str(args.iters), LR_WARMUP_ITERS="2",
+                WSD_DECAY_ITERS="2", MICRO_BATCH_SIZE=str(args.micro_batch_size),
+                GLOBAL_BATCH_SIZE=str(args.global_batch_size), LOG_INTERVAL="1",
+                EXTRA_ARGS=" ".join([args.extra, *layout.flags(), "--eval-iters 0"]), MASTER_PORT=str(port))
+
+
+def check_layout(layout: Layout, args: argparse.Namespace) -> Optional[str]:
+    """None if the script's flags hold for this layout's ranks (CHECK_ONLY=1: nothing launched, no GPU
+    needed), else the line that says why not."""
+    run = subprocess.run(["bash", args.script], env=dict(_environment(layout, args, args.port), CHECK_ONLY="1"),
+                         capture_output=True, text=True)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    return None if run.returncode == 0 else (lines[-1] if lines else f"exit code {run.returncode}")
+
+
 def run_layout(layout: Layout, args: argparse.Namespace, port: int) -> dict:
-    env = dict(os.environ, GPUS_PER_NODE=str(layout.gpus), TRAIN_ITERS=str(args.iters), LR_WARMUP_ITERS="2",
-               WSD_DECAY_ITERS="2", MICRO_BATCH_SIZE=str(args.micro_batch_size),
-               GLOBAL_BATCH_SIZE=str(args.global_batch_size), LOG_INTERVAL="1",
-               EXTRA_ARGS=" ".join([args.extra, *layout.flags(), "--eval-iters 0"]), MASTER_PORT=str(port))
+    env = _environment(layout, args, port)
     log_path = os.path.join(args.log_dir, f"{layout.name}.log")
     with open(log_path, "w") as log:
         code = subprocess.run(["bash", args.script], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -173,6 +188,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--log-dir", default="runs/layout_parity")
     parser.add_argument("--port", type=int, default=29500, help="torchrun's master port of the first layout.")
     parser.add_argument("--json")
+    parser.add_argument("--check-only", action="store_true",
+                        help="Validate every layout's flags for its number of ranks and stop (no GPU needed).")
     args = parser.parse_args(argv)
     try:
         layouts = [parse_layout(name) for name in args.layouts]
@@ -184,6 +201,13 @@ def main(argv=None) -> dict:
         if args.global_batch_size % (args.micro_batch_size * layout.dp):
             parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size "
                          f"x dp ({args.micro_batch_size} x {layout.dp}) for {layout.name}")
+    if args.check_only:
+        problems = {layout.name: check_layout(layout, args) for layout in layouts}
+        for name, problem in problems.items():
+            print(f"{name}: {problem or 'the flags hold'}")
+        if any(problems.values()):
+            sys.exit(1)
+        return {}
     os.makedirs(args.log_dir, exist_ok=True)
     results = {layout.name: run_layout(layout, args, args.port + index) for index, layout in enumerate(layouts)}
     print("\n" + "\n".join(table(layouts, results)))
