@@ -12,7 +12,8 @@
 # moments in bf16 (precision-aware optimizer, works with ZeRO-1): 594.7 -> 601.0 and 4 bytes a parameter less.
 # bf16 working copies of the weights (--cache-low-precision-weights), cast once an optimizer step: at 4
 # micro-batches a step on one H200 804.4 -> 791.6 ms; under --fp8-format they are float8 copies, 641.3 -> 609.5 ms
-# against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance.md).
+# against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance.md). They also run under this
+# layout's TP=2 (EXTRA_ARGS="--fp8-format hybrid"; checked on gloo, not yet timed on several GPUs).
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"

@@ -38,8 +38,10 @@ def validate_parallel(args: argparse.Namespace) -> None:
         from megatron.core.transformer.fp8 import float8_config
         from megatron.training.precision_args import delayed_scaling
 
-        if args.tensor_model_parallel_size != 1:
-            raise ValueError("--fp8-format supports --tensor-model-parallel-size 1 for now; drop one of them")
+        if args.tensor_model_parallel_size != 1 and not weight_copies:
+            raise ValueError("--fp8-format under tensor parallelism runs in the float8 layers of the weights' "
+                             "working copies (torchao converts single-rank nn.Linear only): add "
+                             "--cache-low-precision-weights")
         if weight_copies and args.fp8_recipe == "rowwise":
             raise ValueError("--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies; "
                              "--fp8-recipe rowwise scales per row: use --fp8-recipe tensorwise or delayed, or drop "

@@ -116,7 +116,8 @@ def _train_and_capture(argv: list, runtime) -> dict:
     trainer.train()
     return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
             "microbatches": args.num_microbatches, "shards": shards, "named": named,
-            "optimizer_state": optimizer_state_numel(trainer.optimizer)[0]}
+            "optimizer_state": optimizer_state_numel(trainer.optimizer)[0],
+            "float8_layers": sum(hasattr(module, "weight_fp8") for module in model.modules())}
 
 
 def _worker(rank: int, world_size: int, port: int, argvs: list, out_path: str) -> None:
@@ -148,6 +149,7 @@ def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
         named = {name: grad for rank in ranks for name, grad in rank["named"].items()}
         results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "named": named,
                         "microbatches": ranks[0]["microbatches"],
+                        "float8_layers": [rank["float8_layers"] for rank in ranks],
                         "grads": _assemble({"shards": {f"{r}/{k}": v for r, rank in enumerate(ranks)
                                                        for k, v in rank["shards"].items()}}),
                         "optimizer_state": [rank["optimizer_state"] for rank in ranks]})
