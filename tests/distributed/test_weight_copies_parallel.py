@@ -3,7 +3,8 @@ without, under ZeRO-1 (each rank's compiled step writes its own shard's copies; 
 ranks broadcast move no version counter, so they must be re-cast) and under TP=2 with sequence
 parallelism, and with two pipeline stages, in Megatron's default configuration and the Llama style, DLM
 and AR, with and without the masked-only loss (whose chunked output layer reads a copy of its weight);
-float8 copies under ZeRO-1 and, with delayed scaling, two pipeline stages."""
+float8 copies under ZeRO-1, TP=2 with sequence parallelism and CP=2 and, with delayed scaling, two
+pipeline stages."""
 
 import pytest
 
@@ -81,29 +82,33 @@ def test_delayed_scaling_under_pipeline_parallelism_trains_as_one_process(tmp_pa
         assert delayed["losses"][0] == tensorwise["losses"][0] and delayed["losses"][1:] != tensorwise["losses"][1:]
 
 
-TP_FLOAT8_CASES = [  # (config, mode, extra flags): each against one process in fp8 and in bf16
-    ("llama", "dlm", MASKED_ONLY + ["--fp8-output-layer"]),  # the vocabulary-parallel output layer in float8 too
-    ("megatron", "ar", []),
-    ("megatron", "dlm", ["--fp8-recipe", "delayed"]),
+CP2 = ["--context-parallel-size", "2"]
+SPLIT_FLOAT8_CASES = [  # (layout, config, mode, extra flags): each against one process
+    (TP2_SP, "llama", "dlm", MASKED_ONLY + ["--fp8-output-layer"]),  # the vocabulary-parallel output layer too
+    (TP2_SP, "megatron", "ar", []),
+    (TP2_SP, "megatron", "dlm", ["--fp8-recipe", "delayed"]),
+    (CP2, "llama", "dlm", []),
+    (CP2, "megatron", "ar", ["--fp8-recipe", "delayed"]),
 ]
 
 
-def test_float8_copies_under_tensor_and_sequence_parallelism_track_one_process(tmp_path):
-    """TP=2 with sequence parallelism under --fp8-format: each rank runs its shards' GEMMs in float8, scaling
-    its weight shard, a row-parallel layer's input shard and a column-parallel layer's output-gradient shard
-    by their own amaxes (no collective), so the values differ from one process's within float8's rounding
-    only: every step's loss within 2.5e-3 relative of the one-process fp8 run (a shard cast or scaled
-    wrongly moves it by far more), with every decoder linear of both ranks in float8."""
+def test_float8_copies_under_tensor_sequence_and_context_parallelism_track_one_process(tmp_path):
+    """TP=2 with sequence parallelism, or CP=2, under --fp8-format: each rank runs its shards' GEMMs in float8,
+    scaling its weight shard, a row-parallel layer's input shard, a column-parallel layer's output-gradient
+    shard and its own sequence chunk by their own amaxes (no collective), so the values differ from one
+    process's within float8's rounding only: every step's loss within 2.5e-3 relative of the one-process
+    fp8 run (a shard cast or scaled wrongly, or a rank's stale copy, moves it by more), with every decoder
+    linear of both ranks in float8."""
     pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
     float8 = ["--bf16", "--lr", "1e-2", "--fp8-format", "hybrid", "--cache-low-precision-weights"]
-    bases = [SHAPE + CONFIGS[config] + MODES[mode] + extra for config, mode, extra in TP_FLOAT8_CASES]
-    single = run_many(1, [base + float8 for base in bases], tmp_path, "one_rank")
-    parallel = run_many(2, [base + float8 + TP2_SP for base in bases], tmp_path, "tp2")
-    for index, case in enumerate(TP_FLOAT8_CASES):
-        fp8, tp2 = single[index]["losses"], parallel[index]["losses"]
-        assert len(tp2) == len(fp8) == 3
-        for step, (one, two) in enumerate(zip(fp8, tp2)):
-            assert abs(two - one) <= 2.5e-3 * abs(one), (case, step, fp8, tp2)
+    bases = [SHAPE + CONFIGS[config] + MODES[mode] + extra + float8 for _, config, mode, extra in SPLIT_FLOAT8_CASES]
+    single = run_many(1, bases, tmp_path, "one_rank")
+    parallel = run_many(2, [base + layout for base, (layout, *_) in zip(bases, SPLIT_FLOAT8_CASES)], tmp_path, "split")
+    for index, case in enumerate(SPLIT_FLOAT8_CASES):
+        fp8, split = single[index]["losses"], parallel[index]["losses"]
+        assert len(split) == len(fp8) == 3
+        for step, (one, two) in enumerate(zip(fp8, split)):
+            assert abs(two - one) <= 2.5e-3 * abs(one), (case, step, fp8, split)
         assert parallel[index]["float8_layers"] == single[index]["float8_layers"] * 2 == [8, 8], case
 
 

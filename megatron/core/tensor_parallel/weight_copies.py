@@ -31,10 +31,10 @@ The optimizer does not write them: a write in its update kernel would have to sc
 from before the update (measured at the 7B width, docs/performance.md: it did not pay). In
 evaluation the weight is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
 gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
-calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor
-parallelism every scale is the rank's own: its weight shard's, and the amax of what its GEMMs read (a
-row-parallel layer's input shard, a column-parallel layer's output-gradient shard; what the ranks share,
-the same on every rank). No collective, and each product is scaled back before the layers' reductions,
+calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor or
+context parallelism every scale is the rank's own: its weight shard's, and the amax of what its GEMMs
+read (a row-parallel layer's input shard, a column-parallel layer's output-gradient shard, its sequence
+chunk; what the ranks share, the same on every rank). No collective, and each product is scaled back before the layers' reductions,
 so the values differ from one GPU's within float8's rounding only
 (tests/distributed/test_weight_copies_parallel.py).
 """
