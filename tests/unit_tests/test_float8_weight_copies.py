@@ -14,12 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from custom_args.difflm import add_difflm_args
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, scale_of, scaled_cast
 from megatron.core.tensor_parallel.weight_copies import Float8Copy, WeightCopies, attach_weight_copies
-from megatron.training.arguments import parse_args
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 from tests.unit_tests.test_gpt_model import tokens
 from tests.unit_tests.test_weight_copies import build, train
@@ -201,14 +199,3 @@ def test_compiled_layers_trace_the_float8_gemms_without_a_graph_break():
             losses.append(loss.item())
         results.append(losses)
     assert results[0] == pytest.approx(results[1], rel=1e-6)
-
-
-def test_float8_under_tensor_parallelism_needs_the_copies(capsys):
-    """torchao's float8 linears are single-rank: under TP the flags name the path that runs there."""
-    with pytest.raises(SystemExit):
-        parse_args(TINY + ["--bf16", "--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"], add_difflm_args,
-                   world_size=2)
-    message = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--fp8-format under tensor parallelism" in message and "add --cache-low-precision-weights" in message
-    parse_args(TINY + ["--bf16", "--fp8-format", "hybrid", "--tensor-model-parallel-size", "2",
-                       "--cache-low-precision-weights", "--fp8-recipe", "delayed"], add_difflm_args, world_size=2)
