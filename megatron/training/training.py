@@ -489,7 +489,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     copies = None
     if args.cache_low_precision_weights:
         copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format,
-                                      delayed_scaling(args), replica_group(layout.groups))
+                                      delayed_scaling(args), (replica_group(layout.groups), layout.groups.tp))
         fp8_layers += copies.float8_layers
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
                      + (f", {copies.float8_layers} of them in float8" if args.fp8_format else

@@ -58,11 +58,10 @@ RESUME_CASES = {  # name: (processes, flags)
     # AR (causal, load-balanced chunks) under context parallelism.
     "cp2_ar": (2, ["--context-parallel-size", "2", "--model-running-mode", "vanilla"]),
     # fp8 with delayed scaling: the amax histories and scales are state the checkpoint carries, a file per
-    # rank; under TP each rank's differ (its own shards), so a rank reading another's file would show.
-    "tp2sp_fp8_delayed_ar": (2, ["--bf16", "--fp8-format", "hybrid", "--cache-low-precision-weights", "--fp8-recipe",
-                                 "delayed", "--fp8-amax-history-len", "3", "--fp8-amax-compute-algo", "max",
-                                 "--model-running-mode", "vanilla", "--tensor-model-parallel-size", "2",
-                                 "--sequence-parallel"]),
+    # rank; the pipeline stages hold other layers, so a rank reading another's file would show.
+    "pp2_fp8_delayed_ar": (2, ["--bf16", "--fp8-format", "hybrid", "--cache-low-precision-weights", "--fp8-recipe",
+                               "delayed", "--fp8-amax-history-len", "3", "--fp8-amax-compute-algo", "max",
+                               "--model-running-mode", "vanilla", "--pipeline-model-parallel-size", "2"]),
     # MoE under EP=2 with aux-loss-free balancing: the expert biases are state the checkpoint carries.
     "ep2_moe_expert_bias_dlm": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
                                     "--expert-model-parallel-size", "2", "--moe-router-score-function", "sigmoid",

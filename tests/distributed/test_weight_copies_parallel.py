@@ -4,7 +4,7 @@ ranks broadcast move no version counter, so they must be re-cast) and under TP=2
 parallelism, and with two pipeline stages, in Megatron's default configuration and the Llama style, DLM
 and AR, with and without the masked-only loss (whose chunked output layer reads a copy of its weight);
 float8 copies under ZeRO-1, TP=2 with sequence parallelism and CP=2 and, with delayed scaling, two
-pipeline stages."""
+pipeline stages; delayed scaling's amaxes shared over the replicas and the tensor-parallel peers."""
 
 import pytest
 
@@ -123,8 +123,11 @@ def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # As the trainer's: the replicas (ranks 0+2, 1+3), then the tensor-parallel peers (0+1, 2+3).
+    replicas = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+    peers = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
     layers = [nn.Linear(16, 16), nn.Linear(16, 16)]
-    scaling = DelayedScaling(layers, ["a", "b"], "hybrid", DelayedScalingConfig(), dist.group.WORLD)
+    scaling = DelayedScaling(layers, ["a", "b"], "hybrid", DelayedScalingConfig(), [replicas, peers])
     torch.manual_seed(rank)
     seen = torch.rand(2, 2) * (rank + 1)
     for layer, row in zip(layers, seen):
@@ -133,19 +136,20 @@ def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save({"seen": seen, "history": scaling.history.clone(), "scales": scaling.scales.clone()}, f"{out}.{rank}")
 
 
-def test_delayed_scaling_shares_the_replicas_largest_amax(tmp_path):
-    """--fp8-recipe delayed: every replica casts with the scales of the largest amax any of them saw
-    (one all-reduce in the update), so replicas agree and a checkpoint holds what each rank holds."""
+def test_delayed_scaling_shares_the_largest_amax_over_replicas_and_tensor_parallel_peers(tmp_path):
+    """--fp8-recipe delayed: every rank of a layer, its replicas and its tensor-parallel peers (which hold
+    other shards of it), casts with the scales of the largest amax any of them saw (an all-reduce over
+    each group in the update), so they agree and a checkpoint holds what each rank holds."""
     import torch
 
     from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
     from tests.distributed.parity import free_port, start_workers
 
     out = str(tmp_path / "amax")
-    start_workers(_shared_amax_worker, (2, free_port(), out), 2)
-    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
-    largest = torch.maximum(ranks[0]["seen"], ranks[1]["seen"])
-    assert not torch.equal(ranks[0]["seen"], largest)  # the ranks saw different amaxes
+    start_workers(_shared_amax_worker, (4, free_port(), out), 4)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    largest = torch.stack([rank["seen"] for rank in ranks]).amax(dim=0)
+    assert all(not torch.equal(rank["seen"], largest) for rank in ranks[:3])  # no one group saw them all
     expected = torch.stack([torch.stack([scale_of(row[0], FORWARD_DTYPE), scale_of(row[1], GRADIENT_DTYPES["hybrid"])])
                             for row in largest])
     for rank in ranks:

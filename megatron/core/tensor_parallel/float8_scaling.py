@@ -15,10 +15,12 @@ columns each (0: the input, e4m3; 1: the output gradient, the format's gradient 
   entry (`--fp8-amax-compute-algo most_recent`, Megatron's default) or the history's largest (`max`).
 
 `DelayedScaling.update` runs once an iteration, after the optimizer step: it takes the largest amax over
-the data-parallel replicas (one all-reduce of [layers, 2]; every replica then casts with the same
-scales, and a checkpoint holds what every rank holds), pushes it into the history and recomputes the
-scales; a scale whose amax is zero or not finite keeps its last value, and a skipped iteration (a
-non-finite loss or norm) leaves the history alone. Micro-batches of one iteration share its scales.
+its `groups` (the trainer's: the data-parallel replicas with their context-parallel ranks, then the
+tensor-parallel ranks, Megatron's amax reduction group; one all-reduce of [layers, 2] each), so every
+rank of a layer casts with the same scales, those of the whole tensor, and a checkpoint holds what
+every such rank holds; then it pushes the amax into the history and recomputes the scales; a scale
+whose amax is zero or not finite keeps its last value, and a skipped iteration (a non-finite loss or
+norm) leaves the history alone. Micro-batches of one iteration share its scales.
 
 The first iteration of a run has no history: its layers scale each tensor by its own amax (the
 tensorwise recipe, and so the same values) while recording; the next ones read the scales (`ready`
@@ -30,7 +32,7 @@ by the current amax and records nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,10 +70,11 @@ class DelayedScaling:
     `fp8_scale` (scales), and its output gradient's amax leaf as `fp8_gradient_amax`."""
 
     def __init__(self, modules: List[nn.Module], names: List[str], fp8_format: str, config: DelayedScalingConfig,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 groups: Sequence[Optional[dist.ProcessGroup]] = ()) -> None:
         device = modules[0].weight.device if modules else torch.device("cpu")
         count = len(modules)
-        self.config, self.group, self.modules, self.names = config, group, modules, list(names)
+        self.config, self.modules, self.names = config, modules, list(names)
+        self.groups = [group for group in groups if group_size(group) > 1]
         self.current = torch.zeros(count, 2, device=device)
         self.history = torch.zeros(count, config.history_len, 2, device=device)
         self.scales = torch.ones(count, 2, device=device)
@@ -107,15 +110,15 @@ class DelayedScaling:
 
     @torch.no_grad()
     def update(self, skipped: bool = False) -> None:
-        """After an iteration's optimizer step: its amaxes (the largest over the replicas) into the
+        """After an iteration's optimizer step: its amaxes (the largest over the groups) into the
         history and the scales from it; `skipped`: the iteration was dropped, its amaxes too."""
         if not self.modules:
             return
         if skipped:
             self.current.zero_()
             return
-        if group_size(self.group) > 1:
-            dist.all_reduce(self.current, op=dist.ReduceOp.MAX, group=self.group)
+        for group in self.groups:  # the largest over all of them: max over one group, then the next
+            dist.all_reduce(self.current, op=dist.ReduceOp.MAX, group=group)
         latest = torch.where(self.current.isfinite(), self.current, torch.zeros_like(self.current))
         self.history.copy_(torch.cat([latest[:, None], self.history[:, :-1]], dim=1))
         amax = self.history[:, 0] if self.config.algo == "most_recent" else self.history.amax(dim=1)

@@ -32,17 +32,19 @@ from before the update (measured at the 7B width, docs/performance.md: it did no
 evaluation the weight is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
 gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
 calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor or
-context parallelism every scale is the rank's own: its weight shard's, and the amax of what its GEMMs
-read (a row-parallel layer's input shard, a column-parallel layer's output-gradient shard, its sequence
-chunk; what the ranks share, the same on every rank). No collective, and each product is scaled back before the layers' reductions,
-so the values differ from one GPU's within float8's rounding only
-(tests/distributed/test_weight_copies_parallel.py).
+context parallelism each rank casts what its GEMMs read: its weight shard by the shard's amax, and
+under the tensorwise recipe a row-parallel layer's input shard, a column-parallel layer's
+output-gradient shard and its sequence chunk by their own (no collective; each product is scaled back
+before the layers' reductions), so the values differ from one GPU's within float8's rounding only
+(tests/distributed/test_weight_copies_parallel.py). Delayed scaling's amaxes are the largest over the
+data-parallel, context-parallel and tensor-parallel ranks (Megatron's amax reduction group): every
+rank of a layer casts by the same scales, those of the whole tensor.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -116,7 +118,7 @@ class WeightCopies:
     """The compute-dtype copies of `model`'s tensor-parallel linear weights (see the module docstring)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, fp8_format: Optional[str] = None,
-                 delayed: Optional[DelayedScalingConfig] = None, group=None) -> None:
+                 delayed: Optional[DelayedScalingConfig] = None, groups: Sequence = ()) -> None:
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         self.dtype = dtype
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
@@ -138,7 +140,7 @@ class WeightCopies:
         if delayed is not None and fp8_format is not None:
             names = {id(module): name for name, module in model.named_modules()}
             float8 = [module for module, copy in self.layers if isinstance(copy, Float8Copy)]
-            self.delayed_scaling = DelayedScaling(float8, [names[id(m)] for m in float8], fp8_format, delayed, group)
+            self.delayed_scaling = DelayedScaling(float8, [names[id(m)] for m in float8], fp8_format, delayed, groups)
         self.refresh()
 
     def end_iteration(self, skipped: bool = False) -> None:
@@ -213,15 +215,15 @@ def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
 
 
 def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype, fp8_format: Optional[str] = None,
-                         delayed: Optional[DelayedScalingConfig] = None, group=None) -> WeightCopies:
+                         delayed: Optional[DelayedScalingConfig] = None, groups: Sequence = ()) -> WeightCopies:
     """Copies for `model`'s linear layers (float8 ones under `fp8_format`), written by each of this
     rank's `CompiledAdamW` steps (the other optimizers leave them to `refresh`). After the data-parallel
     wrapper: its buffers are not broadcast, and these need not be (every rank writes its own).
-    `delayed`: the float8 layers' delayed scaling, its amaxes the largest over `group` (the replicas)."""
+    `delayed`: the float8 layers' delayed scaling, its amaxes the largest over `groups` (float8_scaling.py)."""
     from megatron.core.optimizer.compiled_adamw import CompiledAdamW
     from megatron.core.optimizer.optimizer import local_optimizers
 
-    copies = WeightCopies(model, dtype, fp8_format, delayed, group)
+    copies = WeightCopies(model, dtype, fp8_format, delayed, groups)
     for local in local_optimizers(optimizer):
         if isinstance(local, CompiledAdamW):
             local.weight_copies = copies
