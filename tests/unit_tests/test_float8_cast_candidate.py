@@ -32,16 +32,16 @@ def _on_grid(rows: int, cols: int, dtype: torch.dtype, scale: float) -> torch.Te
     return (values / scale).to(torch.bfloat16)
 
 
-def _check(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+def _check(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reload: bool) -> None:
     amax = torch.tensor(0.25, device=x.device)
-    rows, columns = float8_cast_candidate.cast_both_layouts(x, scale, dtype, amax)
+    rows, columns = float8_cast_candidate.cast_both_layouts(x, scale, dtype, amax, reload)
     expected = scaled_cast(x, scale, dtype)
     assert rows.dtype == columns.dtype == dtype and columns.is_contiguous()
     assert torch.equal(rows.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(columns.view(torch.uint8), expected.t().contiguous().view(torch.uint8))
     assert torch.equal(amax, x.abs().max().float())
     larger = 2 * amax
-    float8_cast_candidate.cast_both_layouts(x, scale, dtype, larger)
+    float8_cast_candidate.cast_both_layouts(x, scale, dtype, larger, reload)
     assert torch.equal(larger, 2 * x.abs().max().float())  # a larger running amax stays
 
 
@@ -49,14 +49,16 @@ def _check(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
                     reason="CPU tensors under Triton's interpreter (CPU machines run it)")
 @pytest.mark.parametrize("shape", [(40, 56), (32, 48), (17, 33)], ids=["partial-tiles", "whole-tiles", "odd"])
 @pytest.mark.parametrize("name", DTYPES)
-def test_the_candidate_writes_both_layouts_of_torchs_cast_on_cpu(shape, name):
+@pytest.mark.parametrize("reload", [False, True], ids=["transposed", "reloaded"])
+def test_the_candidate_writes_both_layouts_of_torchs_cast_on_cpu(shape, name, reload):
     dtype, scale = DTYPES[name], torch.tensor(8.0)
-    _check(_on_grid(*shape, dtype, scale.item()), scale, dtype)
+    _check(_on_grid(*shape, dtype, scale.item()), scale, dtype, reload)
 
 
 @pytest.mark.skipif(not (triton_support.HAS_TRITON and torch.cuda.is_available()), reason="a CUDA case")
 @pytest.mark.parametrize("name", DTYPES)
-def test_the_candidate_rounds_as_torch_on_cuda(name):
+@pytest.mark.parametrize("reload", [False, True], ids=["transposed", "reloaded"])
+def test_the_candidate_rounds_as_torch_on_cuda(name, reload):
     dtype = DTYPES[name]
     x = torch.randn(1000, 777, device="cuda").to(torch.bfloat16) * 30
-    _check(x, torch.tensor(3.7, device="cuda"), dtype)
+    _check(x, torch.tensor(3.7, device="cuda"), dtype, reload)

@@ -182,8 +182,11 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
               (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.kv_channels]
     ways = {"amax, rows first": 2, "amax, one reduction": 2, "both layouts": 4, "delayed": 4,
             "delayed, rows only": 3, "delayed, transposed only": 3}
+    compiled = len(ways)
+    if triton_support.HAS_TRITON and triton_support.interpreting():  # the candidate kernel, not compiled
+        ways.update({"delayed, Triton candidate": 4, "delayed, Triton candidate, reloaded": 4})
     assert [name.split(":")[0].removeprefix("float8 cast, ") for name in rows] == [w for w in ways for _ in widths]
     assert [row["bytes"] for row in rows.values()] == [ways[w] * 32 * width for w in ways for width in widths]
     assert sorted({shape for _, shape, _ in seen}) == sorted({(32, width) for width in widths})
     assert {dtype for _, _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}
-    assert len(seen) == len(ways) * len(widths)
+    assert len(seen) == compiled * len(widths)

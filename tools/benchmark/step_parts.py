@@ -46,6 +46,7 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -69,7 +70,7 @@ from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
 from megatron.core.transformer import triton_rmsnorm, triton_swiglu  # noqa: E402
 from megatron.core.transformer.norms import RMSNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
-from megatron.core.triton_support import HAS_TRITON  # noqa: E402
+from megatron.core.triton_support import HAS_TRITON, interpreting  # noqa: E402
 
 
 def parameters(name: str, device: torch.device) -> List[torch.nn.Parameter]:
@@ -344,7 +345,7 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
     given, the amax recorded beside the cast), whole and in its two halves: the row-major values with the
     amax, and the transposed copy alone (read 2, write 1 each), which say whether the whole is one pass or
-    two; and on CUDA with Triton the candidate kernel of float8_cast_candidate.py (one pass)."""
+    two; and where Triton runs the candidate kernel of float8_cast_candidate.py, both ways (one pass)."""
     from megatron.core.tensor_parallel import float8_matmul
 
     def both_layouts(x, dtype):
@@ -369,14 +370,16 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
             "both layouts": (both_layouts, 4), "delayed": (delayed, 4), "delayed, rows only": (rows_only, 3),
             "delayed, transposed only": (transposed_only, 3)}
-    if device.type == "cuda" and HAS_TRITON:
+    if HAS_TRITON and (device.type == "cuda" or interpreting()):  # on CPU: the tests' interpreter
         import float8_cast_candidate
 
-        ways["delayed, Triton candidate"] = (
-            lambda x, dtype: float8_cast_candidate.cast_both_layouts(x, scale, dtype, amax), 4)
+        def candidate(x, dtype, reload=False):
+            return float8_cast_candidate.cast_both_layouts(x, scale, dtype, amax, reload)
+        ways["delayed, Triton candidate"] = (candidate, 4)
+        ways["delayed, Triton candidate, reloaded"] = (functools.partial(candidate, reload=True), 4)
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
-        cast = function if way.endswith("candidate") else torch.compile(function)
+        cast = function if "candidate" in way else torch.compile(function)
         for name, (x, dtype) in inputs.items():
             result[f"float8 cast, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
                 measure(lambda x=x, dtype=dtype: cast(x, dtype)), bytes_per_element * x.numel())
