@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import os
+import pickle
 import random
 import shutil
 import sys

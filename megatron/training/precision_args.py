@@ -27,7 +27,8 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"],
                    help="Train the transformer layers' linear layers in fp8: e4m3 everywhere, or hybrid (e5m2 output "
                         "gradients). Through torchao's float8 linears, or with --cache-low-precision-weights through "
-                        "float8 working copies of the weights (no torchao needed). Tensor-parallel size 1.")
+                        "float8 working copies of the weights (no torchao needed; the only path under tensor or "
+                        "context parallelism).")
     g.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise", "delayed"],
                    help="With --fp8-format: one dynamic scale per tensor, or per row; or delayed (Megatron's "
                         "recipe, with --cache-low-precision-weights): each layer's input and output gradient cast "

@@ -62,8 +62,9 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def record_amax(slot: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Raise the 0-d `slot` (delayed scaling's running amax) to max |tensor|. Traced into the compiled
-    layer's forward, where the amax shares the read of the kernel that made the tensor."""
+    """Raise `slot` (delayed scaling's running amax) to max |tensor|. Traced into the compiled layer's
+    forward, where the amax shares the read of the kernel that made the tensor; the backward's amax
+    arrives through a hook (float8_scaling.DelayedScaling._gradient_amax_leaf)."""
     slot.copy_(torch.maximum(slot, tensor_amax(tensor)))
 
 
@@ -160,6 +161,10 @@ def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional
     return values, values.t().contiguous(), inverse
 
 
+GRADIENT_AMAX_INPUT = 9
+"""`_Float8Linear.forward`'s argument index of `gradient_amax` (after ctx)."""
+
+
 class _Float8Linear(torch.autograd.Function):
     """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring);
     with `scales` (delayed scaling) the input and the output gradient are cast by them, and the output
@@ -198,7 +203,7 @@ class _Float8Linear(torch.autograd.Function):
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
                                        out_dtype=torch.float32)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_amax = tensor_amax(flat).reshape(1) if ctx.needs_input_grad[9] else None
+        grad_amax = tensor_amax(flat).reshape(1) if ctx.needs_input_grad[GRADIENT_AMAX_INPUT] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
                 None, None, None, None, None, None, grad_amax)
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, record_amax
 from megatron.core.tensor_parallel.utils import group_size
 
 ALGORITHMS = ("most_recent", "max")
@@ -93,7 +93,7 @@ class DelayedScaling:
 
         def raise_slot(tensor: torch.Tensor) -> None:
             with torch.no_grad():
-                slot.copy_(torch.maximum(slot, tensor.grad))
+                record_amax(slot, tensor.grad)
             tensor.grad = None
         leaf.register_post_accumulate_grad_hook(raise_slot)
         return leaf
