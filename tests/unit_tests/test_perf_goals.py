@@ -59,6 +59,14 @@ def test_a_run_past_its_limit_is_reported_not_fatal(tmp_path, capsys):
     assert "- dlm (A): timed out after 0.5 s" in capsys.readouterr().out
 
 
+def test_a_failed_run_reports_its_last_log_line(tmp_path, capsys):
+    """A run that exits non-zero is reported with the line that ended it (its error), not only the log."""
+    records = perf_goals.main(["--smoke", "--only", "dlm", "--extra", "--micro-batch-size 0", "--out", str(tmp_path)])
+    error = records[0]["error"]
+    assert error.startswith("exit 2 (see ") and error.endswith("error: --micro-batch-size 0 must be at least 1"), error
+    assert records[0]["rows"] == [] and "- dlm (A): exit 2" in capsys.readouterr().out
+
+
 def test_bad_arguments_are_one_line(tmp_path):
     with pytest.raises(SystemExit, match="has no tools/benchmark/train_throughput.py"):
         perf_goals.main(["--ab-tree", str(tmp_path)])
