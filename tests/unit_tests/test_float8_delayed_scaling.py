@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, triton_float8_cast
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
 from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
 from megatron.core.tensor_parallel.weight_copies import WeightCopies
@@ -170,12 +170,18 @@ def _two_layers(device: str):
     return model, WeightCopies(model, torch.bfloat16, "hybrid", DelayedScalingConfig())
 
 
-@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=CUDA)])
-def test_compiled_layers_with_micro_batches_in_flight(device, backend):
+@pytest.mark.parametrize("device, backend, kernel", [("cpu", "aot_eager", False),
+                                                     pytest.param("cuda", "inductor", True, marks=CUDA)],
+                         ids=["cpu", "cuda"])
+def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, monkeypatch):
     """Two compiled layers, two micro-batches' forwards before either backward (a pipeline schedule's
     order): the running amaxes move between a layer's forward and its backward, which a compiled backward
     that wrote into them would refuse under torch 2.11 (a saved tensor's version moved); the backward's
-    amax leaves as a gradient, raising the same amaxes as the eager layers'. The leaf keeps no gradient."""
+    amax leaves as a gradient, raising the same amaxes as the eager layers'. The leaf keeps no gradient.
+    From the second step the casts run through the Triton kernel (`kernel`; traced into the graph; under
+    the interpreter only eagerly, test_float8_cast.py: its kernels are not traceable)."""
+    calls, original = [], triton_float8_cast.cast_both_layouts
+    monkeypatch.setattr(triton_float8_cast, "cast_both_layouts", lambda *args: calls.append(1) or original(*args))
     eager, eager_copies = _two_layers(device)
     model, copies = _two_layers(device)
     compiled = [torch.compile(layer, backend=backend, fullgraph=True) for layer in model]
@@ -194,6 +200,7 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend):
             assert mine.fp8_amax.min() > 0 and mine.fp8_gradient_amax.grad is None
         assert model[1].fp8_amax[1] == 6.0  # the last layer's output gradients: 3, then 6 everywhere
         copies.end_iteration(), eager_copies.end_iteration()
+    assert bool(calls) == kernel
 
 
 def test_the_flags_need_the_float8_copies(capsys):

@@ -46,7 +46,6 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -70,7 +69,6 @@ from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
 from megatron.core.transformer import triton_rmsnorm, triton_swiglu  # noqa: E402
 from megatron.core.transformer.norms import RMSNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
-from megatron.core.triton_support import HAS_TRITON, interpreting  # noqa: E402
 
 
 def parameters(name: str, device: torch.device) -> List[torch.nn.Parameter]:
@@ -345,8 +343,8 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
     given, the amax recorded beside the cast), whole and in its two halves: the row-major values with the
     amax, and the transposed copy alone (read 2, write 1 each), which say whether the whole is one pass or
-    two; and where Triton runs the candidate kernel of float8_cast_candidate.py, both ways (one pass)."""
-    from megatron.core.tensor_parallel import float8_matmul
+    two; and, where Triton runs, the layers' one-pass kernel (triton_float8_cast.py)."""
+    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
 
     def both_layouts(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
@@ -357,29 +355,30 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
 
     amax, scale = torch.zeros((), device=device), torch.tensor(10.0, device=device)
 
-    def delayed(x, dtype):
-        float8_matmul.record_amax(amax, x)
-        return float8_matmul._cast_both_layouts(x, dtype, scale)
+    def delayed(x, dtype):  # the layers' cast by a given scale where the kernel does not run
+        values = float8_matmul.scaled_cast(x, scale, dtype)
+        float8_matmul.raise_amax(amax, float8_matmul.tensor_amax(x))
+        return values, values.t().contiguous(), scale.reciprocal()
 
     def rows_only(x, dtype):
-        float8_matmul.record_amax(amax, x)
+        float8_matmul.raise_amax(amax, float8_matmul.tensor_amax(x))
         return float8_matmul.scaled_cast(x, scale, dtype)
 
     def transposed_only(x, dtype):
         return float8_matmul.scaled_cast(x.t(), scale, dtype).contiguous()
     ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
-            "both layouts": (both_layouts, 4), "delayed": (delayed, 4), "delayed, rows only": (rows_only, 3),
-            "delayed, transposed only": (transposed_only, 3)}
-    if HAS_TRITON and (device.type == "cuda" or interpreting()):  # on CPU: the tests' interpreter
-        import float8_cast_candidate
-
-        def candidate(x, dtype, reload=False):
-            return float8_cast_candidate.cast_both_layouts(x, scale, dtype, amax, reload)
-        ways["delayed, Triton candidate"] = (candidate, 4)
-        ways["delayed, Triton candidate, reloaded"] = (functools.partial(candidate, reload=True), 4)
+            "both layouts": (both_layouts, 4), "delayed, tensor math": (delayed, 4),
+            "delayed, rows only": (rows_only, 3), "delayed, transposed only": (transposed_only, 3)}
+    triton_float8_cast.register_for(amax)
+    if triton_float8_cast.available(torch.zeros(1, 1, device=device)):  # on CPU: a test's interpreter
+        def kernel(x, dtype):  # what the layers run (float8_matmul._cast_both_layouts with a scale)
+            values, transposed, inverse, x_amax = float8_matmul._cast_both_layouts(x, dtype, scale)
+            float8_matmul.raise_amax(amax, x_amax)
+            return values, transposed, inverse
+        ways["delayed, Triton"] = (kernel, 4)
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
-        cast = function if "candidate" in way else torch.compile(function)
+        cast = function if way == "delayed, Triton" else torch.compile(function)  # one kernel already
         for name, (x, dtype) in inputs.items():
             result[f"float8 cast, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
                 measure(lambda x=x, dtype=dtype: cast(x, dtype)), bytes_per_element * x.numel())

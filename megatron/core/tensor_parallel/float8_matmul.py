@@ -23,11 +23,13 @@ casting the fp32 weight every forward as torchao's float8 linears do. All three 
 output gradient x the weight's transposed copy) and the weight gradient (the output gradient x the
 input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's gradient leaves its
 GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
-an element instead of the compute dtype's 2, and no second cast in the backward). Each cast is tensor
-math that the compiled layer fuses (a Triton kernel writing both layouts in one pass was no faster,
-under either recipe, docs/performance.md). Unlike the bf16 layers, the weight gradient is not added into `.grad` by its
-GEMM (`_scaled_mm` has no beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the
-add at every 7B-width shape, docs/performance.md): autograd adds it.
+an element instead of the compute dtype's 2, and no second cast in the backward). A cast by the tensor's
+own amax is tensor math that the compiled layer fuses (a Triton kernel was no faster there: the amax
+before the cast is the cost); a cast by a given scale (delayed scaling) is one Triton kernel that writes
+both layouts and takes the amax (triton_float8_cast.py), where compiled tensor math took two passes.
+Unlike the bf16 layers, the weight gradient is not added into `.grad` by its GEMM (`_scaled_mm` has no
+beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the add at every 7B-width
+shape, docs/performance.md): autograd adds it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+
+from megatron.core.tensor_parallel import triton_float8_cast
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -61,11 +65,10 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     return (magnitude.amax(dim=-1).amax() if magnitude.dim() > 1 else magnitude.amax()).float()
 
 
-def record_amax(slot: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Raise `slot` (delayed scaling's running amax) to max |tensor|. Traced into the compiled layer's
-    forward, where the amax shares the read of the kernel that made the tensor; the backward's amax
-    arrives through a hook (float8_scaling.DelayedScaling._gradient_amax_leaf)."""
-    slot.copy_(torch.maximum(slot, tensor_amax(tensor)))
+def raise_amax(slot: torch.Tensor, amax: torch.Tensor) -> None:
+    """Raise `slot` (delayed scaling's running amax) to `amax` (a cast's). The forward's is traced into the
+    compiled layer; the backward's arrives through a hook (float8_scaling.DelayedScaling._gradient_amax_leaf)."""
+    slot.copy_(torch.maximum(slot, amax.reshape(slot.shape)))
 
 
 def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,8 +79,9 @@ def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype):
-    scale = _scale(tensor, dtype)
-    return scaled_cast(tensor, scale, dtype), scale.reciprocal()
+    amax = tensor_amax(tensor)
+    scale = scale_of(amax, dtype)
+    return scaled_cast(tensor, scale, dtype), scale.reciprocal(), amax
 
 
 @functools.cache
@@ -89,10 +93,15 @@ def _eager_cuda(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and not torch.compiler.is_compiling()  # inside a compiled layer: traced
 
 
-def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
+def float8_with_amax(tensor: torch.Tensor, dtype: torch.dtype):
     """(tensor in `dtype`, scaled so that its amax lands on the dtype's largest value; the inverse scale,
-    a 0-d fp32 tensor the GEMM multiplies back)."""
+    a 0-d fp32 tensor the GEMM multiplies back; the amax, 0-d fp32)."""
     return (_compiled(_cast) if _eager_cuda(tensor) else _cast)(tensor, dtype)
+
+
+def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
+    """`float8_with_amax`'s values and inverse scale."""
+    return float8_with_amax(tensor, dtype)[:2]
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -153,12 +162,16 @@ class DelayedScales(NamedTuple):
 
 def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
     """A float8 layer's cast of a 2-D tensor: (values [M, K], the values transposed [K, M] contiguous,
-    inverse scale), scaled by its own amax or by a given `scale` (delayed scaling)."""
+    inverse scale, amax), scaled by its own amax or by a given `scale` (delayed scaling: in one pass,
+    where the Triton kernel runs, triton_float8_cast.py)."""
     if scale is None:
-        values, inverse = to_float8(tensor, dtype)
-    else:
-        values, inverse = scaled_cast(tensor, scale, dtype), scale.reciprocal()
-    return values, values.t().contiguous(), inverse
+        values, inverse, amax = float8_with_amax(tensor, dtype)
+        return values, values.t().contiguous(), inverse, amax
+    if triton_float8_cast.available(tensor):
+        rows, columns, amax = triton_float8_cast.cast_both_layouts(tensor, scale, dtype)
+        return rows, columns, scale.reciprocal(), amax
+    values = scaled_cast(tensor, scale, dtype)
+    return values, values.t().contiguous(), scale.reciprocal(), tensor_amax(tensor)
 
 
 GRADIENT_AMAX_INPUT = 9
@@ -167,9 +180,9 @@ GRADIENT_AMAX_INPUT = 9
 
 class _Float8Linear(torch.autograd.Function):
     """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring);
-    with `scales` (delayed scaling) the input and the output gradient are cast by them, and the output
-    gradient's amax is the gradient of the leaf `gradient_amax` [1] (the input's is recorded before the
-    call). A gradient, not a write into the running amax: a compiled backward that writes into a tensor
+    with `scales` (delayed scaling) the input and the output gradient are cast by them. Returns the output
+    and the input's amax (the caller records it); the output gradient's amax is the gradient of the leaf
+    `gradient_amax` [1]. A gradient, not a write into the running amax: a compiled backward that writes into a tensor
     must save it, and torch before 2.13 then checks its version counter, which other layers' records
     (and other micro-batches' backwards, under pipeline schedules) have moved by then."""
 
@@ -182,28 +195,30 @@ class _Float8Linear(torch.autograd.Function):
         ctx.scales = scales  # changed between iterations only
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
-            x8, x8_t, x_inverse = _cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
-                                                     None if scales is None else scales[0])
+            x8, x8_t, x_inverse, x_amax = _cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
+                                                             None if scales is None else scales[0])
             ctx.save_for_backward(x8_t, x_inverse, columns, inverse_scale)
             output = torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
                                       use_fast_accum=True)
             if bias is not None:
                 output = output + bias.to(out_dtype)
-        return output.reshape(*x.shape[:-1], rows.shape[0])
+        ctx.mark_non_differentiable(x_amax)
+        return output.reshape(*x.shape[:-1], rows.shape[0]), x_amax
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx, grad_output: torch.Tensor, grad_x_amax):
+        del grad_x_amax  # not differentiable
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
         scales = ctx.scales
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad8_t, grad_inverse = _cast_both_layouts(flat, ctx.gradient_dtype,
-                                                          None if scales is None else scales[1])
+        grad8, grad8_t, grad_inverse, grad_amax = _cast_both_layouts(flat, ctx.gradient_dtype,
+                                                                     None if scales is None else scales[1])
         grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                       out_dtype=ctx.out_dtype)
         grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
                                        out_dtype=torch.float32)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_amax = tensor_amax(flat).reshape(1) if ctx.needs_input_grad[GRADIENT_AMAX_INPUT] else None
+        grad_amax = grad_amax.reshape(1) if ctx.needs_input_grad[GRADIENT_AMAX_INPUT] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
                 None, None, None, None, None, None, grad_amax)
 
@@ -221,7 +236,9 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: 
     delayed: Optional[DelayedScales] = copy.delayed
     scales = gradient_amax = None
     if delayed is not None:
-        record_amax(delayed.amax[0], x.to(out_dtype))
         scales, gradient_amax = delayed.scales if delayed.ready else None, delayed.gradient_amax
-    return _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
-                               copy.gradient_dtype, scales, gradient_amax)
+    output, amax = _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
+                                       copy.gradient_dtype, scales, gradient_amax)
+    if delayed is not None:
+        raise_amax(delayed.amax[0], amax)
+    return output

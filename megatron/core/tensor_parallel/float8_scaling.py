@@ -1,12 +1,12 @@
 """Delayed scaling for the float8 layers (`--fp8-recipe delayed`, Megatron's recipe under Transformer
 Engine): a layer casts its input and its output gradient with scales taken from earlier iterations'
 amaxes instead of this tensor's own, so the cast needs no reduction before it and the amax it records
-is read in the same pass (the compiled layer fuses both: `float8_matmul.record_amax`).
+is read in the same pass (one Triton kernel on CUDA: triton_float8_cast.py).
 
 State, per float8 layer (`weight_copies.Float8Copy`, so only with `--cache-low-precision-weights`), two
 columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
 - `current` [2]: this iteration's running amax, which every micro-batch's forward (the input,
-  `float8_matmul.record_amax`) and backward (the output gradient) raises; the backward hands its amax
+  `float8_matmul.raise_amax`) and backward (the output gradient) raises; the backward hands its amax
   out as the gradient of a leaf, `gradient_amax` [1], whose hook raises the running amax and drops the
   gradient (a compiled backward writing into the amax itself fails torch 2.11's saved-tensor version
   check, `float8_matmul._Float8Linear`);
@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, record_amax
+from megatron.core.tensor_parallel import triton_float8_cast
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, raise_amax
 from megatron.core.tensor_parallel.utils import group_size
 
 ALGORITHMS = ("most_recent", "max")
@@ -78,6 +79,7 @@ class DelayedScaling:
         self.current = torch.zeros(count, 2, device=device)
         self.history = torch.zeros(count, config.history_len, 2, device=device)
         self.scales = torch.ones(count, 2, device=device)
+        triton_float8_cast.register_for(self.current)  # the one-pass cast, before a compiled layer traces it
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
         for index, module in enumerate(modules):
@@ -93,7 +95,7 @@ class DelayedScaling:
 
         def raise_slot(tensor: torch.Tensor) -> None:
             with torch.no_grad():
-                record_amax(slot, tensor.grad)
+                raise_amax(slot, tensor.grad)
             tensor.grad = None
         leaf.register_post_accumulate_grad_hook(raise_slot)
         return leaf
