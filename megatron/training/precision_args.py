@@ -48,7 +48,7 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                         "dtype, refreshed after each optimizer step (written by --compile-optimizer-step's kernel), "
                         "instead of casting the weight in every micro-batch's forward. Under --fp8-format the "
                         "copies are float8 and the decoder's linear layers run their float8 GEMMs themselves "
-                        "instead of through torchao (tensorwise only).")
+                        "instead of through torchao (the tensorwise or delayed recipe).")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="Megatron's precision-aware optimizer: with --exp-avg-dtype / --exp-avg-sq-dtype bf16, "
                         "Adam's moments are stored in bf16 (the update computes in fp32; CompiledAdamW). Master "

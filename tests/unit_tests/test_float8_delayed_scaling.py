@@ -180,11 +180,16 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, m
     amax leaves as a gradient, raising the same amaxes as the eager layers'. The leaf keeps no gradient.
     From the second step the casts run through the Triton kernel (`kernel`; traced into the graph; under
     the interpreter only eagerly, test_float8_cast.py: its kernels are not traceable)."""
-    calls, original = [], triton_float8_cast.cast_both_layouts
-    monkeypatch.setattr(triton_float8_cast, "cast_both_layouts", lambda *args: calls.append(1) or original(*args))
+    calls, graphs, original = [], [], triton_float8_cast.cast_both_layouts
+    monkeypatch.setattr(triton_float8_cast, "cast_both_layouts",  # eager calls counted (compiled code: the graphs)
+                        lambda *args: (None if torch.compiler.is_compiling() else calls.append(1)) or original(*args))
+
+    def recording(graph, example_inputs):  # every traced graph's code, the autograd.Function's bodies too
+        graphs.append("\n".join(module.code for module in graph.modules() if isinstance(module, torch.fx.GraphModule)))
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
     eager, eager_copies = _two_layers(device)
     model, copies = _two_layers(device)
-    compiled = [torch.compile(layer, backend=backend, fullgraph=True) for layer in model]
+    compiled = [torch.compile(layer, backend=recording, fullgraph=True) for layer in model]
     for step in range(3):
         inputs = [torch.randn(32, 64, device=device) * (step + part + 1) for part in range(2)]
         outputs = {}
@@ -200,7 +205,7 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, m
             assert mine.fp8_amax.min() > 0 and mine.fp8_gradient_amax.grad is None
         assert model[1].fp8_amax[1] == 6.0  # the last layer's output gradients: 3, then 6 everywhere
         copies.end_iteration(), eager_copies.end_iteration()
-    assert bool(calls) == kernel
+    assert bool(calls) == kernel and any("float8_cast_both_layouts" in code for code in graphs) == kernel
 
 
 def test_the_flags_need_the_float8_copies(capsys):
