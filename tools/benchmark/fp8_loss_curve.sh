@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Usage: bash tools/benchmark/fp8_loss_curve.sh   (OUT=dir for the logs; TRAIN_ITERS, WARMUP)
-# bf16 vs fp8 (torchao float8, hybrid) loss curves on the bundled corpus, one GPU, 200 steps.
+# Usage: bash tools/benchmark/fp8_loss_curve.sh   (OUT=dir for the logs; TRAIN_ITERS, WARMUP; FP8_FLAGS)
+# bf16 vs fp8 loss curves on the bundled corpus, one process (a GPU, or the CPU), 200 steps. The fp8 arm's
+# flags: FP8_FLAGS (default: torchao's float8 linears, hybrid; e.g. FP8_FLAGS="--fp8-format hybrid
+# --cache-low-precision-weights --fp8-recipe delayed" for the float8 copies' layers under delayed scaling).
 set -e
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' > /tmp/bin/torchrun && chmod +x /tmp/bin/torchrun
 export PATH=/tmp/bin:$PATH NPROC=1 TRAIN_ITERS=${TRAIN_ITERS:-200}
 COMMON="--bf16 --hidden-size 512 --ffn-hidden-size 1536 --num-attention-heads 8 --num-query-groups 4 --seq-length 512 --micro-batch-size 16 --global-batch-size 16 --lr-warmup-iters ${WARMUP:-20} --eval-iters 0"
 bash examples/quickstart.sh $COMMON --tensorboard-dir /tmp/tb_bf16 > ${OUT:-/tmp}/bf16.log 2>&1
-bash examples/quickstart.sh $COMMON --fp8-format hybrid --tensorboard-dir /tmp/tb_fp8 > ${OUT:-/tmp}/fp8.log 2>&1
+bash examples/quickstart.sh $COMMON ${FP8_FLAGS:---fp8-format hybrid} --tensorboard-dir /tmp/tb_fp8 > ${OUT:-/tmp}/fp8.log 2>&1
 python3 - <<'PY'
 import os, re
 out = os.environ.get("OUT", "/tmp")
