@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Usage: bash tools/benchmark/fp8_loss_curve.sh   (OUT=dir for the logs; TRAIN_ITERS, WARMUP; FP8_FLAGS)
-# bf16 vs fp8 loss curves on the bundled corpus, one process (a GPU, or the CPU), 200 steps. The fp8 arm's
+# bf16 vs fp8 loss curves on the bundled corpus, one GPU (CPU float8 GEMMs take minutes a step), 200 steps. The fp8 arm's
 # flags: FP8_FLAGS (default: torchao's float8 linears, hybrid; e.g. FP8_FLAGS="--fp8-format hybrid
 # --cache-low-precision-weights --fp8-recipe delayed" for the float8 copies' layers under delayed scaling).
 set -e

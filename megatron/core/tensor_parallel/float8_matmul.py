@@ -182,9 +182,9 @@ class _Float8Linear(torch.autograd.Function):
     """x W^T + b with all three GEMMs in float8, W read from its float8 copies (see the module docstring);
     with `scales` (delayed scaling) the input and the output gradient are cast by them. Returns the output
     and the input's amax (the caller records it); the output gradient's amax is the gradient of the leaf
-    `gradient_amax` [1]. A gradient, not a write into the running amax: a compiled backward that writes into a tensor
-    must save it, and torch before 2.13 then checks its version counter, which other layers' records
-    (and other micro-batches' backwards, under pipeline schedules) have moved by then."""
+    `gradient_amax` [1]. A gradient, not a write into the running amax: a compiled backward that writes
+    into a tensor must save it, and torch before 2.13 then checks its version counter, which other
+    layers' records (and other micro-batches' backwards, under pipeline schedules) have moved by then."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
