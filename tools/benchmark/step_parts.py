@@ -355,10 +355,10 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
 
     amax, scale = torch.zeros((), device=device), torch.tensor(10.0, device=device)
 
-    def delayed(x, dtype):  # the layers' cast by a given scale where the kernel does not run
-        values = float8_matmul.scaled_cast(x, scale, dtype)
-        float8_matmul.raise_amax(amax, float8_matmul.tensor_amax(x))
-        return values, values.t().contiguous(), scale.reciprocal()
+    def delayed(x, dtype, cast=float8_matmul.scaled_cast_both_layouts):  # by a given scale, the amax recorded
+        values, transposed, inverse, x_amax = cast(x, dtype, scale)
+        float8_matmul.raise_amax(amax, x_amax)
+        return values, transposed, inverse
 
     def rows_only(x, dtype):
         float8_matmul.raise_amax(amax, float8_matmul.tensor_amax(x))
@@ -371,11 +371,7 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
             "delayed, rows only": (rows_only, 3), "delayed, transposed only": (transposed_only, 3)}
     triton_float8_cast.register_for(amax)
     if triton_float8_cast.available(torch.zeros(1, 1, device=device)):  # on CPU: a test's interpreter
-        def kernel(x, dtype):  # what the layers run (float8_matmul._cast_both_layouts with a scale)
-            values, transposed, inverse, x_amax = float8_matmul._cast_both_layouts(x, dtype, scale)
-            float8_matmul.raise_amax(amax, x_amax)
-            return values, transposed, inverse
-        ways["delayed, Triton"] = (kernel, 4)
+        ways["delayed, Triton"] = (lambda x, dtype: delayed(x, dtype, float8_matmul._cast_both_layouts), 4)
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
         cast = function if way == "delayed, Triton" else torch.compile(function)  # one kernel already

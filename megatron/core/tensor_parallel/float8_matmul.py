@@ -170,6 +170,12 @@ def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional
     if triton_float8_cast.available(tensor):
         rows, columns, amax = triton_float8_cast.cast_both_layouts(tensor, scale, dtype)
         return rows, columns, scale.reciprocal(), amax
+    return scaled_cast_both_layouts(tensor, dtype, scale)
+
+
+def scaled_cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor):
+    """The cast by a given scale as tensor math (where the Triton kernel does not run): `_cast_both_layouts`'
+    four results, in two passes once compiled (the transposed copy is a pass of its own)."""
     values = scaled_cast(tensor, scale, dtype)
     return values, values.t().contiguous(), scale.reciprocal(), tensor_amax(tensor)
 
