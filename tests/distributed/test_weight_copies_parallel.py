@@ -87,6 +87,7 @@ SPLIT_FLOAT8_CASES = [  # (layout, config, mode, extra flags): each against one 
     (TP2_SP, "llama", "dlm", MASKED_ONLY + ["--fp8-output-layer"]),  # the vocabulary-parallel output layer too
     (TP2_SP, "megatron", "ar", []),
     (TP2_SP, "megatron", "dlm", ["--fp8-recipe", "delayed"]),
+    (TP2_SP, "llama", "ar", ["--fp8-recipe", "delayed"]),  # the fused float8 MLP (float8_mlp.py), delayed
     (CP2, "llama", "dlm", []),
     (CP2, "megatron", "ar", ["--fp8-recipe", "delayed"]),
 ]

@@ -127,8 +127,8 @@ def test_on_cuda_a_compiled_function_traces_the_op():
     x = torch.randn(1024, 768, device="cuda").to(torch.bfloat16)
     triton_float8_cast.register_for(x)
     scale = torch.tensor(40.0, device="cuda")
-    compiled = torch.compile(float8_matmul._cast_both_layouts, fullgraph=True)
-    ours, eager = compiled(x, FORWARD_DTYPE, scale), float8_matmul._cast_both_layouts(x, FORWARD_DTYPE, scale)
+    compiled = torch.compile(float8_matmul.cast_both_layouts, fullgraph=True)
+    ours, eager = compiled(x, FORWARD_DTYPE, scale), float8_matmul.cast_both_layouts(x, FORWARD_DTYPE, scale)
     for mine, theirs in zip(ours, eager):
         assert torch.equal(_bytes(mine) if mine.dtype == FORWARD_DTYPE else mine,
                            _bytes(theirs) if theirs.dtype == FORWARD_DTYPE else theirs)

@@ -371,7 +371,7 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
             "delayed, rows only": (rows_only, 3), "delayed, transposed only": (transposed_only, 3)}
     triton_float8_cast.register_for(amax)
     if triton_float8_cast.available(torch.zeros(1, 1, device=device)):  # on CPU: a test's interpreter
-        ways["delayed, Triton"] = (lambda x, dtype: delayed(x, dtype, float8_matmul._cast_both_layouts), 4)
+        ways["delayed, Triton"] = (lambda x, dtype: delayed(x, dtype, float8_matmul.cast_both_layouts), 4)
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
         cast = function if way == "delayed, Triton" else torch.compile(function)  # one kernel already

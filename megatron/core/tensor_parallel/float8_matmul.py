@@ -160,7 +160,7 @@ class DelayedScales(NamedTuple):
     gradient_amax: torch.Tensor
 
 
-def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
+def cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
     """A float8 layer's cast of a 2-D tensor: (values [M, K], the values transposed [K, M] contiguous,
     inverse scale, amax), scaled by its own amax or by a given `scale` (delayed scaling: in one pass,
     where the Triton kernel runs, triton_float8_cast.py)."""
@@ -174,10 +174,30 @@ def _cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional
 
 
 def scaled_cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor):
-    """The cast by a given scale as tensor math (where the Triton kernel does not run): `_cast_both_layouts`'
+    """The cast by a given scale as tensor math (where the Triton kernel does not run): `cast_both_layouts`'
     four results, in two passes once compiled (the transposed copy is a pass of its own)."""
     values = scaled_cast(tensor, scale, dtype)
     return values, values.t().contiguous(), scale.reciprocal(), tensor_amax(tensor)
+
+
+def forward_gemm(x8: torch.Tensor, x_inverse: torch.Tensor, rows: torch.Tensor, inverse_scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """A float8 layer's output: the cast input [M, K] x the weight's row-major copy [N, K]^T, fast
+    accumulation (torchao's forward)."""
+    return torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
+                            use_fast_accum=True)
+
+
+def backward_gemms(grad, weight, saved_input, out_dtype: torch.dtype):
+    """A float8 layer's (input gradient in `out_dtype`, weight gradient in fp32) from the cast output
+    gradient (values, values transposed, inverse scale), the weight's (columns copy, inverse scale) and the
+    forward's saved (transposed input, inverse scale)."""
+    (grad8, grad8_t, grad_inverse), (columns, inverse_scale), (x8_t, x_inverse) = grad, weight, saved_input
+    grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
+                                  out_dtype=out_dtype)
+    grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
+                                   out_dtype=torch.float32)
+    return grad_input, grad_weight
 
 
 GRADIENT_AMAX_INPUT = 9
@@ -201,11 +221,10 @@ class _Float8Linear(torch.autograd.Function):
         ctx.scales = scales  # changed between iterations only
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
-            x8, x8_t, x_inverse, x_amax = _cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
+            x8, x8_t, x_inverse, x_amax = cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
                                                              None if scales is None else scales[0])
             ctx.save_for_backward(x8_t, x_inverse, columns, inverse_scale)
-            output = torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
-                                      use_fast_accum=True)
+            output = forward_gemm(x8, x_inverse, rows, inverse_scale, out_dtype)
             if bias is not None:
                 output = output + bias.to(out_dtype)
         ctx.mark_non_differentiable(x_amax)
@@ -217,12 +236,10 @@ class _Float8Linear(torch.autograd.Function):
         x8_t, x_inverse, columns, inverse_scale = ctx.saved_tensors
         scales = ctx.scales
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
-        grad8, grad8_t, grad_inverse, grad_amax = _cast_both_layouts(flat, ctx.gradient_dtype,
+        grad8, grad8_t, grad_inverse, grad_amax = cast_both_layouts(flat, ctx.gradient_dtype,
                                                                      None if scales is None else scales[1])
-        grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
-                                      out_dtype=ctx.out_dtype)
-        grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
-                                       out_dtype=torch.float32)
+        grad_input, grad_weight = backward_gemms((grad8, grad8_t, grad_inverse), (columns, inverse_scale),
+                                                 (x8_t, x_inverse), ctx.out_dtype)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_amax = grad_amax.reshape(1) if ctx.needs_input_grad[GRADIENT_AMAX_INPUT] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,

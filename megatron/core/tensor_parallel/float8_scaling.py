@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.tensor_parallel import triton_float8_cast
+from megatron.core.tensor_parallel import triton_float8_cast, triton_float8_swiglu
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, raise_amax
 from megatron.core.tensor_parallel.utils import group_size
 
@@ -79,7 +79,8 @@ class DelayedScaling:
         self.current = torch.zeros(count, 2, device=device)
         self.history = torch.zeros(count, config.history_len, 2, device=device)
         self.scales = torch.ones(count, 2, device=device)
-        triton_float8_cast.register_for(self.current)  # the one-pass cast, before a compiled layer traces it
+        triton_float8_cast.register_for(self.current)  # the one-pass casts, before a compiled layer traces them
+        triton_float8_swiglu.register_for(self.current)
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
         for index, module in enumerate(modules):

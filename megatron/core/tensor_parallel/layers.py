@@ -131,13 +131,15 @@ class ColumnParallelLinear(nn.Module):
         ranked = ranked.movedim(len(lead), len(lead) + self.split_dim)
         return ranked.reshape(*lead, self.output_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input every rank multiplies: all-gathered over the sequence under sequence parallelism."""
         if self.sequence_parallel:
             # Every rank's column slice contributes to the input grad: reduce-scatter it back.
-            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
-        output = linear(x, self.weight, self.bias, self.fp32_weight_grad, training_copy(self))
+            return gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = linear(self.parallel_input(x), self.weight, self.bias, self.fp32_weight_grad, training_copy(self))
         if self.gather_output:
             output = self._to_global_order(gather_from_tensor_model_parallel_region(output, self.tp_group))
         return output
@@ -195,7 +197,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear(x, self.weight, None, self.fp32_weight_grad, training_copy(self))
+        return self.parallel_output(linear(x, self.weight, None, self.fp32_weight_grad, training_copy(self)))
+
+    def parallel_output(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum -> the output: reduced (or reduce-scattered), then the bias."""
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

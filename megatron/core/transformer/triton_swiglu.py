@@ -107,10 +107,10 @@ def _register():
         return swiglu_backward_op(grad.contiguous(), ctx.saved_tensors[0])
 
     swiglu_op.register_autograd(backward, setup_context=setup_context)
-    return swiglu_op
+    return swiglu_op, swiglu_backward_op
 
 
-_op = LazyOp(_register)
+_ops = LazyOp(_register)
 """The registered op (triton_support.LazyOp)."""
 
 
@@ -123,7 +123,7 @@ def register_for(config) -> None:
     """Registers the ops now where a model built with `config` will call them (CUDA, Triton, the
     fused SwiGLU on), so a compiled layer finds them registered rather than registering mid-trace."""
     if HAS_TRITON and torch.cuda.is_available() and configured(config):
-        _op()
+        _ops()
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -132,10 +132,22 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu needs an even last dimension ([gate; up]), got {tuple(x.shape)}")
     if not HAS_TRITON:
         raise RuntimeError("SwiGLU's Triton kernels need Triton (pip install triton); check available(x) first")
-    return _op()(x.contiguous())
+    return _ops()[0](x.contiguous())
+
+
+def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`swiglu`'s input gradient for its output's gradient `grad [..., f]`, through the backward kernel."""
+    return _ops()[1](grad.contiguous(), x.contiguous())
 
 
 def reference(x: torch.Tensor) -> torch.Tensor:
     """The same function as plain tensor math (what the MLP runs where the kernels do not)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def reference_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`reference`'s gradient of `x` as autograd computes it (the same ops and roundings), for code
+    that runs SwiGLU's backward itself (tensor_parallel/float8_mlp.py)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * torch.nn.functional.silu(gate)], dim=-1)

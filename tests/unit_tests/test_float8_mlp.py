@@ -1,0 +1,189 @@
+"""The float8 SwiGLU MLP as one function (float8_mlp.py) and its two fused kernels (triton_float8_swiglu.py).
+
+Each test fails if its part broke: a kernel writing other bytes than SwiGLU's kernel followed by the cast
+kernel (a wrong tile offset, the up half's pointer, the rounding to 16 bits before the cast, the
+transposed layout's second half) or another amax; the MLP computing other outputs, gradients or recorded
+amaxes than its two float8 layers one after the other, calling the fused kernels without given scales or
+not calling them with; the MLP taking the fused path where a layer is not float8 (bias, GeLU, no copies).
+
+On CPU both sides run under Triton's interpreter, which rounds float8 its own way, identically on both
+sides: the comparisons are exact. On CUDA the fused kernels are checked against the unfused ones on
+random values."""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core import triton_support
+from megatron.core.tensor_parallel import float8_mlp, triton_float8_cast, triton_float8_swiglu
+from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig
+from megatron.core.tensor_parallel.weight_copies import WeightCopies
+from megatron.core.transformer import triton_swiglu
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+E5M2 = GRADIENT_DTYPES["hybrid"]
+CUDA = pytest.mark.skipif(not (triton_support.HAS_TRITON and torch.cuda.is_available()),
+                          reason="a CUDA case (the GPU machine runs it)")
+INTERPRETER = pytest.mark.skipif(not (triton_support.HAS_TRITON and triton_support.interpreting()),
+                                 reason="CPU tensors under Triton's interpreter (CPU machines run it)")
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    yield
+    torch._dynamo.reset()
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+def _same(ours, theirs) -> None:
+    for mine, expected in zip(ours, theirs):
+        assert mine.dtype == expected.dtype and mine.shape == expected.shape
+        if mine.dtype in (FORWARD_DTYPE, E5M2):
+            assert torch.equal(_bytes(mine), _bytes(expected))
+        else:
+            assert torch.equal(mine, expected)
+
+
+def _inputs(rows: int, f: int, device: str = "cpu", seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    h = (torch.randn(rows, 2 * f, generator=generator) * 3).to(torch.bfloat16).to(device)
+    grad = (torch.randn(rows, f, generator=generator) * 5).to(torch.bfloat16).to(device)
+    return h, grad
+
+
+def _check_kernels(h: torch.Tensor, grad: torch.Tensor, scales) -> None:
+    forward_scale, backward_scale = (torch.tensor(s, device=h.device) for s in scales)
+    activation = triton_swiglu.swiglu(h)
+    _same(triton_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE),
+          triton_float8_cast.cast_both_layouts(activation, forward_scale, FORWARD_DTYPE))
+    assert torch.equal(triton_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE)[2],
+                       activation.abs().max().float())
+    grad_h = triton_swiglu.swiglu_backward(grad, h)
+    _same(triton_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2),
+          triton_float8_cast.cast_both_layouts(grad_h, backward_scale, E5M2))
+    assert torch.equal(triton_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2)[2],
+                       grad_h.abs().max().float())
+
+
+@INTERPRETER
+@pytest.mark.parametrize("rows, f", [(40, 56), (32, 48)], ids=["partial-tiles", "whole-tiles"])
+def test_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f, monkeypatch):
+    """Both layouts' bytes and the amax, forward and backward, under the interpreter's 16 x 16 tiles;
+    the scales saturate some values."""
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    h, grad = _inputs(rows, f)
+    _check_kernels(h, grad, (20.0, 300.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_tensor_math_backward_is_autograds(dtype):
+    """`reference_backward` (the fused function's backward where SwiGLU's kernels do not run) is autograd's
+    gradient of SwiGLU's tensor math, to the bit."""
+    generator = torch.Generator().manual_seed(3)
+    h, grad = (torch.randn(8, 64, generator=generator) * 4).to(dtype), torch.randn(8, 32, generator=generator).to(dtype)
+    leaf = h.clone().requires_grad_()
+    triton_swiglu.reference(leaf).backward(grad)
+    assert torch.equal(triton_swiglu.reference_backward(grad, h), leaf.grad)
+
+
+def _mlp(fusion: bool, bias: bool = False, activation: str = "silu", delayed: bool = True, device: str = "cpu"):
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                               gated_linear_unit=activation == "silu", activation=activation,
+                               add_bias_linear=bias, bias_swiglu_fusion=fusion)
+    module = MLP(config).to(device)
+    twin = copy.deepcopy(module)
+    config_delayed = DelayedScalingConfig() if delayed else None
+    return (module, WeightCopies(module, torch.bfloat16, "hybrid", config_delayed),
+            twin, WeightCopies(twin, torch.bfloat16, "hybrid", config_delayed))
+
+
+def _step(module: MLP, x: torch.Tensor, grad: torch.Tensor):
+    x = x.clone().requires_grad_()
+    for parameter in module.parameters():
+        parameter.grad = None
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = module(x)
+    out.float().backward(grad)
+    amaxes = [layer.fp8_amax.clone() for layer in (module.linear_fc1, module.linear_fc2)
+              if hasattr(layer, "fp8_amax")]
+    return [out, x.grad] + [p.grad for p in module.parameters()] + amaxes
+
+
+def _layer_by_layer(monkeypatch):
+    """Runs MLPs through their two layers (the path before the fused function) inside the block."""
+    original = float8_mlp.swiglu_mlp
+
+    class Unfused:
+        def __enter__(self):
+            monkeypatch.setattr(float8_mlp, "swiglu_mlp", lambda *args: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.setattr(float8_mlp, "swiglu_mlp", original)
+    return Unfused()
+
+
+@INTERPRETER
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton-interpreter", "tensor-math"])
+@pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "tensorwise"])
+def test_the_fused_mlp_trains_as_its_two_float8_layers(kernels, delayed, monkeypatch):
+    """Two iterations (delayed scaling: the first by the tensors' own amaxes, the second by the scales
+    that iteration set, its input 3x larger so that casts saturate): output, input and weight gradients
+    and both layers' recorded amaxes equal the layer-by-layer path's; the fused kernels run exactly where
+    the scales are given and SwiGLU's kernels are on."""
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    calls = []
+    for name in ("swiglu_cast", "swiglu_backward_cast"):
+        original = getattr(triton_float8_swiglu, name)
+        monkeypatch.setattr(triton_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    fused, fused_copies, plain, plain_copies = _mlp(kernels, delayed=delayed)
+    generator = torch.Generator().manual_seed(1)
+    x, grad = torch.randn(16, 2, 32, generator=generator), torch.randn(16, 2, 32, generator=generator) * 1e-3
+    for iteration, scale in enumerate((1.0, 3.0)):
+        ours = _step(fused, x * scale, grad)
+        with _layer_by_layer(monkeypatch):
+            reference = _step(plain, x * scale, grad)
+        _same(ours, reference)
+        ready = delayed and iteration == 1
+        assert calls == (["swiglu_cast", "swiglu_backward_cast"] if ready and kernels else []), (iteration, calls)
+        calls.clear()
+        for copies in (fused_copies, plain_copies):
+            copies.end_iteration()
+
+
+@pytest.mark.parametrize("change", ["bias", "gelu", "no-copies"])
+def test_the_fused_function_runs_only_float8_swiglu_without_fc1_bias(change, monkeypatch):
+    """Megatron's default MLP (biases, GeLU) and a bf16 MLP keep the layers' own path."""
+    module = _mlp(True, bias=change == "bias", activation="gelu" if change == "gelu" else "silu")[0]
+    if change == "no-copies":
+        module = MLP(module.config)
+    monkeypatch.setattr(float8_mlp, "_Float8SwiGLUMLP", None)  # any call fails
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(torch.randn(16, 2, 32)).float().sum().backward()
+
+
+@CUDA
+@pytest.mark.parametrize("rows, f", [(8192, 14336), (272, 1040)], ids=["7b-fc2", "partial"])
+def test_on_cuda_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f):
+    h, grad = _inputs(rows, f, "cuda")
+    triton_float8_swiglu.register_for(h)
+    _check_kernels(h, grad, (20.0, 300.0))
+
+
+@CUDA
+def test_on_cuda_the_compiled_mlp_traces_the_fused_kernels():
+    """A compiled float8 MLP with ready delayed scales calls both fused kernels inside its graphs."""
+    from torch._inductor.utils import run_and_get_code
+
+    module, copies, _, _ = _mlp(True, device="cuda")
+    x = torch.randn(512, 2, 32, device="cuda")
+    _step(module, x, torch.ones_like(x))
+    copies.end_iteration()
+    _, codes = run_and_get_code(_step, torch.compile(module), x, torch.ones_like(x))
+    assert any("float8_swiglu" in code for code in codes) and any("float8_swiglu_backward" in code for code in codes)
