@@ -192,3 +192,29 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     assert sorted({shape for _, shape, _ in seen}) == sorted({(32, width) for width in widths})
     assert {dtype for _, _, dtype in seen} == {torch.float8_e4m3fn, torch.float8_e5m2}
     assert len(seen) == compiled * len(widths)
+
+
+def test_float8_swiglu_rows_time_the_layers_pair_and_the_fused_kernel(monkeypatch):
+    """Where the kernels run (the interpreter here): four rows at fc2's width, the two kernels the layers run
+    one after the other and the fused one, each way; their bytes (an element of the activation: 10 and 6
+    forward, 18 and 10 backward); and every one computes the MLP's values (the fused kernels' own tests
+    check the bytes: tests/unit_tests/test_float8_mlp.py), so each timed function is called."""
+    from megatron.core.tensor_parallel import triton_float8_swiglu
+
+    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
+    calls = []
+    for name in ("swiglu_cast", "swiglu_backward_cast"):
+        original = getattr(triton_float8_swiglu, name)
+        monkeypatch.setattr(triton_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    spec = step_parts.shapes.MODELS["tiny"]
+    rows = step_parts.float8_swiglu_rows(spec.ffn_hidden_size, 32, step_parts.torch.device("cpu"),
+                                         lambda function: (function(), 1.0)[1])
+    if not (triton_support.HAS_TRITON and triton_support.interpreting()):
+        assert rows == {}
+        return
+    ways = {"forward, SwiGLU then the cast": 10, "forward, fused": 6, "backward, SwiGLU's then the cast": 18,
+            "backward, fused": 10}
+    width = spec.ffn_hidden_size
+    assert {name: row[1] for name, row in rows.items()} == {
+        f"float8 SwiGLU, {way} [32 x {width}]": per * 32 * width for way, per in ways.items()}
+    assert calls == ["swiglu_cast", "swiglu_backward_cast"]

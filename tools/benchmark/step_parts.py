@@ -169,6 +169,8 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     if args.float8_cast_tokens:
         result.update(float8_cast_rows(shapes.MODELS[args.model], args, device,
                                        kernel_timer(device, args.warmup, args.repeats)))
+        result.update(float8_swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args.float8_cast_tokens, device,
+                                         kernel_timer(device, args.warmup, args.repeats)))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
@@ -379,6 +381,30 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
             result[f"float8 cast, {way}: {name} [{' x '.join(map(str, x.shape))}]"] = (
                 measure(lambda x=x, dtype=dtype: cast(x, dtype)), bytes_per_element * x.numel())
     return result
+
+
+def float8_swiglu_rows(ffn: int, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+    """Where Triton runs: SwiGLU and fc2's float8 input cast (by a given scale, both layouts), then
+    SwiGLU's backward and fc1's float8 output-gradient cast, each as the two kernels the layers run one
+    after the other and as the one kernel of the float8 MLP (triton_float8_swiglu.py). Bytes an element of
+    the activation: forward 10 then 6, backward 18 then 10."""
+    from megatron.core.tensor_parallel import float8_matmul, triton_float8_swiglu
+
+    generator = torch.Generator(device).manual_seed(0)
+    h = torch.randn(tokens, 2 * ffn, device=device, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(tokens, ffn, device=device, generator=generator).to(torch.bfloat16)
+    scale, e4m3, e5m2 = torch.tensor(10.0, device=device), float8_matmul.FORWARD_DTYPE, torch.float8_e5m2
+    triton_float8_swiglu.register_for(h)
+    if not (triton_float8_swiglu.available(h) and triton_swiglu.available(h)):
+        return {}
+    ways = {"forward, SwiGLU then the cast": (lambda: float8_matmul.cast_both_layouts(triton_swiglu.swiglu(h), e4m3,
+                                                                                      scale), 10),
+            "forward, fused": (lambda: triton_float8_swiglu.swiglu_cast(h, scale, e4m3), 6),
+            "backward, SwiGLU's then the cast": (lambda: float8_matmul.cast_both_layouts(
+                triton_swiglu.swiglu_backward(grad, h), e5m2, scale), 18),
+            "backward, fused": (lambda: triton_float8_swiglu.swiglu_backward_cast(grad, h, scale, e5m2), 10)}
+    return {f"float8 SwiGLU, {way} [{tokens} x {ffn}]": (measure(function), per_element * tokens * ffn)
+            for way, (function, per_element) in ways.items()}
 
 
 def bandwidth(device: torch.device, measure: Callable[[Callable[[], None]], float], size: int) -> float:

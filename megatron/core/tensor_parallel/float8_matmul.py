@@ -29,7 +29,8 @@ before the cast is the cost); a cast by a given scale (delayed scaling) is one T
 both layouts and takes the amax (triton_float8_cast.py), where compiled tensor math took two passes.
 Unlike the bf16 layers, the weight gradient is not added into `.grad` by its GEMM (`_scaled_mm` has no
 beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the add at every 7B-width
-shape, docs/performance.md): autograd adds it.
+shape, docs/performance.md): autograd adds it. A SwiGLU MLP of two such layers runs as one function
+(float8_mlp.py: the same GEMMs, `forward_gemm` and `backward_gemms`, with SwiGLU fused into the casts).
 """
 
 from __future__ import annotations
