@@ -22,7 +22,7 @@ from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_comp
                                            resolve_compat_args, unknown_flag_error)
 from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
-from megatron.training.precision_args import PRECISION_FLAG_NOTES, add_precision_args
+from megatron.training.precision_args import PRECISION_FLAG_NOTES, add_precision_args, validate_precision_args
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
 from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
 from megatron.training.lm_eval_args import LM_EVAL_FLAG_NEEDS, add_lm_eval_args, validate_lm_eval_args
@@ -500,6 +500,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     validate_checkpoint_flags(args, given)
     validate_rope_args(args)
     validate_parallel(args)
+    validate_precision_args(args)
     validate_data_parallel_args(args)
     validate_lm_eval_args(args, given)  # before the TrainingConfig: it settles the draws
     _validate_batch_and_schedule(args)

@@ -70,6 +70,16 @@ def moment_dtypes(args: argparse.Namespace) -> dict:
     return {key: MOMENT_DTYPES[getattr(args, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")}
 
 
+def validate_precision_args(args: argparse.Namespace) -> None:
+    """Refuse float8 layers under --torch-compile on a CPU: torch 2.13's Inductor miscompiles them there
+    (vectorized CPU code; with dropout and no linear biases every gradient turned NaN, where eager code,
+    the aot_eager backend and unvectorized Inductor code trained right). The GPU's code is Triton's. Not
+    under --check-args: the launch scripts' check may run where the training will not (a login node)."""
+    if args.fp8_format and args.torch_compile and not (args.check_args or torch.cuda.is_available()):
+        raise ValueError("--torch-compile with --fp8-format on a CPU: Inductor's CPU code computes NaN gradients "
+                         "for the float8 layers (torch's bug); drop --torch-compile (float8 runs eagerly on a CPU)")
+
+
 def delayed_scaling(args: argparse.Namespace):
     """`--fp8-recipe delayed`'s settings (float8_scaling.DelayedScalingConfig), or None."""
     if not args.fp8_format or args.fp8_recipe != "delayed":

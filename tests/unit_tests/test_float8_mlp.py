@@ -187,3 +187,22 @@ def test_on_cuda_the_compiled_mlp_traces_the_fused_kernels():
     copies.end_iteration()
     _, codes = run_and_get_code(_step, torch.compile(module), x, torch.ones_like(x))
     assert any("float8_swiglu" in code for code in codes) and any("float8_swiglu_backward" in code for code in codes)
+
+
+def test_float8_layers_under_torch_compile_on_a_cpu_are_one_line(capsys, monkeypatch):
+    """Inductor's CPU code computes NaN gradients for them (see precision_args.validate_precision_args):
+    refused before any work, with the fix; on a GPU the same flags parse, and so does a launch script's
+    --check-args on a machine without one."""
+    from tests.unit_tests.test_bad_inputs_training import TINY, parse_error
+
+    flags = TINY + ["--bf16", "--fp8-format", "hybrid", "--cache-low-precision-weights", "--torch-compile"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = parse_error(flags, capsys)
+    assert "--torch-compile with --fp8-format on a CPU" in message and "drop --torch-compile" in message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+
+    assert parse_args(flags, add_difflm_args, world_size=1).torch_compile
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a launch script's check on a login node
+    assert parse_args(flags + ["--check-args"], add_difflm_args, world_size=1).check_args
