@@ -9,9 +9,9 @@ tensor exists. Elsewhere (the tensorwise recipe, delayed scaling's first iterati
 function runs SwiGLU and the casts one after the other, as the layers would. Values, gradients and the
 recorded amaxes are the layer-by-layer path's (tests/unit_tests/test_float8_mlp.py).
 
-`MLP.forward` calls it for a gated SiLU MLP without fc1 bias whose two layers both run in float8
-(`applies`); the tensor-parallel communication around it stays the layers' own (fc1's input gather,
-fc2's reduction and bias).
+`MLP.forward` calls `swiglu_mlp`, which runs it for a gated SiLU MLP without fc1 bias whose two layers
+both run in float8 and returns None otherwise; the tensor-parallel communication around it stays the
+layers' own (fc1's input gather, fc2's reduction and bias).
 """
 
 from __future__ import annotations
