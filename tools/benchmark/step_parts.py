@@ -33,7 +33,9 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   shape a decoder layer has, and its amax alone two ways (the rows' maxima first, as the layers take it, and
   one reduction over every element), and delayed scaling's cast (the scale given, the amax recorded) as
   tensor math and through the one-pass Triton kernel where it runs, against one pass over it (read 2 bytes
-  an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm;
+  an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm; with them, where Triton
+  runs, SwiGLU and fc2's input cast, then SwiGLU's backward and fc1's output-gradient cast, each as the
+  two kernels the layers would run and as the float8 MLP's one (triton_float8_swiglu.py);
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
