@@ -178,15 +178,24 @@ def test_on_cuda_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f
 
 @CUDA
 def test_on_cuda_the_compiled_mlp_traces_the_fused_kernels():
-    """A compiled float8 MLP with ready delayed scales calls both fused kernels inside its graphs."""
-    from torch._inductor.utils import run_and_get_code
+    """A compiled float8 MLP with ready delayed scales calls both fused kernels inside its graph (the
+    autograd function's forward and backward bodies: no graph break) and trains as the eager MLP."""
+    graphs = []
 
-    module, copies, _, _ = _mlp(True, device="cuda")
+    def recording(graph, example_inputs):  # every traced graph's code, the autograd function's bodies too
+        graphs.append("\n".join(module.code for module in graph.modules() if isinstance(module, torch.fx.GraphModule)))
+        return torch._dynamo.lookup_backend("inductor")(graph, example_inputs)
+    module, copies, twin, twin_copies = _mlp(True, device="cuda")
     x = torch.randn(512, 2, 32, device="cuda")
-    _step(module, x, torch.ones_like(x))
-    copies.end_iteration()
-    _, codes = run_and_get_code(_step, torch.compile(module), x, torch.ones_like(x))
-    assert any("float8_swiglu" in code for code in codes) and any("float8_swiglu_backward" in code for code in codes)
+    grad = torch.randn(512, 2, 32, device="cuda") * 1e-2
+    for each, state in ((module, copies), (twin, twin_copies)):
+        _step(each, x, grad)
+        state.end_iteration()
+    ours = _step(torch.compile(module, backend=recording, fullgraph=True), 2 * x, grad)
+    reference = _step(twin, 2 * x, grad)
+    assert any("float8_swiglu." in code for code in graphs) and any("float8_swiglu_backward" in code for code in graphs)
+    for mine, theirs in zip(ours, reference):  # Inductor's casts round within float8's
+        torch.testing.assert_close(mine, theirs, rtol=0.1, atol=0.1 * theirs.abs().max().item())
 
 
 def test_float8_layers_under_torch_compile_on_a_cpu_are_one_line(capsys, monkeypatch):
