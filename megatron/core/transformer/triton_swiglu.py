@@ -111,7 +111,7 @@ def _register():
 
 
 _ops = LazyOp(_register)
-"""The registered op (triton_support.LazyOp)."""
+"""The registered ops, forward and backward (triton_support.LazyOp)."""
 
 
 def configured(config) -> bool:
