@@ -116,19 +116,6 @@ def _step(module: MLP, x: torch.Tensor, grad: torch.Tensor):
     return [out, x.grad] + [p.grad for p in module.parameters()] + amaxes
 
 
-def _layer_by_layer(monkeypatch):
-    """Runs MLPs through their two layers (the path before the fused function) inside the block."""
-    original = float8_mlp.swiglu_mlp
-
-    class Unfused:
-        def __enter__(self):
-            monkeypatch.setattr(float8_mlp, "swiglu_mlp", lambda *args: None)
-
-        def __exit__(self, *exc):
-            monkeypatch.setattr(float8_mlp, "swiglu_mlp", original)
-    return Unfused()
-
-
 @INTERPRETER
 @pytest.mark.parametrize("kernels", [True, False], ids=["triton-interpreter", "tensor-math"])
 @pytest.mark.parametrize("delayed", [True, False], ids=["delayed", "tensorwise"])
@@ -147,7 +134,8 @@ def test_the_fused_mlp_trains_as_its_two_float8_layers(kernels, delayed, monkeyp
     x, grad = torch.randn(16, 2, 32, generator=generator), torch.randn(16, 2, 32, generator=generator) * 1e-3
     for iteration, scale in enumerate((1.0, 3.0)):
         ours = _step(fused, x * scale, grad)
-        with _layer_by_layer(monkeypatch):
+        with monkeypatch.context() as layer_by_layer:  # the path before the fused function
+            layer_by_layer.setattr(float8_mlp, "swiglu_mlp", lambda *args: None)
             reference = _step(plain, x * scale, grad)
         _same(ours, reference)
         ready = delayed and iteration == 1
