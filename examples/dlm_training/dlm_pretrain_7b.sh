@@ -14,8 +14,8 @@
 # micro-batches a step on one H200 804.4 -> 791.6 ms; under --fp8-format they are float8 copies, 641.3 -> 609.5 ms
 # against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance.md). They also run under this
 # layout's TP=2 (checked on gloo, not yet timed on several GPUs). fp8: EXTRA_ARGS="--fp8-format hybrid
-# --fp8-recipe delayed" (Megatron's recipe; its casts are one Triton pass: 2.8% faster a step than the
-# tensorwise default on an H100, its 200-step loss curve within 0.5% of bf16's).
+# --fp8-recipe delayed" (Megatron's recipe; its casts are one Triton pass, SwiGLU's fused into them: 1.292x our
+# bf16 on an H100 against tensorwise's 1.24x, its 200-step loss curve within 0.5% of bf16's).
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
