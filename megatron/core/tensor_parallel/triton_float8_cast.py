@@ -9,7 +9,8 @@ tensor's (one atomic max a tile), which the layer records. Compiled as tensor ma
 passes (Inductor writes the transposed copy in a pass of its own): on an H100 fc2's input [8192 x 14336]
 took 0.29 ms that way and 0.17 in this kernel, fc1's output gradient [8192 x 28672] 0.55 and 0.35
 (docs/performance.md). Two earlier kernels that transposed the float8 tile instead, with one fixed tile
-shape, were no faster than the tensor math; this one's tile shape is autotuned per width.
+shape, were no faster than the tensor math; this one's tile shape is autotuned per width. The kernel is
+in triton_float8_kernels.py with SwiGLU's fused casts (triton_float8_swiglu.py), which `launch` runs too.
 
 `cast_both_layouts(x, scale, dtype)` is a `torch.library.triton_op`, so compiled layers trace it into
 their graph, backward included, and returns (values [M, K], values transposed [K, M], amax): fresh
@@ -39,54 +40,50 @@ def available(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _kernel(interpreter: bool):
-    """The jitted kernel; autotuned over CONFIGS on a GPU, one small tile under the interpreter."""
-    import triton
-    import triton.language as tl
+def kernels(interpreter: bool) -> dict:
+    """{name: kernel} of triton_float8_kernels.py (the cast, SwiGLU's two): autotuned over CONFIGS on a
+    GPU, as jitted under the interpreter."""
+    from megatron.core.tensor_parallel import triton_float8_kernels as module
 
-    def cast_transpose(x_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (m < M)[:, None] & (k < K)[None, :]
-        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0)
-        scale = tl.load(scale_ptr)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))  # |x| >= 0
-        rows = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -LARGEST), LARGEST)
-        tl.store(rows_ptr + m.to(tl.int64)[:, None] * K + k[None, :],
-                 rows.to(rows_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        x_t = tl.trans(x)  # the 16-bit tile, [BLOCK_K, BLOCK_M]: converted again rather than shuffling bytes
-        columns = tl.minimum(tl.maximum(x_t.to(tl.float32) * scale, -LARGEST), LARGEST)
-        tl.store(columns_ptr + k.to(tl.int64)[:, None] * M + m[None, :],
-                 columns.to(columns_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tl.trans(mask))
-
-    jitted = triton.jit(cast_transpose)
+    jitted = {name: getattr(module, name) for name in ("cast", "swiglu", "swiglu_backward")}
     if interpreter:
         return jitted
+    import triton
+
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps) for bm, bk, warps in CONFIGS]
-    return triton.autotune(configs, key=["M", "K"])(jitted)  # the atomic max is idempotent: no restore
+    return {name: triton.autotune(configs, key=["M", "K"])(kernel)  # the atomic max is idempotent: no restore
+            for name, kernel in jitted.items()}
+
+
+def launch(name: str, inputs: tuple, width: int, dtype: torch.dtype, tiles: Tuple[int, int]):
+    """Runs kernel `name` over `tiles` = (M, K) with `inputs` (tensors, then the scale) into fresh outputs:
+    (float8 `dtype` [M, width], the same transposed [width, M], the amax as a 0-d fp32). Inside a
+    triton_op."""
+    from torch.library import wrap_triton
+
+    (m, k), like, interpreter = tiles, inputs[0], interpreting()
+    rows, columns = like.new_empty((m, width), dtype=dtype), like.new_empty((width, m), dtype=dtype)
+    amax = torch.zeros((), dtype=torch.float32, device=like.device)
+    if rows.numel():
+        kernel, largest = wrap_triton(kernels(interpreter)[name]), torch.finfo(dtype).max
+        if interpreter:
+            grid = (-(-m // INTERPRETER_BLOCK), -(-k // INTERPRETER_BLOCK))
+            kernel[grid](*inputs, rows, columns, amax, m, k, LARGEST=largest, BLOCK_M=INTERPRETER_BLOCK,
+                         BLOCK_K=INTERPRETER_BLOCK)
+        else:
+            kernel[lambda meta: (-(-m // meta["BLOCK_M"]), -(-k // meta["BLOCK_K"]))](
+                *inputs, rows, columns, amax, m, k, LARGEST=largest)
+    return rows, columns, amax
 
 
 def _register():
     """The op (torch.library warns when it registers a triton_op without Triton: only where it is)."""
-    from torch.library import triton_op, wrap_triton
+    from torch.library import triton_op
 
     @triton_op("megadlms::float8_cast_both_layouts", mutates_args=())
     def cast_op(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        (m, k), interpreter = x.shape, interpreting()
-        rows, columns = x.new_empty((m, k), dtype=dtype), x.new_empty((k, m), dtype=dtype)
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        if x.numel():
-            kernel, largest = wrap_triton(_kernel(interpreter)), torch.finfo(dtype).max
-            if interpreter:
-                grid = (-(-m // INTERPRETER_BLOCK), -(-k // INTERPRETER_BLOCK))
-                kernel[grid](x, scale, rows, columns, amax, m, k, LARGEST=largest, BLOCK_M=INTERPRETER_BLOCK,
-                             BLOCK_K=INTERPRETER_BLOCK)
-            else:
-                kernel[lambda meta: (-(-m // meta["BLOCK_M"]), -(-k // meta["BLOCK_K"]))](
-                    x, scale, rows, columns, amax, m, k, LARGEST=largest)
-        return rows, columns, amax
+        return launch("cast", (x, scale), x.shape[1], dtype, x.shape)
 
     return cast_op
 

@@ -15,56 +15,26 @@ fp32 arithmetic, one rounding to 16 bits, then the cast. What the fusion saves i
 write and read: 4 bytes an element of the activation in the forward, 8 in the backward (at the
 `7b-shape`, 8,192 tokens x 14,336, 1.4 GB a layer and micro-batch).
 
-Both are `torch.library.triton_op`s returning fresh tensors, traced into compiled layers like the cast.
+The kernels live beside the cast's in triton_float8_kernels.py (one tile store for all three) and launch
+through `triton_float8_cast.launch`. Both ops are `torch.library.triton_op`s returning fresh tensors,
+traced into compiled layers like the cast.
 `available(h)` says where they run (CUDA with Triton; CPU under the interpreter where a test allows it).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
 
-from megatron.core.tensor_parallel.triton_float8_cast import CONFIGS, INTERPRETER_BLOCK
-from megatron.core.triton_support import LazyOp, interpreting, runs_on
+from megatron.core.tensor_parallel.triton_float8_cast import launch
+from megatron.core.triton_support import LazyOp, runs_on
 
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels can read `x` (fc1's output or the activation's gradient): a contiguous 2-D
     floating tensor on CUDA with Triton (or on CPU under the interpreter where a test allows it)."""
     return x.dim() == 2 and x.is_floating_point() and x.is_contiguous() and runs_on(x, in_compiled_layers=True)
-
-
-@functools.cache
-def _kernels(interpreter: bool):
-    """(forward, backward): autotuned over the cast's tiles on a GPU, as jitted under the interpreter."""
-    from megatron.core.tensor_parallel import triton_float8_swiglu_kernels as kernels
-
-    jitted = kernels.forward, kernels.backward
-    if interpreter:
-        return jitted
-    import triton
-
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=warps) for bm, bk, warps in CONFIGS]
-    return tuple(triton.autotune(configs, key=["M", "F"])(kernel) for kernel in jitted)  # atomic max: idempotent
-
-
-def _launch(kernel, interpreter: bool, m: int, f: int, *args, largest: float) -> None:
-    from torch.library import wrap_triton
-
-    if interpreter:
-        grid = (-(-m // INTERPRETER_BLOCK), -(-f // INTERPRETER_BLOCK))
-        wrap_triton(kernel)[grid](*args, m, f, LARGEST=largest, BLOCK_M=INTERPRETER_BLOCK, BLOCK_K=INTERPRETER_BLOCK)
-    else:
-        wrap_triton(kernel)[lambda meta: (-(-m // meta["BLOCK_M"]), -(-f // meta["BLOCK_K"]))](
-            *args, m, f, LARGEST=largest)
-
-
-def _outputs(h: torch.Tensor, width: int, dtype: torch.dtype):
-    m = h.shape[0]
-    amax = torch.zeros((), dtype=torch.float32, device=h.device)
-    return h.new_empty((m, width), dtype=dtype), h.new_empty((width, m), dtype=dtype), amax
 
 
 def _register():
@@ -74,22 +44,13 @@ def _register():
     @triton_op("megadlms::float8_swiglu", mutates_args=())
     def forward_op(h: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        (m, width), interpreter = h.shape, interpreting()
-        rows, columns, amax = _outputs(h, width // 2, dtype)
-        if rows.numel():
-            _launch(_kernels(interpreter)[0], interpreter, m, width // 2, h, scale, rows, columns, amax,
-                    largest=torch.finfo(dtype).max)
-        return rows, columns, amax
+        f = h.shape[1] // 2
+        return launch("swiglu", (h, scale), f, dtype, (h.shape[0], f))
 
     @triton_op("megadlms::float8_swiglu_backward", mutates_args=())
     def backward_op(grad: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        (m, width), interpreter = h.shape, interpreting()
-        rows, columns, amax = _outputs(h, width, dtype)
-        if rows.numel():
-            _launch(_kernels(interpreter)[1], interpreter, m, width // 2, grad, h, scale, rows, columns, amax,
-                    largest=torch.finfo(dtype).max)
-        return rows, columns, amax
+        return launch("swiglu_backward", (grad, h, scale), h.shape[1], dtype, grad.shape)
 
     return forward_op, backward_op
 
