@@ -24,6 +24,14 @@ def store_both(value, rows_ptr, columns_ptr, m, k, row_stride, M, mask, scale, L
 
 
 @triton.jit
+def tile(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # This program's rows and columns of the [M, K] grid, and which of them exist.
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    return m, k, (m < M)[:, None] & (k < K)[None, :]
+
+
+@triton.jit
 def tile_amax(value):
     return tl.max(tl.max(tl.abs(value.to(tl.float32)), axis=1), axis=0)
 
@@ -31,9 +39,7 @@ def tile_amax(value):
 @triton.jit
 def cast(x_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.constexpr,
          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (m < M)[:, None] & (k < K)[None, :]
+    m, k, mask = tile(M, K, BLOCK_M, BLOCK_K)
     x = tl.load(x_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0)
     tl.atomic_max(amax_ptr, tile_amax(x))  # |x| >= 0: the float max orders like the integer one
     store_both(x, rows_ptr, columns_ptr, m, k, K, M, mask, tl.load(scale_ptr), LARGEST)
@@ -43,9 +49,7 @@ def cast(x_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.co
 def swiglu(h_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # h [M, 2K] (rows [gate; up]) -> silu(gate) * up [M, K], cast.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (m < M)[:, None] & (k < K)[None, :]
+    m, k, mask = tile(M, K, BLOCK_M, BLOCK_K)
     at = h_ptr + m.to(tl.int64)[:, None] * 2 * K + k[None, :]
     gate = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(at + K, mask=mask, other=0.0).to(tl.float32)
@@ -58,9 +62,7 @@ def swiglu(h_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.
 def swiglu_backward(grad_ptr, h_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # grad [M, K] and h [M, 2K] -> h's gradient [M, 2K] ([d gate; d up]), cast.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (m < M)[:, None] & (k < K)[None, :]
+    m, k, mask = tile(M, K, BLOCK_M, BLOCK_K)
     grad = tl.load(grad_ptr + m.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
     at = h_ptr + m.to(tl.int64)[:, None] * 2 * K + k[None, :]
     gate = tl.load(at, mask=mask, other=0.0).to(tl.float32)
