@@ -27,8 +27,10 @@ import torch
 
 from megatron.core.triton_support import LazyOp, interpreting, runs_on
 
-CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8)]
-"""(BLOCK_M, BLOCK_K, warps) the autotuner tries on a GPU (its key: the shape)."""
+CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8),
+           (32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
+"""(BLOCK_M, BLOCK_K, warps) the autotuner tries on a GPU (its key: the shape). The smaller tiles and
+the more warps per tile are for SwiGLU's backward, which holds six fp32 values an element."""
 INTERPRETER_BLOCK = 16
 """The interpreter's tile side: small, so a test's shapes cover partial tiles."""
 
