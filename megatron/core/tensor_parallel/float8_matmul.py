@@ -252,15 +252,21 @@ def float8_ready(x: torch.Tensor) -> bool:
     return x.numel() // x.shape[-1] % ALIGNMENT == 0
 
 
+def delayed_arguments(delayed: Optional[DelayedScales]):
+    """(the scales to cast by, None before they are ready; the output gradient's amax leaf) of a float8
+    layer's delayed scaling, (None, None) without it."""
+    if delayed is None:
+        return None, None
+    return (delayed.scales if delayed.ready else None), delayed.gradient_amax
+
+
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype) -> torch.Tensor:
     """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
     `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16. With
     the copy's `delayed` scales, the input and output gradient are cast by them once they are `ready`
     (before, by their own amax), and both amaxes are recorded."""
     delayed: Optional[DelayedScales] = copy.delayed
-    scales = gradient_amax = None
-    if delayed is not None:
-        scales, gradient_amax = delayed.scales if delayed.ready else None, delayed.gradient_amax
+    scales, gradient_amax = delayed_arguments(delayed)
     output, amax = _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
                                        copy.gradient_dtype, scales, gradient_amax)
     if delayed is not None:

@@ -22,7 +22,8 @@ import torch
 
 from megatron.core.tensor_parallel import triton_float8_swiglu
 from megatron.core.tensor_parallel.float8_matmul import (FORWARD_DTYPE, backward_gemms, cast_both_layouts,
-                                                         float8_ready, forward_gemm, raise_amax)
+                                                         delayed_arguments, float8_ready, forward_gemm,
+                                                         raise_amax)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.weight_copies import Float8Copy, training_copy
 from megatron.core.transformer import triton_swiglu
@@ -100,13 +101,6 @@ def _scale(scales: Optional[torch.Tensor], index: int) -> Optional[torch.Tensor]
     return None if scales is None else scales[index]
 
 
-def _delayed(copy: Float8Copy):
-    """(the scales to cast by, or None before they are ready; the output gradient's amax leaf)."""
-    if copy.delayed is None:
-        return None, None
-    return (copy.delayed.scales if copy.delayed.ready else None), copy.delayed.gradient_amax
-
-
 def _copies(fc1, fc2, x: torch.Tensor, config):
     """The two layers' float8 copies where the fused function runs this MLP: tensor-parallel layers (not
     torchao's), gated SiLU, no fc1 bias, both layers float8 under autocast (where fp32_weight_grad.linear
@@ -133,7 +127,7 @@ def swiglu_mlp(hidden: torch.Tensor, fc1, fc2, config) -> Optional[torch.Tensor]
         return None
     x = fc1.parallel_input(hidden)
     (copy1, copy2), dtype = copies, torch.get_autocast_dtype(x.device.type)
-    (scales1, amax_leaf1), (scales2, amax_leaf2) = _delayed(copy1), _delayed(copy2)
+    (scales1, amax_leaf1), (scales2, amax_leaf2) = delayed_arguments(copy1.delayed), delayed_arguments(copy2.delayed)
     output, x_amax, a_amax = _Float8SwiGLUMLP.apply(
         x, fc1.weight, fc2.weight, *copy1[:3], *copy2[:3], dtype, copy1.gradient_dtype,
         triton_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2)
