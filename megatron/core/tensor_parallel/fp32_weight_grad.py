@@ -79,7 +79,9 @@ def accumulating_into_grad(enabled: bool = True) -> Iterator[None]:
         _in_place = previous
 
 
-def _grad_to_add_into(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def grad_to_add_into(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """`weight`'s fp32 `.grad` where its layer's GEMM adds the micro-batch's gradient into it (inside
+    `accumulating_into_grad()`, a contiguous fp32 gradient of the weight's shape), else None."""
     grad = weight.grad
     if not _in_place or grad is None or not weight.requires_grad:
         return None
@@ -137,9 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             weight_low = None
         if dtype != torch.float32:
             low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
-            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low, _grad_to_add_into(weight))
+            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low, grad_to_add_into(weight))
     fp32 = fp32_weight_grad and x.dtype == weight.dtype == torch.float32
-    grad_into = _grad_to_add_into(weight) if fp32 else None
+    grad_into = grad_to_add_into(weight) if fp32 else None
     if grad_into is not None:  # fp32 arithmetic: only the in-place sum differs from F.linear
         return _LinearFp32WeightGrad.apply(x, weight, bias, torch.float32, None, grad_into)
     return nn.functional.linear(x, weight, bias)

@@ -18,6 +18,13 @@ so repeated ids make the sum's last bits vary from run to run, as in any atomics
 under `--deterministic-mode` (torch.use_deterministic_algorithms) torch runs it as the sorted,
 deterministic sum instead. Either way the rounding differs from the dense path's (the rows are added
 to the loss's values one by one, not summed first), within fp32 rounding.
+
+An untied embedding meets the same dense passes across micro-batches: each backward writes a zeroed
+[V, h] fp32 gradient with its tokens' rows, and autograd adds it to `.grad` (at the `7b-shape`'s
+151,936 x 4096: 2.5 GB zeroed, then 7.5 GB read and written, each micro-batch after the first). Inside
+`fp32_weight_grad.accumulating_into_grad()`, where the linear layers add their weight gradients into
+`.grad` in place, the lookup's backward adds its rows into the existing `.grad` the same way
+(`add_rows`) and autograd gets no gradient for the weight.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 
 
 class TiedGradient:
@@ -65,9 +74,29 @@ def add_rows(grad: torch.Tensor, ids: torch.Tensor, grad_output: torch.Tensor) -
     grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, grad_output.shape[-1]).to(grad.dtype))
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
-    """`F.embedding(ids, weight)`; with `tied`, its backward completes the gradient the loss left there."""
-    if tied is None or not (torch.is_grad_enabled() and weight.requires_grad):
+class _EmbeddingIntoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, grad_into: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.grad_into = grad_into
         return nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        add_rows(ctx.grad_into, ids, grad_output)
+        return None, None, None
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
+    """`F.embedding(ids, weight)`; with `tied`, its backward completes the gradient the loss left there;
+    untied, inside `accumulating_into_grad()` with a `.grad` to add into, it adds its rows there."""
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return nn.functional.embedding(ids, weight)
+    if tied is None:
+        grad_into = grad_to_add_into(weight)
+        if grad_into is None:
+            return nn.functional.embedding(ids, weight)
+        return _EmbeddingIntoGrad.apply(ids, weight, grad_into)
     tied.armed = True
     return _TiedEmbedding.apply(ids, weight, tied)
