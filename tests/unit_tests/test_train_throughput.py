@@ -275,7 +275,7 @@ def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():
 
 
 def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
-    result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path)])
+    result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path), "--profile-top", "2"])
     row = result["rows"][0]
     assert row["name"] == "MegaDLMs masked-only" and row["masked_only_loss"] and result["config"]["masked_only_loss"]
     profile = row["profile"]
@@ -286,6 +286,7 @@ def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
         assert profile["ms_per_step"][category] > 0, category
         top = [milliseconds for _, milliseconds in profile["top"][category]]  # the longest ops, listed
         assert top and top == sorted(top, reverse=True) and sum(top) <= profile["ms_per_step"][category] * (1 + 1e-9)
+        assert len(top) <= 2  # --profile-top
     assert os.path.getsize(profile["trace"]) > 0
 
 
@@ -327,9 +328,9 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "tiny", "--torch-compile-mode", "max-autotune"],
      "--torch-compile-mode max-autotune needs --torch-compile"),
     (["--model", "tiny", "--num-layers", "0"], "--num-layers 0 must be at least 1"),
+    (["--model", "tiny", "--profile-top", "0"], "--profile-top 0 must be at least 1"),
     (["--model", "tiny", "--mode", "ar", "--block-diffusion", "16"], "--block-diffusion needs --mode dlm"),
     (["--model", "tiny", "--block-diffusion", "48"], "--block-diffusion 48 must be a positive divisor of"),
-    (["--model", "tiny", "--block-diffusion", "16", "--baseline", "hf"], "--block-diffusion has no Hugging Face"),
     (["--model", "tiny", "--block-diffusion", "16", "--baseline", "hf"], "--block-diffusion has no Hugging Face"),
     (["--model", "tiny", "--compare-grouped-gemm"], "--compare-grouped-gemm needs an MoE --model"),
     (["--model", "olmoe-tiny", "--compare-grouped-gemm", "--no-moe-grouped-gemm"],

@@ -323,6 +323,7 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     print(f"measured: {format_row(row)}", flush=True)  # each row as it comes, in case a later one fails
     if args.profile:  # after the timing, which the profiler would slow down
         os.makedirs(args.profile, exist_ok=True)
+        kernel_breakdown.TOP_KERNELS = args.profile_top
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
         with kernel_breakdown.moe_scopes(model):  # MoE layers' ops, forward and backward, as "moe"
             row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
@@ -375,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", metavar="DIR",
                         help=f"After timing, profile {PROFILED_STEPS} more steps of each row: print the time "
                              "by attention/gemm/loss/optimizer/other, write Chrome traces to DIR.")
+    parser.add_argument("--profile-top", type=int, default=kernel_breakdown.TOP_KERNELS, metavar="N",
+                        help="With --profile: list the N longest kernels of each category.")
     parser.add_argument("--attention-backend", default="auto", help=f"One of {', '.join(ATTENTION_BACKENDS)}.")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                         help="Our activation recompute: selective (core attention) or full (every layer).")
@@ -414,6 +417,8 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     if args.model not in MODELS:
         raise UsageError(f"unknown --model {args.model!r}; choose one of {', '.join(MODELS)}")
     spec = MODELS[args.model]
+    if args.profile_top < 1:
+        raise UsageError(f"--profile-top {args.profile_top} must be at least 1")
     if args.num_layers is not None:
         if args.num_layers < 1:
             raise UsageError(f"--num-layers {args.num_layers} must be at least 1")
