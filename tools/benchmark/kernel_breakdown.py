@@ -103,9 +103,9 @@ def cuda_breakdown(trace: dict) -> dict:
     return totals, kernels
 
 
-def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None) -> dict:
-    """Milliseconds per step by category (and their shares): device time from the exported trace
-    on CUDA, self CPU time of the profiler's `events()` on CPU."""
+def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None, top: int = TOP_KERNELS) -> dict:
+    """Milliseconds per step by category (and their shares), and each category's `top` longest kernels:
+    device time from the exported trace on CUDA, self CPU time of the profiler's `events()` on CPU."""
     if on_cuda:
         totals, kernels = cuda_breakdown(trace)
     else:
@@ -117,14 +117,14 @@ def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None) -
                 totals[category] += event.self_cpu_time_total
                 kernels[category][event.name] += event.self_cpu_time_total
     total = sum(totals.values())
-    top = {category: [(name, value / 1e3 / steps) for name, value in
-                      sorted(named.items(), key=lambda item: -item[1])[:TOP_KERNELS]]
-           for category, named in kernels.items()}
+    longest = {category: [(name, value / 1e3 / steps) for name, value in
+                          sorted(named.items(), key=lambda item: -item[1])[:top]]
+               for category, named in kernels.items()}
     return {"time": "CUDA kernel time" if on_cuda else "CPU time (self time of ops)", "steps": steps,
             "ms_per_step": {key: value / 1e3 / steps for key, value in totals.items()},
             "total_ms_per_step": total / 1e3 / steps,
             "share": {key: (value / total if total else 0.0) for key, value in totals.items()},
-            "top": top}
+            "top": longest}
 
 
 class _BackwardScope(torch.autograd.Function):
@@ -184,8 +184,10 @@ def moe_scopes(model: torch.nn.Module) -> Iterator[int]:
 
 
 def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor],
-                  first_index: int, device: torch.device, trace_path: Optional[str] = None) -> dict:
-    """Run `step` on `batches` under torch.profiler (after warm-up); the breakdown, and a Chrome trace."""
+                  first_index: int, device: torch.device, trace_path: Optional[str] = None,
+                  top: int = TOP_KERNELS) -> dict:
+    """Run `step` on `batches` under torch.profiler (after warm-up); the breakdown (with each category's
+    `top` longest kernels), and a Chrome trace."""
     on_cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_cuda:
@@ -205,7 +207,7 @@ def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: Li
                 trace = json.load(handle)
     elif trace_path:
         profiler.export_chrome_trace(trace_path)
-    result = breakdown(profiler.events(), on_cuda, len(batches), trace)
+    result = breakdown(profiler.events(), on_cuda, len(batches), trace, top)
     result["trace"] = trace_path
     if trace is not None:  # the GPU's idle intervals: the step time no kernel accounts for
         result["gaps"] = trace_gaps.summarize(trace["traceEvents"], steps=len(batches))

@@ -323,10 +323,10 @@ def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespac
     print(f"measured: {format_row(row)}", flush=True)  # each row as it comes, in case a later one fails
     if args.profile:  # after the timing, which the profiler would slow down
         os.makedirs(args.profile, exist_ok=True)
-        kernel_breakdown.TOP_KERNELS = args.profile_top
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
         with kernel_breakdown.moe_scopes(model):  # MoE layers' ops, forward and backward, as "moe"
-            row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace)
+            row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace,
+                                                            args.profile_top)
         print(kernel_breakdown.format_table(name, row["profile"]), flush=True)
         if "gaps" in row["profile"]:
             print(trace_gaps.format_summary(row["profile"]["gaps"]), flush=True)
