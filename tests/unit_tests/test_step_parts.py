@@ -71,6 +71,22 @@ def test_tied_gradient_rows_time_the_dense_and_the_in_place_sums():
         ["--model", "tiny", "--warmup", "0", "--repeats", "1"])["rows"])
 
 
+def test_float8_weight_gradient_rows_time_both_ways_at_each_linear_shape():
+    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
+                              "--float8-weight-gradient-tokens", "32"])
+    spec = step_parts.shapes.MODELS["tiny"]
+    rows = {name: row for name, row in result["rows"].items() if name.startswith("float8 weight gradient")}
+    assert len(rows) == 2 * 4 + 2 and all(row["ms"] > 0 for row in rows.values())
+    fc1 = 2 * spec.ffn_hidden_size * spec.hidden_size
+    assert rows[f"float8 weight gradient, _scaled_mm, then the add: fc1 [{2 * spec.ffn_hidden_size} x "
+                f"{spec.hidden_size}], 32 tokens"]["bytes"] == 16 * fc1
+    for way in ("then the add", "in the GEMM"):  # a micro-batch: each linear once a layer
+        linears = [row for name, row in rows.items() if way in name and "layers" not in name]
+        total = next(row for name, row in rows.items() if way in name and "layers" in name)
+        assert total["ms"] == pytest.approx(spec.num_layers * sum(row["ms"] for row in linears))
+        assert total["bytes"] == spec.num_layers * sum(row["bytes"] for row in linears)
+
+
 def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
     tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving

@@ -36,6 +36,10 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm; with them, where Triton
   runs, SwiGLU and fc2's input cast, then SwiGLU's backward and fc1's output-gradient cast, each as the
   two kernels the layers would run and as the float8 MLP's one (triton_float8_swiglu.py);
+* float8 weight gradient (`--float8-weight-gradient-tokens`): a float8 layer's weight gradient over that many
+  tokens added into an fp32 `.grad`, at each decoder linear's shape, two ways: `_scaled_mm`'s fp32 product
+  then autograd's add (write 4 bytes a parameter, then read 8 and write 4), and cuBLASLt's GEMM adding it
+  itself (cublaslt.scaled_mm_add_: read 4, write 4), with the 8 layers of one micro-batch summed;
 * tied gradient (`--tied-tokens`): the embedding's rows of --tied-tokens looked-up ids added to the
   loss's fp32 [vocabulary, hidden] gradient of a tied weight: autograd's dense way (a zero-filled
   embedding gradient, then the sum of the two), the sorted `index_put_(accumulate=True)`, and
@@ -173,6 +177,9 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
                                        kernel_timer(device, args.warmup, args.repeats)))
         result.update(float8_swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args.float8_cast_tokens, device,
                                          kernel_timer(device, args.warmup, args.repeats)))
+    if args.float8_weight_gradient_tokens:
+        result.update(float8_weight_gradient_rows(shapes.MODELS[args.model], args.float8_weight_gradient_tokens,
+                                                  device, measure))
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
@@ -409,6 +416,41 @@ def float8_swiglu_rows(ffn: int, tokens: int, device: torch.device, measure) -> 
             for way, (function, per_element) in ways.items()}
 
 
+def float8_weight_gradient_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
+    """Each decoder linear's float8 weight gradient [out, in] over `tokens`, added into an fp32 gradient:
+    `_scaled_mm` then the add, and in the GEMM (cublaslt.scaled_mm_add_); then a micro-batch's sum over the
+    model's layers, each way. Bytes: the gradient's traffic (16 and 8 a parameter)."""
+    from megatron.core.tensor_parallel import cublaslt
+    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+
+    attention = spec.num_attention_heads * spec.kv_channels
+    linears = {"qkv": (attention + 2 * spec.num_query_groups * spec.kv_channels, spec.hidden_size),
+               "attention output": (spec.hidden_size, attention),
+               "fc1": (2 * spec.ffn_hidden_size, spec.hidden_size),  # SwiGLU (train_throughput's shapes)
+               "fc2": (spec.hidden_size, spec.ffn_hidden_size)}
+    generator, one = torch.Generator(device).manual_seed(0), torch.ones((), device=device)
+    result, totals = {}, {"_scaled_mm, then the add": 0.0, "in the GEMM (cuBLASLt, beta = 1)": 0.0}
+    for name, (out_features, in_features) in linears.items():
+        grad_t = torch.randn(out_features, tokens, device=device, generator=generator).to(GRADIENT_DTYPES["hybrid"])
+        x_t = torch.randn(in_features, tokens, device=device, generator=generator).to(FORWARD_DTYPE)
+        grad = torch.zeros(out_features, in_features, device=device)
+
+        def add():
+            grad.add_(torch._scaled_mm(grad_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=torch.float32))
+        ways = {"_scaled_mm, then the add": (add, 16),
+                "in the GEMM (cuBLASLt, beta = 1)": (lambda: cublaslt.scaled_mm_add_(grad, grad_t, x_t, one, one), 8)}
+        for way, (function, per_parameter) in ways.items():
+            milliseconds = measure(function)
+            totals[way] += milliseconds * spec.num_layers
+            result[f"float8 weight gradient, {way}: {name} [{out_features} x {in_features}], {tokens} tokens"] = (
+                milliseconds, per_parameter * grad.numel())
+    parameters = sum(out_features * in_features for out_features, in_features in linears.values()) * spec.num_layers
+    for way, per_parameter in (("_scaled_mm, then the add", 16), ("in the GEMM (cuBLASLt, beta = 1)", 8)):
+        result[f"float8 weight gradient, {way}: a micro-batch, {spec.num_layers} layers"] = (
+            totals[way], per_parameter * parameters)
+    return result
+
+
 def bandwidth(device: torch.device, measure: Callable[[Callable[[], None]], float], size: int) -> float:
     """Bytes per ms of one large device copy (read + write)."""
     source = torch.empty(size, dtype=torch.uint8, device=device)
@@ -439,6 +481,8 @@ def main(argv=None) -> dict:
                         help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
     parser.add_argument("--float8-cast-tokens", type=int, default=0,
                         help="Also time the float8 layers' casts (amax, cast, transposed copy) over this many tokens.")
+    parser.add_argument("--float8-weight-gradient-tokens", type=int, default=0,
+                        help="Also time the float8 weight gradient added into .grad two ways over this many tokens.")
     parser.add_argument("--tied-tokens", type=int, default=0,
                         help="Also time a tied weight's two gradients summed over this many ids (e.g. 8192).")
     parser.add_argument("--json", help="Also write the results here.")
@@ -453,9 +497,10 @@ def main(argv=None) -> dict:
     except ValueError as error:
         parser.error(str(error))
     if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.rmsnorm_tokens,
-                                                             args.float8_cast_tokens) < 0:
-        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens, --rmsnorm-tokens and "
-                     "--float8-cast-tokens >= 0")
+                                                             args.float8_cast_tokens,
+                                                             args.float8_weight_gradient_tokens) < 0:
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens, --rmsnorm-tokens, "
+                     "--float8-cast-tokens and --float8-weight-gradient-tokens >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)
     per_ms = bandwidth(device, timer(device, args.warmup, args.repeats), 2 ** 30 if device.type == "cuda" else 2 ** 24)

@@ -27,9 +27,9 @@ an element instead of the compute dtype's 2, and no second cast in the backward)
 own amax is tensor math that the compiled layer fuses (a Triton kernel was no faster there: the amax
 before the cast is the cost); a cast by a given scale (delayed scaling) is one Triton kernel that writes
 both layouts and takes the amax (triton_float8_cast.py), where compiled tensor math took two passes.
-Unlike the bf16 layers, the weight gradient is not added into `.grad` by its GEMM (`_scaled_mm` has no
-beta; a Triton float8 GEMM that did it was slower than cuBLAS's GEMM and the add at every 7B-width
-shape, docs/performance.md): autograd adds it. A SwiGLU MLP of two such layers runs as one function
+As the bf16 layers' (fp32_weight_grad.py), the weight gradient of a micro-batch after a step's first is
+added into `.grad` by its GEMM where the schedule allows it (`grad_into`): `_scaled_mm` has no beta, so
+that GEMM is cuBLASLt's own, called with beta = 1 (cublaslt.py). A SwiGLU MLP of two such layers runs as one function
 (float8_mlp.py: the same GEMMs, `forward_gemm` and `backward_gemms`, with SwiGLU fused into the casts).
 """
 
@@ -42,6 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from megatron.core.tensor_parallel import triton_float8_cast
+from megatron.core.tensor_parallel.cublaslt import scaled_mm_add_
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -189,13 +190,17 @@ def forward_gemm(x8: torch.Tensor, x_inverse: torch.Tensor, rows: torch.Tensor, 
                             use_fast_accum=True)
 
 
-def backward_gemms(grad, weight, saved_input, out_dtype: torch.dtype):
+def backward_gemms(grad, weight, saved_input, out_dtype: torch.dtype, grad_into: Optional[torch.Tensor] = None):
     """A float8 layer's (input gradient in `out_dtype`, weight gradient in fp32) from the cast output
     gradient (values, values transposed, inverse scale), the weight's (columns copy, inverse scale) and the
-    forward's saved (transposed input, inverse scale)."""
+    forward's saved (transposed input, inverse scale). With `grad_into` (the weight's fp32 `.grad`) the
+    weight gradient is added into it by the GEMM and returned as None."""
     (grad8, grad8_t, grad_inverse), (columns, inverse_scale), (x8_t, x_inverse) = grad, weight, saved_input
     grad_input = torch._scaled_mm(grad8, columns.t(), scale_a=grad_inverse, scale_b=inverse_scale,
                                   out_dtype=out_dtype)
+    if grad_into is not None:
+        scaled_mm_add_(grad_into, grad8_t, x8_t, grad_inverse, x_inverse)
+        return grad_input, None
     grad_weight = torch._scaled_mm(grad8_t, x8_t.t(), scale_a=grad_inverse, scale_b=x_inverse,
                                    out_dtype=torch.float32)
     return grad_input, grad_weight
@@ -216,10 +221,11 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, columns: torch.Tensor,
                 inverse_scale: torch.Tensor, out_dtype: torch.dtype, gradient_dtype: torch.dtype,
-                scales: Optional[torch.Tensor], gradient_amax: Optional[torch.Tensor]) -> torch.Tensor:
-        del weight  # its gradient is what the backward returns; its values come from the copies
+                scales: Optional[torch.Tensor], gradient_amax: Optional[torch.Tensor],
+                grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        del weight  # its gradient is what the backward returns (or adds into grad_into); values: the copies
         ctx.out_dtype, ctx.gradient_dtype, ctx.has_bias = out_dtype, gradient_dtype, bias is not None
-        ctx.scales = scales  # changed between iterations only
+        ctx.scales, ctx.grad_into = scales, grad_into  # scales change between iterations only
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit (compiled code
             flat = x.reshape(-1, x.shape[-1])               # would otherwise see autocast's casts in the casts)
             x8, x8_t, x_inverse, x_amax = cast_both_layouts(flat.to(out_dtype), FORWARD_DTYPE,
@@ -240,11 +246,11 @@ class _Float8Linear(torch.autograd.Function):
         grad8, grad8_t, grad_inverse, grad_amax = cast_both_layouts(flat, ctx.gradient_dtype,
                                                                      None if scales is None else scales[1])
         grad_input, grad_weight = backward_gemms((grad8, grad8_t, grad_inverse), (columns, inverse_scale),
-                                                 (x8_t, x_inverse), ctx.out_dtype)
+                                                 (x8_t, x_inverse), ctx.out_dtype, ctx.grad_into)
         grad_bias = flat.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_amax = grad_amax.reshape(1) if ctx.needs_input_grad[GRADIENT_AMAX_INPUT] else None
         return (grad_input.reshape(*grad_output.shape[:-1], columns.shape[0]), grad_weight, grad_bias,
-                None, None, None, None, None, None, grad_amax)
+                None, None, None, None, None, None, grad_amax, None)
 
 
 def float8_ready(x: torch.Tensor) -> bool:
@@ -260,15 +266,17 @@ def delayed_arguments(delayed: Optional[DelayedScales]):
     return (delayed.scales if delayed.ready else None), delayed.gradient_amax
 
 
-def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype) -> torch.Tensor:
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype,
+                  grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
-    `out_dtype`; the gradients of the fp32 weight and bias in fp32. `x`'s rows: a multiple of 16. With
-    the copy's `delayed` scales, the input and output gradient are cast by them once they are `ready`
-    (before, by their own amax), and both amaxes are recorded."""
+    `out_dtype`; the gradients of the fp32 weight and bias in fp32 (the weight's added into `grad_into`,
+    its existing `.grad`, where one is given). `x`'s rows: a multiple of 16. With the copy's `delayed`
+    scales, the input and output gradient are cast by them once they are `ready` (before, by their own
+    amax), and both amaxes are recorded."""
     delayed: Optional[DelayedScales] = copy.delayed
     scales, gradient_amax = delayed_arguments(delayed)
     output, amax = _Float8Linear.apply(x, weight, bias, copy.rows, copy.columns, copy.inverse_scale, out_dtype,
-                                       copy.gradient_dtype, scales, gradient_amax)
+                                       copy.gradient_dtype, scales, gradient_amax, grad_into)
     if delayed is not None:
         raise_amax(delayed.amax[0], amax)
     return output

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import triton_float8_swiglu
 from megatron.core.tensor_parallel.float8_matmul import (FORWARD_DTYPE, backward_gemms, cast_both_layouts,
                                                          delayed_arguments, float8_ready, forward_gemm,
                                                          raise_amax)
+from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.weight_copies import Float8Copy, training_copy
 from megatron.core.transformer import triton_swiglu
@@ -65,9 +66,11 @@ class _Float8SwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight1, weight2, rows1, columns1, inverse1, rows2, columns2, inverse2, out_dtype,
-                gradient_dtype, fused, scales1, scales2, gradient_amax1, gradient_amax2):
-        del weight1, weight2  # their gradients are what the backward returns; their values come from the copies
+                gradient_dtype, fused, scales1, scales2, gradient_amax1, gradient_amax2, grad_into1=None,
+                grad_into2=None):
+        del weight1, weight2  # their gradients: what the backward returns (or adds into grad_into*); values: copies
         ctx.out_dtype, ctx.gradient_dtype, ctx.fused, ctx.scales = out_dtype, gradient_dtype, fused, (scales1, scales2)
+        ctx.grad_into = grad_into1, grad_into2
         with torch.autocast(x.device.type, enabled=False):  # every dtype here is explicit
             flat = x.reshape(-1, x.shape[-1]).to(out_dtype)
             x8, x8_t, x_inverse, x_amax = cast_both_layouts(flat, FORWARD_DTYPE, _scale(scales1, 0))
@@ -86,15 +89,15 @@ class _Float8SwiGLUMLP(torch.autograd.Function):
         flat = grad_output.reshape(-1, grad_output.shape[-1]).to(ctx.out_dtype)
         grad8, grad8_t, grad_inverse, amax2 = cast_both_layouts(flat, dtype, _scale(scales2, 1))
         grad_a, grad_weight2 = backward_gemms((grad8, grad8_t, grad_inverse), (columns2, inverse2),
-                                              (a8_t, a_inverse), ctx.out_dtype)
+                                              (a8_t, a_inverse), ctx.out_dtype, ctx.grad_into[1])
         grad_h8, grad_h8_t, grad_h_inverse, amax1 = _swiglu_backward_cast(grad_a, h, dtype, _scale(scales1, 1),
                                                                           ctx.fused)
         grad_x, grad_weight1 = backward_gemms((grad_h8, grad_h8_t, grad_h_inverse), (columns1, inverse1),
-                                              (x8_t, x_inverse), ctx.out_dtype)
+                                              (x8_t, x_inverse), ctx.out_dtype, ctx.grad_into[0])
         amaxes = [amax.reshape(1) if ctx.needs_input_grad[index] else None
                   for amax, index in zip((amax1, amax2), GRADIENT_AMAX_INPUTS)]
         return (grad_x.reshape(*grad_output.shape[:-1], columns1.shape[0]), grad_weight1, grad_weight2,
-                *[None] * 11, *amaxes)
+                *[None] * 11, *amaxes, None, None)
 
 
 def _scale(scales: Optional[torch.Tensor], index: int) -> Optional[torch.Tensor]:
@@ -130,7 +133,8 @@ def swiglu_mlp(hidden: torch.Tensor, fc1, fc2, config) -> Optional[torch.Tensor]
     (scales1, amax_leaf1), (scales2, amax_leaf2) = delayed_arguments(copy1.delayed), delayed_arguments(copy2.delayed)
     output, x_amax, a_amax = _Float8SwiGLUMLP.apply(
         x, fc1.weight, fc2.weight, *copy1[:3], *copy2[:3], dtype, copy1.gradient_dtype,
-        triton_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2)
+        triton_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2,
+        grad_to_add_into(fc1.weight), grad_to_add_into(fc2.weight))
     for copy, amax in ((copy1, x_amax), (copy2, a_amax)):
         if copy.delayed is not None:
             raise_amax(copy.delayed.amax[0], amax)

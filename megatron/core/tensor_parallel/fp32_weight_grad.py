@@ -17,6 +17,8 @@ gets no gradient for it (fp32 training too). Autograd would otherwise write a fr
 add it to `.grad` in a pass of its own: 16 bytes a parameter moved instead of 8. The schedules enable
 it wherever no autograd hook has to see the gradient (`data_parallel.no_sync`, the pipeline schedule's
 forwards): one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2.
+The float8 layers (float8_matmul.float8_linear, float8_mlp.py) add theirs the same way, through
+cuBLASLt's float8 GEMM with beta = 1 (cublaslt.py).
 
 On other devices (no `out_dtype` GEMM) the gradient is computed in the compute dtype and cast,
 exactly as autocast does, so CPU runs and tests see the same numbers either way.
@@ -135,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         dtype = torch.get_autocast_dtype(device)
         if isinstance(weight_low, Float8Copy):
             if float8_ready(x):
-                return float8_linear(x, weight, bias, weight_low, dtype)
+                return float8_linear(x, weight, bias, weight_low, dtype, grad_to_add_into(weight))
             weight_low = None
         if dtype != torch.float32:
             low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
