@@ -160,9 +160,11 @@ def available(device: torch.device) -> bool:
 
 
 def _checked(out, a, b_t) -> bool:
+    """Whether the operands are the op's: fp32 out [M, N], float8 a [M, K] and b_t [N, K], contiguous, every
+    dimension a multiple of 16 (cuBLASLt's float8 alignment)."""
     return (out.dtype == torch.float32 and a.dtype in _FLOAT8 and b_t.dtype in _FLOAT8
             and all(t.is_contiguous() for t in (out, a, b_t)) and out.shape == (a.shape[0], b_t.shape[0])
-            and a.shape[1] == b_t.shape[1])
+            and a.shape[1] == b_t.shape[1] and all(size % 16 == 0 for size in (*a.shape, b_t.shape[0])))
 
 
 @torch.library.custom_op("megadlms::scaled_mm_add_", mutates_args=("out",))
