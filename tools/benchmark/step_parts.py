@@ -429,23 +429,22 @@ def float8_weight_gradient_rows(spec, tokens: int, device: torch.device, measure
                "fc1": (2 * spec.ffn_hidden_size, spec.hidden_size),  # SwiGLU (train_throughput's shapes)
                "fc2": (spec.hidden_size, spec.ffn_hidden_size)}
     generator, one = torch.Generator(device).manual_seed(0), torch.ones((), device=device)
-    result, totals = {}, {"_scaled_mm, then the add": 0.0, "in the GEMM (cuBLASLt, beta = 1)": 0.0}
+    bytes_per_parameter = {"_scaled_mm, then the add": 16, "in the GEMM (cuBLASLt, beta = 1)": 8}
+    result, totals = {}, dict.fromkeys(bytes_per_parameter, 0.0)
     for name, (out_features, in_features) in linears.items():
         grad_t = torch.randn(out_features, tokens, device=device, generator=generator).to(GRADIENT_DTYPES["hybrid"])
         x_t = torch.randn(in_features, tokens, device=device, generator=generator).to(FORWARD_DTYPE)
         grad = torch.zeros(out_features, in_features, device=device)
-
-        def add():
-            grad.add_(torch._scaled_mm(grad_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=torch.float32))
-        ways = {"_scaled_mm, then the add": (add, 16),
-                "in the GEMM (cuBLASLt, beta = 1)": (lambda: cublaslt.scaled_mm_add_(grad, grad_t, x_t, one, one), 8)}
-        for way, (function, per_parameter) in ways.items():
+        functions = [lambda: grad.add_(torch._scaled_mm(grad_t, x_t.t(), scale_a=one, scale_b=one,
+                                                         out_dtype=torch.float32)),
+                     lambda: cublaslt.scaled_mm_add_(grad, grad_t, x_t, one, one)]
+        for (way, per_parameter), function in zip(bytes_per_parameter.items(), functions):
             milliseconds = measure(function)
             totals[way] += milliseconds * spec.num_layers
             result[f"float8 weight gradient, {way}: {name} [{out_features} x {in_features}], {tokens} tokens"] = (
                 milliseconds, per_parameter * grad.numel())
     parameters = sum(out_features * in_features for out_features, in_features in linears.values()) * spec.num_layers
-    for way, per_parameter in (("_scaled_mm, then the add", 16), ("in the GEMM (cuBLASLt, beta = 1)", 8)):
+    for way, per_parameter in bytes_per_parameter.items():
         result[f"float8 weight gradient, {way}: a micro-batch, {spec.num_layers} layers"] = (
             totals[way], per_parameter * parameters)
     return result
