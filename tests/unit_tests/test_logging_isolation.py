@@ -1,0 +1,43 @@
+"""No test leaves logging altered for the tests after it (tests/conftest.py restores it after each test).
+
+lm-eval's `simple_evaluate` adds a StreamHandler bound to the sys.stderr of its moment (a test's capture)
+to its own non-propagating logger. Left there, it writes into a closed capture in every later test, and
+pytest (9.2 and later) attaches its per-phase capture handlers to that logger too, so anything that
+rewires the logger's handlers breaks every later test at setup. This runs two tests in a child pytest
+session with the project's conftest: the first configures lm-eval's logging as an evaluation does, the
+second must find the logger as it was and log cleanly."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_TESTS = textwrap.dedent('''
+    import logging
+
+    def test_a_configures_lm_eval_logging():
+        from lm_eval.utils import setup_logging
+        setup_logging()
+        logging.getLogger("lm_eval").info("from the first test")
+
+    def test_b_finds_logging_as_it_was(caplog):
+        handlers = logging.getLogger("lm_eval").handlers
+        assert not [h for h in handlers if type(h) is logging.StreamHandler], handlers
+        with caplog.at_level(logging.INFO, logger="lm_eval"):
+            logging.getLogger("lm_eval").warning("from the second test")
+        assert "from the second test" in caplog.text
+''')
+
+
+def test_a_test_that_configures_lm_eval_logging_leaves_the_next_test_intact(tmp_path):
+    pytest.importorskip("lm_eval")
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_pair.py").write_text(_TESTS)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "2 passed" in out and "Logging error" not in out, out
