@@ -2,7 +2,7 @@
 run under Triton's interpreter on CPU tensors. triton.jit reads TRITON_INTERPRET when triton is first
 imported (torch._dynamo imports it), so it is set here, before any test module imports torch's compiler.
 Without Triton the environment is left alone.
-Each test runs with logging restored after it (pytest_runtest_protocol below)."""
+Each test runs with logging, os.environ and the deterministic switch restored after it (pytest_runtest_protocol below)."""
 
 import importlib.util
 import logging
@@ -36,11 +36,17 @@ def _restore_logging(state):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """No test leaves logging altered for the tests after it. lm-eval's `simple_evaluate` adds a
+    """No test leaves logging, the environment or torch's deterministic-algorithms switch altered for
+    the tests after it. lm-eval's `simple_evaluate` adds a
     StreamHandler bound to the sys.stderr of the moment (a test's capture, closed once the test ends)
     to its non-propagating logger; pytest attaches its own capture handlers to non-propagating loggers
     for each phase, so a handler left behind by one test would break every later test's logging.
     This wraps all three phases, outside pytest's per-phase log capture."""
-    state = _logging_state()
+    state, environment = _logging_state(), dict(os.environ)
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     yield
     _restore_logging(state)
+    # --deterministic-mode sets both for the process (initialize.set_deterministic_mode): not for the next test
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+    os.environ.clear()
+    os.environ.update(environment)
