@@ -15,8 +15,6 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model-running-mode", default="difflm-noshift", choices=RUNNING_MODES,
                    help="difflm-noshift: position i predicts token i; difflm-shift: i predicts i+1 "
                         "(AR-initialised); vanilla: autoregressive.")
-    g.add_argument("--base-model", default="vanilla", choices=["vanilla"],
-                   help="MegaDLMs' model family flag: vanilla is the GPT model, the only one here.")
     g.add_argument("--attention-mask-type", default="no_mask",
                    choices=list(ATTENTION_MASK_TYPES) + list(MASK_TYPE_ALIASES),
                    help="Attention in the DLM modes (vanilla: causal, or a causal sliding_window). "

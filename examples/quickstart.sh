@@ -40,7 +40,7 @@ fi
 ARGS=(
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
     --group-query-attention --num-query-groups 2 --normalization RMSNorm --swiglu \
-    --qk-layernorm --disable-bias-linear --seq-length 128 \
+    --qk-layernorm --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --seq-length 128 \
     --micro-batch-size 8 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters "$WARMUP" --lr-decay-style cosine --weight-decay 0.0 \
     "${DATA_ARGS[@]}" \

@@ -93,16 +93,19 @@ class ParallelContext(ProcessGroups):
         """What a model is built with: the groups, sequence parallelism (on only with tp > 1),
         and, with tp > 1, the tracker whose tp-rank stream drops out what ranks hold differently
         (attention heads; the sequence slices under SP). Everything else draws the default
-        stream, identical on every rank. Build it once per rank: the model chunks of an
-        interleaved pipeline share it, so their dropout streams do not repeat each other."""
+        stream, identical on every tp rank of a stage. The tracker's seed is the stage's
+        (`stage_seed`, as the default stream's is once the model is built: build_trainer). Build it
+        once per rank: the model chunks of an interleaved pipeline share it, so their dropout
+        streams do not repeat each other."""
         if isinstance(groups, ParallelContext):
             return groups
-        from megatron.core.tensor_parallel import group_rank, group_size, model_parallel_rng_tracker
+        from megatron.core.tensor_parallel import group_rank, group_size, model_parallel_rng_tracker, stage_seed
 
         tp_group = groups.tp if groups is not None else None
         if group_size(tp_group) == 1:
             return cls.extend(groups)
-        tracker = model_parallel_rng_tracker(torch.initial_seed(), group_rank(tp_group))
+        seed = stage_seed(torch.initial_seed(), group_rank(groups.pp))
+        tracker = model_parallel_rng_tracker(seed, group_rank(tp_group))
         return cls.extend(groups, sequence_parallel=sequence_parallel, rng_tracker=tracker)
 
 

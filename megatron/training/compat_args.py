@@ -44,6 +44,8 @@ class NoEffect:
 
 
 NO_EFFECT: Tuple[NoEffect, ...] = (
+    NoEffect("--base-model", "MegaDLMs' model family: vanilla, the GPT model, is the only one here",
+             {"choices": ["vanilla"], "default": None}),
     NoEffect("--use-mcore-models", "there is one model implementation here, built like Megatron core's GPTModel; "
              "Megatron's legacy model does not exist"),
     NoEffect("--transformer-impl", "layers are torch-native (no Transformer Engine); --attention-backend and "
@@ -101,6 +103,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
              "megatron/core/inference/cuda_graphs.py)"),
     NoEffect("--dataloader-type", "always so: the sampler is Megatron's 'single' (each sample once, resumable)",
              {"choices": ["single"], "default": None}),
+    NoEffect("--use-on-the-fly-eval", "MegaDLMs' switch of the in-loop evaluation (declared there, never "
+             "implemented): --lm-eval-tasks alone turns it on, and the switch needs them"),
     # Checkpointing (megatron/training/checkpoint_flags.py has the ones that act).
     NoEffect("--auto-detect-ckpt-format", "always so: --load recognises Megatron-LM's legacy "
              "(mp_rank_XX/model_optim_rng.pt), torch_dist, torch_dcp and zarr checkpoints and refuses them with the "
@@ -129,6 +133,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     # Data parallelism (megatron/training/data_parallel_args.py has the ones that act).
     NoEffect("--overlap-grad-reduce", "always so: the gradient reduction overlaps the backward (DDP's buckets, "
              "FSDP2's per-layer reduce-scatters); --ddp-bucket-size / --ddp-num-buckets tune DDP's"),
+    NoEffect("--accumulate-allreduce-grads-in-fp32", "always so: gradients are accumulated and reduced in fp32 "
+             "here (the weights are fp32), unless --grad-reduce-in-bf16, which contradicts it"),
     NoEffect("--ddp-average-in-collective", "each bucket is divided by the replicas and summed, which equals the "
              "average up to rounding"),
     NoEffect("--ddp-pad-buckets-for-high-nccl-busbw", "torch DDP lays out its own buckets"),
@@ -152,6 +158,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
              {"type": int, "default": None}),
     NoEffect("--logging-level", "messages are printed by rank 0; there is no Python logging hierarchy to set",
              {"type": int, "default": None}),
+    NoEffect("--use-pytorch-profiler", "--profile always uses the torch profiler here (Megatron's default is an "
+             "nsys capture range)"),
     NoEffect("--nvtx-ranges", "no NVTX ranges are emitted; --profile writes a torch profiler trace"),
     NoEffect("--record-shapes", "use --pytorch-profiler-collect-shapes with --profile"),
     NoEffect("--pytorch-profiler-collect-chakra", "Chakra execution traces are not produced"),

@@ -48,9 +48,6 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="With --bf16: reduce gradients over the data-parallel replicas in bf16 (DDP: torch's "
                         "bf16 compression hook; FSDP2: a bf16 reduce_dtype). Default: in fp32.")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Accepted for Megatron scripts: gradients are always accumulated and reduced in fp32 "
-                        "(the weights are fp32), unless --grad-reduce-in-bf16.")
     g.add_argument("--ddp-bucket-size", type=int,
                    help="Gradient elements per DDP all-reduce bucket (Megatron counts elements; torch DDP's "
                         "bucket_cap_mb is derived from it). Default: torch DDP's 25 MiB.")

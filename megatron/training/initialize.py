@@ -57,8 +57,10 @@ def set_deterministic_mode(enabled: bool) -> None:
 
 
 def set_random_seeds(seed: int) -> None:
-    """The same seed on every rank: identical initial weights (DDP also broadcasts them) and
-    data order; the corruption has its own keyed randomness (diffusion.py)."""
+    """Python's, numpy's and torch's (every device's) generators from `seed`. build_trainer seeds the
+    run's seed, the same on every rank, before building the model (identical initial weights, which
+    DDP also broadcasts) and the pipeline stage's seed after it (dropout: tensor_parallel.stage_seed).
+    Data order and the corruption have their own keyed randomness (datasets, diffusion.py)."""
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)

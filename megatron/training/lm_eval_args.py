@@ -45,9 +45,6 @@ def add_lm_eval_args(parser: argparse.ArgumentParser) -> None:
                    help="Options of the megadlms lm-eval model as key=value,... (mc_num, batch_size, cfg, "
                         "gen_length, steps, block_length, remasking, threshold, cache, seed, max_length); the "
                         "weights, tokenizer and device are the run's.")
-    g.add_argument("--use-on-the-fly-eval", action="store_true",
-                   help="MegaDLMs' switch of the in-loop evaluation: needs --lm-eval-tasks, which alone turns "
-                        "it on.")
 
 
 def _check_model_args(text: str) -> None:

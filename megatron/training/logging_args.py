@@ -32,7 +32,7 @@ LOGGING_FLAG_NEEDS = tuple(
     + [("log_progress", "--save DIR (progress.txt is written there)", lambda a: bool(a.save)),
        ("timing_log_option", "--timing-log-level 1 or 2", lambda a: a.timing_log_level >= 1)]
     + [(dest, "--profile", lambda a: a.profile) for dest in (
-        "profile_step_start", "profile_step_end", "profile_ranks", "use_pytorch_profiler",
+        "profile_step_start", "profile_step_end", "profile_ranks",
         "pytorch_profiler_collect_shapes", "pytorch_profiler_collect_callstack")]
     + [("memory_snapshot_path", "--record-memory-history", lambda a: a.record_memory_history)]
     + [(dest, "--manual-gc", lambda a: a.manual_gc) for dest in ("manual_gc_interval", "manual_gc_eval")]
@@ -101,8 +101,6 @@ def _add_profiling_args(g) -> None:
     g.add_argument("--profile-step-start", type=int, default=10, help="First profiled step (0-based iteration).")
     g.add_argument("--profile-step-end", type=int, default=12, help="Profiling stops before this step.")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="Global ranks that profile.")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="Accepted for Megatron scripts: --profile always uses the torch profiler.")
     g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
                    help="With --profile: record each operator's input shapes.")
     g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",

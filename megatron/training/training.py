@@ -30,6 +30,7 @@ from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
@@ -482,6 +483,9 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
                                        args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size,
                                        args.num_distributed_optimizer_instances)
     model, fp8_layers = build_model(args, runtime, layout, model_provider)
+    # The weights came from args.seed on every stage (the same under any layout); dropout draws
+    # from the stage's own seed, as in Megatron, or every stage would repeat the first one's masks.
+    set_random_seeds(stage_seed(args.seed, layout.pp_rank))
     training = args.training_config
     logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
     logger.log_start(model, layout)

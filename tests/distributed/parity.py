@@ -30,7 +30,8 @@ TINY_GQA = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64
             "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
             "--qk-layernorm", "--disable-bias-linear", "--seq-length", "32", "--mock-data", "--vocab-size", "120",
             "--add-mask-token", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1000",
-            "--eval-iters", "0", "--attention-backend", "math", "--train-iters", "3"]
+            "--eval-iters", "0", "--attention-backend", "math", "--train-iters", "3",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 # Workers start from a fork server that has imported torch, torch._dynamo (the first AdamW imports

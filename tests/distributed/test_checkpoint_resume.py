@@ -47,7 +47,8 @@ def final_weights(ckpt) -> dict:
 DROPOUT_AND_EVAL = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "1",
                     "--eval-interval", "4"]
 SMALLER = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "64",
-           "--micro-batch-size", "4", "--global-batch-size", "8"]  # quickstart's model, cut to test speed
+           "--micro-batch-size", "4", "--global-batch-size", "8",
+           "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]  # quickstart's model, cut to test speed
 RESUME_CASES = {  # name: (processes, flags)
     "one_process_dlm_varilen": (1, ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"]),
     "tp2_sp_dp2_zero1_dlm": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",

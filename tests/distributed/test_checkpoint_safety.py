@@ -28,7 +28,8 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--micro-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
-        "--add-mask-token", "--eval-iters", "0", "--log-interval", "1", "--attention-backend", "math"]
+        "--add-mask-token", "--eval-iters", "0", "--log-interval", "1", "--attention-backend", "math",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def pretrain(*flags, wait=True, timeout=300):

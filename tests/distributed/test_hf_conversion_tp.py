@@ -26,7 +26,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--qk-layernorm", "--disable-bias-linear", "--seq-length", "32", "--rotary-base", "50000",
          "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights",
          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SPM, "--mock-data",
-         "--model-running-mode", "difflm-shift", "--attention-backend", "math"]
+         "--model-running-mode", "difflm-shift", "--attention-backend", "math",
+         "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 RUN = ["--micro-batch-size", "2", "--lr", "1e-2", "--lr-decay-style", "constant", "--eval-iters", "0",
        "--log-interval", "1"]
 

@@ -19,7 +19,8 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
          "--seq-length", "32", "--mock-data", "--vocab-size", "120", "--add-mask-token",
          "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1000", "--eval-iters", "0",
          "--attention-backend", "math", "--train-iters", "3", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--reset-attention-mask", "--reset-position-ids"]
+         "--global-batch-size", "4", "--reset-attention-mask", "--reset-position-ids",
+         "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 CONFIGS = {

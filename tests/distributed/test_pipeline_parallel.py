@@ -124,3 +124,55 @@ def test_one_f_one_b_stage_holds_at_most_p_micro_batches_of_activations(tmp_path
     start_workers(_memory_worker, (4, free_port(), argv, out), 4)
     peaks = [torch.load(f"{out}.{rank}") for rank in range(4)]
     assert peaks == [4, 3, 2, 1], peaks
+
+
+def _dropout_worker(rank, world_size, port, argvs, out):
+    """One training step of each command line; every dropout mask this rank drew, in order."""
+    from tests.distributed.dropout_masks import recorded_masks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    runtime, drawn = initialize_distributed("gloo"), []
+    for argv in argvs:
+        trainer = build_trainer(parse_args(argv, add_difflm_args), runtime,
+                                pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                                pretrain_difflm.forward_step)
+        with recorded_masks() as masks:
+            trainer.train_step(trainer.train_loader(0))
+        drawn.append(masks)
+    torch.save(drawn, f"{out}.{rank}")
+
+
+ATTENTION_DROPOUT = ["--attention-dropout", "0.3", "--train-iters", "1"]
+DROPOUT = ATTENTION_DROPOUT + ["--hidden-dropout", "0.3"]
+VIRTUAL = ["--num-virtual-stages-per-pipeline-rank", "2"]
+# world size: [(name, command line, the ranks of each stage)]
+DROPOUT_LAYOUTS = {
+    2: [("pp2 attention only", argv_of("megatron", "dlm", ()) + PP2 + ATTENTION_DROPOUT, [[0], [1]]),
+        ("pp2", argv_of("megatron", "dlm", ()) + PP2 + DROPOUT, [[0], [1]]),
+        ("pp2 x 2 virtual stages", argv_of("megatron", "dlm", ()) + PP2 + VIRTUAL + DROPOUT, [[0], [1]])],
+    4: [("pp2 tp2", argv_of("megatron", "dlm", ()) + PP2 + ["--tensor-model-parallel-size", "2"] + DROPOUT,
+         [[0, 1], [2, 3]])],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(DROPOUT_LAYOUTS))
+def test_pipeline_stages_and_virtual_stages_draw_their_own_dropout_masks(world_size, tmp_path):
+    """Stages run the same shapes in the same order, so with one seed stage 1 would draw stage 0's masks
+    bit for bit (attention dropout in the tp region too). Each stage seeds seed + 100 x its rank, as
+    Megatron does, and the virtual stages of a rank draw on from its streams: over one step of 8
+    micro-batches no mask of one stage appears on another, nor twice on a rank."""
+    from tests.distributed.dropout_masks import shared_masks
+
+    layouts = DROPOUT_LAYOUTS[world_size]
+    out = str(tmp_path / "masks")
+    start_workers(_dropout_worker, (world_size, free_port(), [argv for _, argv, _ in layouts], out), world_size)
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
+    for index, (name, _, stages) in enumerate(layouts):
+        first, second = ([mask for rank in stage for mask in ranks[rank][index]] for stage in stages)
+        assert len(first) >= 8 and len(second) >= 8, name
+        assert shared_masks(first, second) == [], f"{name}: a stage repeats the other's dropout masks"
+        for rank in stages[0] + stages[1]:
+            masks = ranks[rank][index]
+            assert [(i, j) for i, j in shared_masks(masks, masks) if i < j] == [], f"{name}: rank {rank} repeats"

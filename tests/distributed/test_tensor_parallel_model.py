@@ -43,32 +43,52 @@ def _dropout_worker(rank: int, port: int, out: str) -> None:
     from megatron.core.models.difflm.gpt_model import GPTModel
     from megatron.core.parallel_state import initialize_model_parallel
     from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+    from tests.distributed.dropout_masks import recorded_masks
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     state = initialize_model_parallel(tensor_model_parallel_size=2)
-    torch.manual_seed(3)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
-                               attention_backend="math", tensor_model_parallel_size=2)
-    model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
     ids = torch.randint(0, 63, (2, 16), generator=torch.Generator().manual_seed(0))
-    attention_masks = []
-    with model.rng_tracker.fork():
-        attention_masks.append(torch.rand(8))
-    torch.save({"logits": model(ids).detach(), "stream": attention_masks[0]}, f"{out}.{rank}")
+    runs = {}
+    for sequence_parallel in (False, True):
+        torch.manual_seed(3)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                   ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
+                                   attention_backend="math", tensor_model_parallel_size=2,
+                                   sequence_parallel=sequence_parallel)
+        model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
+        residual = []  # each layer's output: the residual stream, before any gather
+        hooks = [layer.register_forward_hook(lambda _, __, output: residual.append(output.detach().clone()))
+                 for layer in model.decoder.layers.values()]
+        with recorded_masks() as masks:
+            model(ids)
+        for hook in hooks:
+            hook.remove()
+        runs[sequence_parallel] = {"masks": masks, "residual": residual}
+    torch.save(runs, f"{out}.{rank}")
 
 
-def test_dropout_agrees_outside_and_differs_inside_tensor_parallel_regions(tmp_path):
-
+def test_dropout_masks_agree_on_replicated_activations_and_differ_on_split_ones(tmp_path):
+    """Compared before any gather, rank by rank. Without sequence parallelism the residual stream is
+    replicated: the embedding's and every layer's hidden dropout draw one mask on both tp ranks and the
+    layers' outputs stay equal; the attention probabilities are split by heads and draw different masks.
+    With sequence parallelism each rank holds other tokens: no mask repeats across the ranks."""
+    from tests.distributed.dropout_masks import shared_masks
     from tests.distributed.parity import free_port
 
     out = str(tmp_path / "dropout")
     start_workers(_dropout_worker, (free_port(), out), 2)
     rank0, rank1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    # Hidden dropout acts on replicated activations: the same mask on both ranks keeps them equal.
-    torch.testing.assert_close(rank0["logits"], rank1["logits"])
-    assert not torch.equal(rank0["stream"], rank1["stream"]), "the tp stream differs per rank"
+    replicated, split = (rank0[False], rank1[False]), (rank0[True], rank1[True])
+    hidden = [mask.dim() == 3 for mask in replicated[0]["masks"]]  # [s, b, h]; attention's are [b, n, s, s]
+    assert sum(hidden) == 1 + 2 * 2 and len(hidden) - sum(hidden) == 2, "embedding, 2 x 2 residual, 2 attention"
+    for index, is_hidden in enumerate(hidden):
+        same = torch.equal(replicated[0]["masks"][index], replicated[1]["masks"][index])
+        assert same == is_hidden, f"dropout call {index}: {'hidden' if is_hidden else 'attention'} masks"
+    for layer, output in enumerate(replicated[0]["residual"]):
+        torch.testing.assert_close(replicated[1]["residual"][layer], output, rtol=0, atol=0)
+    assert len(split[0]["masks"]) == len(hidden)
+    assert shared_masks(split[0]["masks"], split[1]["masks"]) == [], "sequence-parallel ranks repeat a mask"
 
 
 def test_tensor_parallel_composes_with_sharded_data_parallel(tmp_path):

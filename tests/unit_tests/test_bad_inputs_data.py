@@ -307,7 +307,8 @@ def test_good_pair_passes_the_check(good):
 
 TINY_CLI = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
             "--train-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--add-mask-token",
-            "--micro-batch-size", "1"]
+            "--micro-batch-size", "1",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 @pytest.mark.parametrize("case", ["bin truncated", "zero documents"])  # each run imports torch: ~5 s

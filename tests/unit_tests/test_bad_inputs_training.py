@@ -19,7 +19,8 @@ from megatron.training.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
-         "--train-iters", "1", "--eval-iters", "0", "--attention-backend", "math"]
+         "--train-iters", "1", "--eval-iters", "0", "--attention-backend", "math",
+         "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--add-mask-token"]
 TINY = MODEL + ["--mock-data"] + NULL_TOKENIZER
 

@@ -20,7 +20,8 @@ TASKS = ["megadlms_tiny_mc", "megadlms_tiny_gen"]
 TEXT_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "32", "--mock-data", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
               SPM, "--make-vocab-size-divisible-by", "32", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
-              "--attention-backend", "math", "--global-batch-size", "2"]
+              "--attention-backend", "math", "--global-batch-size", "2",
+              "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 # Dropout: the steps after an evaluation draw from the torch generator that lm-eval reseeds.
 DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
 MODEL_ARGS = "mc_num=2,batch_size=8,gen_length=4,steps=2,seed=3"

@@ -77,6 +77,7 @@ RUN_NAME=tiny
 source "{root}/examples/launch_common.sh"
 run_pretrain --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 32 \\
     --max-position-embeddings 32 --normalization RMSNorm --swiglu --disable-bias-linear \\
+    --attention-dropout 0.0 --hidden-dropout 0.0 \\
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE" --train-iters "$TRAIN_ITERS" \\
     --lr 1e-3 --lr-warmup-iters "$LR_WARMUP_ITERS" --model-running-mode difflm-noshift --attention-mask-type no_mask
 """

@@ -25,28 +25,91 @@ def notes(capsys) -> list:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
 
 
-def typed(entry) -> list:
-    """The command-line words that give a no-effect flag a non-default value."""
-    kwargs = entry.kwargs
-    if kwargs.get("action") == "store_true":
-        return [entry.flag]
-    if "choices" in kwargs:
-        return [entry.flag, next(c for c in kwargs["choices"] if c != kwargs.get("default"))]
-    return [entry.flag, "3" if kwargs.get("type") is int else "v2"]
+def typed(flag: str) -> list:
+    """The command-line words that give `flag` a value other than its default."""
+    action = PARSER._option_string_actions[flag]
+    if action.nargs == 0:
+        return [flag]
+    if action.choices:
+        return [flag, next(c for c in action.choices if c != action.default)]
+    return [flag, "3" if action.type is int else "v2"]
 
 
 def configs(args) -> tuple:
     return args.transformer_config, args.dlm_config, args.training_config, args.checkpoint_config
 
 
-@pytest.mark.parametrize("entry", NO_EFFECT, ids=[e.flag for e in NO_EFFECT])
-def test_a_no_effect_flag_changes_nothing_and_says_why_in_one_line(entry, capsys):
-    baseline = configs(parse_args(TINY, add_difflm_args, world_size=1))
+PARSER = build_parser(add_difflm_args)
+SPM = str(ROOT / "examples" / "data" / "tokenizer" / "spm_8k.model")
+NEEDS = {"--use-on-the-fly-eval": [a for a in TINY if a not in ("--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                                                 "64")]
+         + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SPM, "--lm-eval-tasks", "arc_easy"],
+         "--eval-only": TINY + ["--eval-iters", "1"]}
+"""Flags that act only beside another one: the command line they are tried on instead of TINY."""
+
+
+def documented_statuses() -> dict:
+    """{flag: status} of the table of every flag we accept."""
+    text = DOC.read_text().split("## Every flag we accept", 1)[1]
+    return {m.group(1): m.group(2) for line in text.splitlines()
+            if (m := re.match(r"\| `(--[a-z0-9_-]+)` \| ([a-z ]+) \| ", line))}
+
+
+STATUSES = documented_statuses()
+
+
+def labelled(status: str) -> list:
+    return sorted(flag for flag, label in STATUSES.items() if label == status)
+
+
+def test_every_status_is_one_the_doc_defines():
+    assert set(STATUSES.values()) == {"implemented", "alias", "no effect", "refused"}, set(STATUSES.values())
+
+
+@pytest.mark.parametrize("flag", labelled("no effect"))
+def test_a_flag_labelled_no_effect_changes_nothing_and_says_why_in_one_line(flag, capsys):
+    base = NEEDS.get(flag, TINY)
+    baseline = configs(parse_args(base, add_difflm_args, world_size=1))
     capsys.readouterr()
-    args = parse_args(TINY + typed(entry), add_difflm_args, world_size=1)
+    args = parse_args(base + typed(flag), add_difflm_args, world_size=1)
     assert configs(args) == baseline
     lines = notes(capsys)
-    assert len(lines) == 1 and entry.flag in lines[0] and "has no effect here: " in lines[0], lines
+    primary = PARSER._option_string_actions[flag].option_strings[0]  # the note names a spelling's flag
+    assert len(lines) == 1 and primary in lines[0] and "has no effect here: " in lines[0], lines
+
+
+@pytest.mark.parametrize("flag", labelled("refused"))
+def test_a_flag_labelled_refused_stops_in_one_line_naming_it(flag, capsys):
+    assert flag in parse_error(TINY + typed(flag), capsys)
+
+
+@pytest.mark.parametrize("flag", labelled("alias"))
+def test_a_flag_labelled_alias_sets_our_flag_and_says_so(flag, capsys):
+    alias = next(alias for alias in ALIASES if alias.flag == flag)
+    base = [a for a in NEEDS.get(flag, TINY) if a not in ("--attention-backend", "math")]
+    args = parse_args(base + typed(flag), add_difflm_args, world_size=1)
+    assert getattr(args, alias.dest) == (alias.values[typed(flag)[1]] if alias.values else alias.target)
+    assert any(line.startswith(f"note: {flag}") and " is read as " in line for line in notes(capsys))
+
+
+def _code() -> str:
+    files = [ROOT / "pretrain_difflm.py", ROOT / "pretrain_gpt.py"]
+    files += [path for folder in ("megatron", "custom_args") for path in (ROOT / folder).rglob("*.py")]
+    return "\n".join(path.read_text() for path in files)
+
+
+def test_a_flag_labelled_implemented_is_read_by_the_code_and_prints_no_note():
+    """Its destination is read somewhere besides its own add_argument (an attribute, a config field of
+    that name, a string naming it other than `dest=`), and it is neither a no-effect flag nor an alias."""
+    code, compat = _code(), {entry.flag for entry in NO_EFFECT} | {alias.flag for alias in ALIASES}
+    unread = []
+    for flag in labelled("implemented"):
+        action = PARSER._option_string_actions[flag]
+        assert flag not in compat and not (action.help or "").startswith(("Accepted", "Refused")), flag
+        reads = re.findall(rf"\.{action.dest}\b|(?<!dest=)[\"']{action.dest}[\"']|^\s+{action.dest}:", code, re.M)
+        if not reads:
+            unread.append(flag)
+    assert not unread, f"labelled implemented, but nothing reads them: {unread}"
 
 
 def test_no_note_without_compat_flags(capsys):
@@ -234,10 +297,11 @@ def test_the_compatibility_table_lists_every_flag_we_accept():
     known = {flag for flag in build_parser(add_difflm_args)._option_string_actions if flag.startswith("--")}
     missing = sorted(known - {"--help"} - documented_flags())
     assert not missing, f"add these to {DOC.name}: {missing}"
-    text = DOC.read_text()
     for entry in NO_EFFECT:
-        row = next(line for line in text.splitlines() if line.startswith(f"| `{entry.flag}`"))
-        assert "no effect" in row, row
+        for flag in (entry.flag, *entry.spellings):
+            assert STATUSES[flag] == "no effect", flag
+    for alias in ALIASES:
+        assert STATUSES[alias.flag] == "alias", alias.flag
 
 
 def test_override_opt_param_scheduler_keeps_the_flags_schedule_and_the_position():

@@ -118,7 +118,8 @@ def test_bad_scaling_settings_name_their_field():
 # ------------------------------------------------------------------------------ flags and checkpoints
 MODEL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--train-iters", "1", "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", "64", "--add-mask-token"]
+         "--vocab-size", "64", "--add-mask-token",
+         "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def test_flags_set_the_scaling_and_the_tables_follow():

@@ -19,7 +19,8 @@ TOKENIZER = ["--tokenizer-type", "SentencePieceTokenizer",
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--seq-length", "64",
          "--attention-backend", "math", "--add-mask-token", "--micro-batch-size", "8", "--global-batch-size", "8",
-         "--log-interval", "1000", "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--seed", "7"]
+         "--log-interval", "1000", "--lr", "3e-3", "--min-lr", "3e-3", "--lr-decay-style", "constant", "--seed", "7",
+         "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def preprocess(source: Path, prefix: Path) -> str:

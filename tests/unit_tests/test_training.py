@@ -21,7 +21,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "
         "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
         "--seq-length", "32", "--disable-bias-linear", "--mock-data", "--vocab-size", "60", "--add-mask-token",
         "--lr", "1e-3",
-        "--log-interval", "1000", "--eval-iters", "0", "--attention-backend", "math"]
+        "--log-interval", "1000", "--eval-iters", "0", "--attention-backend", "math",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def make_trainer(runtime, *extra, forward_step=pretrain_difflm.forward_step, base=TINY):

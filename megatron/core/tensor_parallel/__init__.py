@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.random import (
     checkpoint_with_tracker,
     model_parallel_rng_tracker,
     model_parallel_seed,
+    stage_seed,
 )
 from megatron.core.tensor_parallel.utils import divide, group_rank, group_size, partition_range
 
@@ -44,5 +45,5 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "all_gather_dim", "reduce_scatter_dim", "all_reduce_sum",
     "split_dim", "MODEL_PARALLEL_RNG", "TensorParallelRNGTracker", "checkpoint_with_tracker",
     "model_parallel_rng_tracker",
-    "model_parallel_seed", "divide", "group_rank", "group_size", "partition_range",
+    "model_parallel_seed", "stage_seed", "divide", "group_rank", "group_size", "partition_range",
 ]

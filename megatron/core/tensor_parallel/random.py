@@ -21,13 +21,22 @@ import torch
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """Name of the stream used inside tensor-parallel regions."""
 
-_MODEL_PARALLEL_SEED_OFFSET = 7919
-"""Keeps the tp streams away from the default seed (and from data-parallel seed offsets)."""
+_MODEL_PARALLEL_SEED_OFFSET = 2718
+"""Megatron's distance of the tp streams from their stage's seed (model_parallel_cuda_manual_seed)."""
+_PIPELINE_SEED_STRIDE = 100
+"""Megatron's distance between the seeds of consecutive pipeline stages (_set_random_seed)."""
+
+
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The dropout seed of pipeline stage `pp_rank` (Megatron's seed + 100 * pipeline rank): stages
+    run the same shapes in the same order, so one seed would give every stage the same masks. The
+    virtual chunks of a stage share its streams, which advance from one chunk to the next."""
+    return seed + _PIPELINE_SEED_STRIDE * pp_rank
 
 
 def model_parallel_seed(seed: int, tp_rank: int) -> int:
-    """The seed of the stream used inside tp regions: distinct per tp rank, shared across
-    data-parallel replicas that hold the same tp rank."""
+    """The seed of the stream used inside tp regions, from the stage's seed (`stage_seed`): distinct
+    per tp rank, shared across data-parallel replicas that hold the same tp rank."""
     return seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank
 
 

@@ -10,6 +10,8 @@ from megatron.training.tokenizer.base import MegatronTokenizer
 class NullTokenizer(MegatronTokenizer):
     """Ids 0 .. vocab_size-2 are tokens and vocab_size-1 is EOD; with add_mask_token one more
     id (vocab_size) is the mask token. There is no mask token otherwise (no names to look up).
+    The ids are megatron-core's since 0.18 (`--vocab-size N`: vocabulary N, EOD N-1); up to 0.17
+    Megatron read N as N tokens and EOD N.
 
     Text is whitespace-separated decimal ids both ways; a mask id prints as its number too, so
     ``tokenize(detokenize(ids)) == ids`` always holds.

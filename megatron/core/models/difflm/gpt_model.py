@@ -19,6 +19,7 @@ is output_layer.py; id checks and packing metadata are batch.py.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Tuple, Union
 
 import torch
@@ -48,9 +49,12 @@ ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 class LanguageModelEmbedding(MegatronModule):
-    def __init__(self, config: TransformerConfig, tp_group=None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group=None, rng_tracker=None) -> None:
         super().__init__(config)
         self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
+        self.rng_tracker = rng_tracker if self.sequence_parallel else None
+        """Under sequence parallelism each tp rank embeds other tokens: their dropout draws the
+        tracker's per-tp-rank stream, as the layers' hidden dropout does (transformer_layer.py)."""
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
             init_seed=parameter_seed(-1, "word_embeddings"), params_dtype=config.params_dtype,
@@ -59,7 +63,10 @@ class LanguageModelEmbedding(MegatronModule):
     def forward(self, input_ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
         """[b, s] token ids -> [s, b, h] hidden states ([s/tp, b, h] under sequence parallelism)."""
         embedded = self.word_embeddings(input_ids.t(), tied).contiguous()
-        return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=self.training)
+        if not self.training or self.config.hidden_dropout == 0:
+            return embedded
+        with self.rng_tracker.fork() if self.rng_tracker is not None else nullcontext():
+            return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=True)
 
 
 class GPTModel(MegatronModule):
@@ -88,7 +95,7 @@ class GPTModel(MegatronModule):
                                     else self.dlm_config.effective_mask_type)
         self.tied_output = config.share_embeddings_and_output_weights
         if pre_process or (post_process and self.tied_output):
-            self.embedding = LanguageModelEmbedding(config, self.tp_group)
+            self.embedding = LanguageModelEmbedding(config, self.tp_group, self.rng_tracker)
             self._tag_tied_embedding()
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
