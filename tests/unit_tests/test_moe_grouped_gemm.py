@@ -3,13 +3,13 @@ the per-expert loop: the loop against one GEMM per expert written out; the kerne
 grouped_mm; the experts module on CPU (where the flag runs the loop) against each expert's MLP written out;
 and on CUDA in bf16, forward and backward, the module with the flag against the module without it.
 
-Tolerances come from rounding. U is a format's unit roundoff (2^-8 for bf16, 2^-24 for fp32): rounding to
-it moves a value by at most U of itself. A GEMM entry is a sum of at most k products, exact in fp32 for
-bf16 or fp32 operands' products up to fp32's own rounding; each path adds them in fp32 in its own order,
-off by at most k * 2^-24 * M (M: the sum of the products' absolute values), and rounds the sum to the
-output's format once (U * M at most), which cuBLAS may do once more to a split-K partial sum (torch allows
-it for bf16 by default). Two paths that give a GEMM the same operands so agree within
-2 * (k * 2^-24 + 2 * U) * M, entry by entry (`assert_within`)."""
+Tolerances come from rounding. U is the unit roundoff of a GEMM's output format (2^-8 for bf16, 2^-24
+for fp32): rounding moves a value by at most U of itself. A GEMM entry sums at most k products; each path
+forms and adds them in fp32 in its own order, off by at most k * 2^-24 * M (M: the sum of the products'
+absolute values; a product of bf16 numbers is exact in fp32), then rounds the sum to the output format
+once (at most U * M), and cuBLAS may round a split-K partial sum to bf16 once more (torch allows it by
+default). Two paths that give a GEMM the same operands so agree within 2 * (k * 2^-24 + 2 * U) * M,
+entry by entry (`assert_within`)."""
 
 import pytest
 import torch
