@@ -2,11 +2,18 @@
 run under Triton's interpreter on CPU tensors. triton.jit reads TRITON_INTERPRET when triton is first
 imported (torch._dynamo imports it), so it is set here, before any test module imports torch's compiler.
 Without Triton the environment is left alone.
-Each test runs with logging, os.environ and the deterministic switch restored after it (pytest_runtest_protocol below)."""
+Each test runs with logging, os.environ and the deterministic switch restored after it (pytest_runtest_protocol below).
+
+The `gpu` mark is the one way a test says it needs CUDA: a marked test skips where there is no CUDA
+device, so `pytest -m gpu tests` on a GPU machine runs every CUDA path (tests/gpu/ holds the GPU parity
+suite; the CUDA cases of the unit tests are marked where they live). Without CUDA, a test that skips
+for a reason naming CUDA or a GPU but is not marked is an error, and so is a module that skips whole
+for that reason: either would be missing from `pytest -m gpu`."""
 
 import importlib.util
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -43,10 +50,56 @@ def pytest_runtest_protocol(item, nextitem):
     for each phase, so a handler left behind by one test would break every later test's logging.
     This wraps all three phases, outside pytest's per-phase log capture."""
     state, environment = _logging_state(), dict(os.environ)
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     _restore_logging(state)
     # --deterministic-mode sets both for the process (initialize.set_deterministic_mode): not for the next test
     torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     os.environ.clear()
     os.environ.update(environment)
+
+
+CUDA_REASON = re.compile(r"cuda|gpu", re.IGNORECASE)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip where there is no CUDA device (the mark alone says a test needs CUDA)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu: `pytest -m gpu tests` runs it on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def _skip_reason(report) -> str:
+    """The message of a skipped report (pytest keeps it as (path, line, message))."""
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Without CUDA, a skip whose reason names CUDA or a GPU fails unless the test is marked `gpu`."""
+    report = (yield).get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):  # an expected failure is no skip
+        return
+    if torch.cuda.is_available() or item.get_closest_marker("gpu") is not None:
+        return
+    reason = _skip_reason(report)
+    if CUDA_REASON.search(reason):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} skips for lack of CUDA ({reason}) but is not marked gpu, so "
+                           "`pytest -m gpu tests` leaves it out: mark it @pytest.mark.gpu (or its CUDA "
+                           "parameter pytest.param(..., marks=pytest.mark.gpu)) instead of skipping")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Without CUDA, a module that skips whole for lack of CUDA is an error: its tests would be
+    missing from `pytest -m gpu`; a module-level `pytestmark = pytest.mark.gpu` keeps them listed."""
+    report = (yield).get_result()
+    if report.skipped and not torch.cuda.is_available() and CUDA_REASON.search(_skip_reason(report)):
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid} skips whole for lack of CUDA ({_skip_reason(report)}): "
+                           "use `pytestmark = pytest.mark.gpu` so that `pytest -m gpu tests` lists its tests")

@@ -15,8 +15,6 @@ from megatron.core.transformer.attention_mask import AttentionMask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-HAS_CUDA = torch.cuda.is_available()
-
 # (mask_type, block_size, window): one case per mask type.
 MASK_CASES = [
     ("no_mask", None, None),
@@ -113,7 +111,7 @@ def test_flex_matches_math_forward_cpu(case, heads, with_documents):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="FlexAttention backward needs CUDA")
+@pytest.mark.gpu  # FlexAttention has no backward on CPU
 @pytest.mark.parametrize("with_documents", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
@@ -133,7 +131,7 @@ def test_backends_match_math_with_gradients_cuda(backend, case, heads, with_docu
         torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(8, 2), (8, 8)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("backend", ["flex", "sdpa", "auto"])
 @pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
@@ -151,7 +149,7 @@ def test_bf16_kernels_match_math_cuda(case, backend, heads):
         torch.testing.assert_close(grad.float(), ref_grad.float(), atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("seq_len", [128, 256])
 @pytest.mark.parametrize(
     "backend, case, with_documents",
@@ -477,8 +475,8 @@ def test_mask_at_positions_is_the_full_mask_at_those_rows_and_columns(case, with
         assert torch.equal(allowed, expected.expand(2, 1, 8, 8)[:, 0])
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa", pytest.param("flex", marks=pytest.mark.skipif(
-    not HAS_CUDA, reason="flex has no backward on CPU; runs on the GPU machine"))])
+# flex has no backward on CPU
+@pytest.mark.parametrize("backend", ["math", "sdpa", pytest.param("flex", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", MASK_CASES, ids=MASK_IDS)
 def test_attention_of_query_chunks_against_all_keys_equals_the_full_rows(backend, case):
     """Context parallelism's contract: each rank's load-balanced query chunks against every key,

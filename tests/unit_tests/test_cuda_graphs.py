@@ -13,7 +13,6 @@ from megatron.core.inference.generation import KVCache, generate
 
 from tests.unit_tests.test_generation import MASK_ID, build, model_fn_of
 
-HAS_CUDA = torch.cuda.is_available()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -25,7 +24,7 @@ def recording(model_fn, log):
     return recorded
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="checks the message given without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 def test_without_cuda_the_runner_and_the_benchmark_flag_say_what_to_do():
     model = build()
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
@@ -47,7 +46,6 @@ CASES = [  # (running mode, options, graphs captured by one generation)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode,options,captured", CASES)
 def test_replayed_generation_equals_eager_across_prompts(mode, options, captured):
     model = build(mode, backend="sdpa").cuda()
@@ -73,7 +71,6 @@ def test_replayed_generation_equals_eager_across_prompts(mode, options, captured
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_outputs_survive_the_next_replay_and_model_generate_keeps_its_graphs():
     model = build(backend="sdpa").cuda()
     runner = CUDAGraphRunner(model.inference_forward)
@@ -100,7 +97,6 @@ def test_outputs_survive_the_next_replay_and_model_generate_keeps_its_graphs():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_graphs_over_compiled_layers_generate_as_eager():
     from megatron.core.transformer.compilation import compile_transformer_layers
 

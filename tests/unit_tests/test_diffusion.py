@@ -390,7 +390,6 @@ def test_bad_inputs_name_the_argument():
 # ---------------------------------------------------------------- devices
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cpu_and_cuda_masks_bit_identical():
     for t_sampling in ("uniform", "antithetic"):
         cfg = cfg_(t_sampling=t_sampling, loss_weight="inverse_empirical", per_document_t=True)

@@ -19,8 +19,6 @@ from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_
 from megatron.core.tensor_parallel.float8_scaling import DelayedScaling
 
 DTYPES = {"e4m3": FORWARD_DTYPE, "e5m2": GRADIENT_DTYPES["hybrid"]}
-CUDA = pytest.mark.skipif(not (triton_support.HAS_TRITON and torch.cuda.is_available()),
-                          reason="a CUDA case (the GPU machine runs it)")
 INTERPRETER = pytest.mark.skipif(not (triton_support.HAS_TRITON and triton_support.interpreting()),
                                  reason="CPU tensors under Triton's interpreter (CPU machines run it)")
 
@@ -107,7 +105,7 @@ def test_a_delayed_float8_linear_casts_through_the_kernel(bias, monkeypatch):
     assert len(calls) == 2 and torch.equal(first_iteration[1], expected_amax)  # tensor math, amaxes recorded
 
 
-@CUDA
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (272, 1040), (8192, 14336)], ids=["square", "partial", "fc2"])
 @pytest.mark.parametrize("name", DTYPES)
 def test_on_cuda_the_kernel_rounds_as_torchs_cast(shape, name):
@@ -121,7 +119,7 @@ def test_on_cuda_the_kernel_rounds_as_torchs_cast(shape, name):
     _check_cast(x, scale, dtype, float8_matmul.scaled_cast(x, scale, dtype))
 
 
-@CUDA
+@pytest.mark.gpu
 def test_on_cuda_a_compiled_function_traces_the_op():
     """Compiled code calls the kernel inside its graph (no graph break) and returns what eager code does."""
     x = torch.randn(1024, 768, device="cuda").to(torch.bfloat16)

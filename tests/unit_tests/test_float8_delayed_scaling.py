@@ -140,10 +140,8 @@ def test_evaluation_scales_by_the_current_amax_and_records_nothing():
     assert torch.equal(layer.fp8_amax, torch.zeros(2))
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case (the GPU machine runs it)")
-
-
-@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=CUDA)])
+@pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"),
+                                             pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
 def test_compiled_layers_record_the_amaxes_without_a_graph_break(device, backend):
     """fullgraph=True: the forward's record and the backward's (a buffer written in a compiled backward)
     trace; the compiled layer's outputs, gradients and amaxes are the eager layer's (Inductor's fused
@@ -171,7 +169,7 @@ def _two_layers(device: str):
 
 
 @pytest.mark.parametrize("device, backend, kernel", [("cpu", "aot_eager", False),
-                                                     pytest.param("cuda", "inductor", True, marks=CUDA)],
+                                                     pytest.param("cuda", "inductor", True, marks=pytest.mark.gpu)],
                          ids=["cpu", "cuda"])
 def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, monkeypatch):
     """Two compiled layers, two micro-batches' forwards before either backward (a pipeline schedule's

@@ -47,8 +47,9 @@ def test_float8_layers_add_their_weight_gradients_in_place_as_autograd_does(styl
             assert torch.equal(ours[name], reference[name]), name
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                    reason="a float8 GPU's case (the GPU machine runs it)")
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with float8 GEMMs (compute capability 8.9+)")
 @pytest.mark.parametrize("bias", [False, True], ids=["llama-no-bias", "megatron-bias"])
 def test_on_a_float8_gpu_a_compiled_layer_adds_through_cublaslts_gemm(bias, monkeypatch):
     """A compiled transformer layer of float8 layers over three micro-batches: inside the context every

@@ -25,8 +25,6 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 E5M2 = GRADIENT_DTYPES["hybrid"]
-CUDA = pytest.mark.skipif(not (triton_support.HAS_TRITON and torch.cuda.is_available()),
-                          reason="a CUDA case (the GPU machine runs it)")
 INTERPRETER = pytest.mark.skipif(not (triton_support.HAS_TRITON and triton_support.interpreting()),
                                  reason="CPU tensors under Triton's interpreter (CPU machines run it)")
 
@@ -156,7 +154,7 @@ def test_the_fused_function_runs_only_float8_swiglu_without_fc1_bias(change, mon
         module(torch.randn(16, 2, 32)).float().sum().backward()
 
 
-@CUDA
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, f", [(8192, 14336), (272, 1040)], ids=["7b-fc2", "partial"])
 def test_on_cuda_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f):
     h, grad = _inputs(rows, f, "cuda")
@@ -164,7 +162,7 @@ def test_on_cuda_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f
     _check_kernels(h, grad, (20.0, 300.0))
 
 
-@CUDA
+@pytest.mark.gpu
 def test_on_cuda_the_compiled_mlp_traces_the_fused_kernels():
     """A compiled float8 MLP with ready delayed scales calls both fused kernels inside its graph (the
     autograd function's forward and backward bodies: no graph break) and trains as the eager MLP."""
@@ -205,7 +203,7 @@ def test_float8_layers_under_torch_compile_on_a_cpu_are_one_line(capsys, monkeyp
     assert parse_args(flags + ["--check-args"], add_difflm_args, world_size=1).check_args
 
 
-@CUDA
+@pytest.mark.gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [False, True], ids=["llama-no-bias", "megatron-bias"])
 def test_on_cuda_a_compiled_float8_layer_trains_as_the_eager_one(dropout, bias):

@@ -51,12 +51,9 @@ def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
     return out.float(), x.grad, weight.grad
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA case (the GPU machine runs it)")
-
-
 @pytest.mark.parametrize("fp8_format, bias, device", [("hybrid", True, "cpu"), ("e4m3", False, "cpu"),
-                                                      pytest.param("hybrid", True, "cuda", marks=CUDA),
-                                                      pytest.param("hybrid", False, "compiled", marks=CUDA)])
+                                                      pytest.param("hybrid", True, "cuda", marks=pytest.mark.gpu),
+                                                      pytest.param("hybrid", False, "compiled", marks=pytest.mark.gpu)])
 def test_the_float8_gemms_match_torchaos_tensorwise_recipe(fp8_format, bias, device):
     """On CUDA the float8 GEMMs are cuBLAS's; "compiled": our layer compiled by Inductor (its fused casts)."""
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel import fp32_weight_grad
 from megatron.core.tensor_parallel.fp32_weight_grad import linear
 from tests.unit_tests.test_gpt_model import dlm_config, tiny_config, tokens
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _inputs(device, bias=True, seed=0):

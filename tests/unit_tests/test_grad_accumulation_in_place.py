@@ -134,7 +134,7 @@ def test_the_schedules_enable_it_where_no_hook_needs_autograds_gradient():
     assert ddp.require_backward_grad_sync and not fp32_weight_grad._in_place  # restored on leaving
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_op_adds_the_fp32_product_in_place(device):
     """out += a @ b with bf16 operands and an fp32 out: on CUDA the GEMM's own fp32 result (beta = 1),
     elsewhere the bf16 product cast, as autograd's sum would add; into the same storage."""

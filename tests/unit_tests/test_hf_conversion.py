@@ -187,7 +187,6 @@ def test_export_with_cuda_graphs_says_it_needs_cuda(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_export_generates_with_cuda_graphs_as_without(tmp_path):
     """The exported model's generate(cuda_graphs=True) (cuda_graphs.py shipped with it) returns
     its eager tokens, with and without the KV cache, and replays on the second call."""

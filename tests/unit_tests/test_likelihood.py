@@ -111,7 +111,6 @@ def test_bad_input_is_named(mode, prompt, answer, options, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["difflm-shift", "vanilla"])
 def test_the_same_seed_gives_the_same_estimate_on_the_gpu(mode):
     """The masks are drawn on the CPU generator, so a CUDA model scores what the CPU one does."""

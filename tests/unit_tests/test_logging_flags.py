@@ -245,7 +245,6 @@ def test_bad_logging_flags_exit_2_with_one_line(argv, message, capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_statistics_history_and_kernel_trace(runtime, tmp_path):
     trainer = make_trainer(runtime, "--train-iters", "2", "--log-interval", "2", "--tensorboard-dir",
                            str(tmp_path / "tb"), "--log-memory-to-tensorboard", "--record-memory-history",

@@ -110,7 +110,7 @@ def test_the_tied_embedding_adds_repeated_rows_into_the_handed_gradient():
         assert torch.equal(embedding(ids, weight, fresh), weight[ids]) and not fresh.armed
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="index_add_'s atomics and its deterministic path are CUDA's")
+@pytest.mark.gpu  # index_add_'s atomics and its deterministic path are CUDA's
 def test_the_tied_rows_repeat_to_the_bit_under_deterministic_mode():
     """--deterministic-mode (torch.use_deterministic_algorithms) makes the rows' in-place sum repeatable
     even where many ids repeat (index_add_'s atomics would not be); the sum is the dense one's."""
@@ -221,7 +221,7 @@ def test_compiled_loss_needs_the_masked_only_loss():
         DLMConfig(mask_token_id=MASK_ID, compile_loss=True).validate(VOCAB)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMMs (out_dtype) run on CUDA only")
+@pytest.mark.gpu  # the fp32-output GEMMs (out_dtype) run on CUDA only
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_bf16_chunks_accumulate_fp32_gradients_on_cuda(compiled, per_token):

@@ -1,5 +1,6 @@
 """The MoE layer's pieces against definitions written out here: routing, the balancing losses,
-the expert-bias update, capacity dropping, expert choice, the grouped GEMM and the layer freq."""
+the expert-bias update, capacity dropping, expert choice and the layer freq
+(the grouped GEMM: test_moe_grouped_gemm.py)."""
 
 import math
 
@@ -10,7 +11,7 @@ from megatron.core.models.difflm.diffusion import CorruptionKey
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.moe.balancing import finish_router_step
 from megatron.core.transformer.moe.config import MoEConfig, parse_layer_freq
-from megatron.core.transformer.moe.experts import GroupedExperts, grouped_linear
+from megatron.core.transformer.moe.experts import GroupedExperts
 from megatron.core.transformer.moe.moe_layer import MoELayer, routers
 from megatron.core.transformer.moe.router import ExpertChoiceRouter, TopKRouter
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
@@ -145,24 +146,6 @@ def test_expert_choice_is_refused_for_autoregressive_models():
     with pytest.raises(ValueError, match="vanilla"):
         GPTModel(cfg, DLMConfig(model_running_mode="vanilla"))
     GPTModel(cfg, DLMConfig(mask_token_id=63))
-
-
-def test_grouped_gemm_equals_one_gemm_per_expert():
-    counts = [3, 0, 5, 2]
-    x = torch.randn(sum(counts), 8, requires_grad=True)
-    weight = torch.randn(4, 6, 8, requires_grad=True)
-    looped = grouped_linear(x, weight, torch.tensor(counts), grouped=False)
-    expected = torch.cat([x[sum(counts[:e]):sum(counts[:e + 1])] @ weight[e].t() for e in range(4)])
-    torch.testing.assert_close(looped, expected)
-    grads = torch.autograd.grad(looped.square().sum(), (x, weight))
-    torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (x, weight)))
-    if hasattr(torch.nn.functional, "grouped_mm"):  # the kernel itself, where this torch runs it on CPU
-        offsets = torch.tensor(counts).cumsum(0).int()
-        try:
-            grouped = torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-        except RuntimeError as error:
-            pytest.skip(f"grouped_mm does not run on this CPU build: {error}")
-        torch.testing.assert_close(grouped, expected)
 
 
 def test_dropless_fast_path_equals_the_routing_map_path():

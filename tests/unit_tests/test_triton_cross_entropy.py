@@ -16,8 +16,7 @@ from megatron.core import triton_support
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
                          reason="the CUDA cases run the kernel" if HAS_TRITON else "Triton is not installed")
-DEVICES = [pytest.param("cpu", marks=CPU),
-           pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from megatron.core.transformer import triton_rmsnorm as kernel
 from megatron.core import triton_support
 from megatron.core.transformer.norms import RMSNorm, build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.test_triton_swiglu import CUDA, DEVICES  # the interpreter on CPU, the kernels on CUDA
+from tests.unit_tests.test_triton_swiglu import DEVICES  # the interpreter on CPU, the kernels on CUDA
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_the_fusion_needs_rmsnorm():
                           rmsnorm_fusion=True).validate()
 
 
-@CUDA
+@pytest.mark.gpu
 def test_torch_compile_traces_the_kernels_whole():
     """fullgraph=True fails on any graph break: the ops must be traced into a compiled norm."""
     hidden = torch.randn(64, 2, 24, device="cuda", generator=torch.Generator("cuda").manual_seed(5))

@@ -20,8 +20,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = Path(__file__).resolve().parents[2]
 CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
                          reason="the CUDA cases run the kernels" if HAS_TRITON else "Triton is not installed")
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
+DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture
@@ -132,7 +131,7 @@ def test_the_experts_use_the_kernels_and_train_the_same(device, monkeypatch):
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
-@CUDA
+@pytest.mark.gpu
 def test_torch_compile_traces_the_kernels_whole():
     """fullgraph=True fails on any graph break: the ops must be traced into the compiled MLP."""
     hidden = torch.randn(64, 2, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(5))

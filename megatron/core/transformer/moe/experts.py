@@ -37,11 +37,20 @@ def _grouped_mm_available(x: torch.Tensor) -> bool:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
     """`x [N, in]` sorted by expert (`counts[e]` rows each, a device tensor) times `weight[e] [out, in]`^T
-    -> `[N, out]`. The grouped kernel reads the offsets on the device; the per-expert loop needs the
-    counts on the host (one sync)."""
+    -> `[N, out]`: one grouped GEMM where asked for and it runs (CUDA, bf16), else one GEMM per expert."""
     if grouped and _grouped_mm_available(x):
-        grouped_mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return grouped_mm(x, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+        return grouped_mm_linear(x, weight, counts)
+    return looped_linear(x, weight, counts)
+
+
+def grouped_mm_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as one torch grouped_mm, which reads the experts' offsets on the device."""
+    grouped_mm = getattr(nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return grouped_mm(x, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+
+
+def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` as one GEMM per expert, which needs the counts on the host (one sync)."""
     # unbind: one view per expert, so backward writes each expert's gradient once (indexing
     # weight[e] would add a zero-filled gradient of the whole tensor per expert).
     pieces = [nn.functional.linear(chunk, w) for chunk, w in zip(x.split(counts.tolist()), weight.unbind(0))]
