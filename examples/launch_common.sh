@@ -66,6 +66,10 @@ QWEN3_1P7B_SHAPE=(--num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --nu
 lr_schedule() {
     local default_train=$1 default_warmup=$2 default_decay=${3:-0}
     TRAIN_ITERS=${TRAIN_ITERS:-$default_train}
+    if [[ ! "$TRAIN_ITERS" =~ ^[1-9][0-9]*$ ]]; then
+        echo "TRAIN_ITERS=$TRAIN_ITERS is not a positive number of iterations; set it to one (e.g. TRAIN_ITERS=25)" >&2
+        exit 2
+    fi
     local tenth=$(( TRAIN_ITERS / 10 )) share=$(( default_decay * TRAIN_ITERS / default_train ))
     LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$(( default_warmup < tenth ? default_warmup : tenth ))}
     WSD_DECAY_ITERS=${WSD_DECAY_ITERS:-$(( share > 0 ? share : 1 ))}

@@ -133,3 +133,18 @@ def test_only_rank_zero_prints_a_flag_error(extra, capsys, monkeypatch):
             parse_args(TINY + extra, add_difflm_args, world_size=2)
         assert exit_info.value.code == 2
         assert bool(capsys.readouterr().err.strip()) == prints, rank
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5"])
+def test_a_train_iters_that_is_no_count_is_one_line(value, tmp_path):
+    import os
+    import subprocess
+
+    from tests.launch_flags import ROOT
+
+    env = dict(os.environ, CHECK_ONLY="1", TRAIN_ITERS=value, TENSORBOARD_DIR=str(tmp_path / "tb"))
+    result = subprocess.run(["bash", "examples/dlm_training/dlm_pretrain_125m.sh"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"TRAIN_ITERS={value} is not a positive number of iterations; "
+                                          "set it to one (e.g. TRAIN_ITERS=25)"]
