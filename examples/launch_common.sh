@@ -11,7 +11,8 @@
 #                    and one on SIGTERM); empty = no checkpoints
 #   TENSORBOARD_DIR  tensorboard event files (default runs/$RUN_NAME)
 #   TRAIN_ITERS, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR_WARMUP_ITERS, WSD_DECAY_ITERS, LOG_INTERVAL
-#                    override the script's values (short smoke runs)
+#                    override the script's values (short smoke runs). Unset, the warmup and the WSD decay
+#                    follow TRAIN_ITERS (lr_schedule below): TRAIN_ITERS=25 alone is a valid smoke run
 #   EXTRA_ARGS       appended verbatim (e.g. "--attention-backend flex")
 #   CHECK_ARGS       1 (default): the flags are validated once (pretrain_difflm.py --check-args) before
 #                    torchrun starts, so a bad flag is one line; 0 skips that (a few seconds of start-up)
@@ -56,6 +57,23 @@ QWEN3_1P7B_SHAPE=(--num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --nu
                   --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
                   --rotary-base 1000000 --normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm --swiglu
                   --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02)
+
+# lr_schedule TRAIN WARMUP [WSD_DECAY]: the script's default run length, warmup and WSD decay (iterations).
+# Sets TRAIN_ITERS, LR_WARMUP_ITERS and WSD_DECAY_ITERS where the environment leaves them unset: the
+# script's values at its default length; at another TRAIN_ITERS the warmup is at most a tenth of the run
+# and the decay keeps its share of it (at least 1), so the warmup ends before the decay does
+# (TRAIN_ITERS=25 with the 1.7B script: warmup 2, decay 2).
+lr_schedule() {
+    local default_train=$1 default_warmup=$2 default_decay=${3:-0}
+    TRAIN_ITERS=${TRAIN_ITERS:-$default_train}
+    if [[ ! "$TRAIN_ITERS" =~ ^[1-9][0-9]*$ ]]; then
+        echo "TRAIN_ITERS=$TRAIN_ITERS is not a positive number of iterations; set it to one (e.g. TRAIN_ITERS=25)" >&2
+        exit 2
+    fi
+    local tenth=$(( TRAIN_ITERS / 10 )) share=$(( default_decay * TRAIN_ITERS / default_train ))
+    LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$(( default_warmup < tenth ? default_warmup : tenth ))}
+    WSD_DECAY_ITERS=${WSD_DECAY_ITERS:-$(( share > 0 ? share : 1 ))}
+}
 
 # run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.
 run_pretrain() {

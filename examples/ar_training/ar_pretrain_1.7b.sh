@@ -9,12 +9,13 @@
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-ar_1.7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+lr_schedule 500000 2000  # iterations: run, warmup (scaled to TRAIN_ITERS)
 
 run_pretrain \
     "${QWEN3_1P7B_SHAPE[@]}" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}" \
-    --train-iters "${TRAIN_ITERS:-500000}" \
-    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" \
+    --train-iters "$TRAIN_ITERS" \
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$LR_WARMUP_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --cache-low-precision-weights \
     --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 \

@@ -10,13 +10,14 @@
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_1.7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+lr_schedule 500000 2000 50000  # iterations: run, warmup, WSD decay (scaled to TRAIN_ITERS)
 
 run_pretrain \
     "${QWEN3_1P7B_SHAPE[@]}" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}" \
-    --train-iters "${TRAIN_ITERS:-500000}" \
+    --train-iters "$TRAIN_ITERS" \
     --lr 2e-4 --min-lr 2e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \
-    --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" --lr-wsd-decay-iters "${WSD_DECAY_ITERS:-50000}" \
+    --lr-warmup-iters "$LR_WARMUP_ITERS" --lr-wsd-decay-iters "$WSD_DECAY_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --cache-low-precision-weights \
     --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 \

@@ -19,6 +19,7 @@
 # Environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+lr_schedule 250000 2000 25000  # iterations: run, warmup, WSD decay (scaled to TRAIN_ITERS)
 TP=${TP:-2}
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "${PP:-2}" --use-distributed-optimizer)
 if (( TP > 1 )); then PARALLEL_ARGS+=(--sequence-parallel); fi
@@ -31,9 +32,9 @@ run_pretrain "${PARALLEL_ARGS[@]}" \
     --untie-embeddings-and-output-weights \
     --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 \
     --micro-batch-size "${MICRO_BATCH_SIZE:-1}" --global-batch-size "${GLOBAL_BATCH_SIZE:-512}" \
-    --train-iters "${TRAIN_ITERS:-250000}" \
+    --train-iters "$TRAIN_ITERS" \
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \
-    --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" --lr-wsd-decay-iters "${WSD_DECAY_ITERS:-25000}" \
+    --lr-warmup-iters "$LR_WARMUP_ITERS" --lr-wsd-decay-iters "$WSD_DECAY_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --cache-low-precision-weights \
     --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 \

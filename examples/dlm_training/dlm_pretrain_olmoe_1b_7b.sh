@@ -10,6 +10,7 @@
 RUN_NAME=${RUN_NAME:-dlm_olmoe_1b_7b}
 MOCK_VOCAB_SIZE=${MOCK_VOCAB_SIZE:-50304}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+lr_schedule 500000 2000 50000  # iterations: run, warmup, WSD decay (scaled to TRAIN_ITERS)
 EP=${EP:-1}
 
 run_pretrain \
@@ -21,9 +22,9 @@ run_pretrain \
     --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 \
     --moe-grouped-gemm --moe-token-dispatcher-type alltoall --expert-model-parallel-size "$EP" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-256}" \
-    --train-iters "${TRAIN_ITERS:-500000}" \
+    --train-iters "$TRAIN_ITERS" \
     --lr 4e-4 --min-lr 4e-5 --lr-decay-style WSD --lr-wsd-decay-style exponential \
-    --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}" --lr-wsd-decay-iters "${WSD_DECAY_ITERS:-50000}" \
+    --lr-warmup-iters "$LR_WARMUP_ITERS" --lr-wsd-decay-iters "$WSD_DECAY_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --difflm-eps 1e-3 --difflm-t-sampling antithetic --difflm-loss-weight inverse_p \

@@ -9,6 +9,7 @@
 # Other environment variables: see examples/launch_common.sh.
 RUN_NAME=${RUN_NAME:-dlm_sft_1.7b}
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+lr_schedule 5000 50  # iterations: run, warmup (scaled to TRAIN_ITERS)
 
 START_ARGS=()
 if [[ -z "${CHECKPOINT_PATH:-}" || ! -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]]; then
@@ -21,8 +22,8 @@ fi
 run_pretrain \
     "${QWEN3_1P7B_SHAPE[@]}" \
     --micro-batch-size "${MICRO_BATCH_SIZE:-2}" --global-batch-size "${GLOBAL_BATCH_SIZE:-64}" \
-    --train-iters "${TRAIN_ITERS:-5000}" \
-    --lr 2.5e-5 --min-lr 2.5e-6 --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP_ITERS:-50}" \
+    --train-iters "$TRAIN_ITERS" \
+    --lr 2.5e-5 --min-lr 2.5e-6 --lr-decay-style cosine --lr-warmup-iters "$LR_WARMUP_ITERS" \
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --compile-optimizer-step \
     --model-running-mode difflm-noshift --attention-mask-type no_mask \
     --sft --sft-padding eos --sft-normalizer llada \

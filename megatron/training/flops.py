@@ -13,7 +13,13 @@ differently (reference/frameworks.md section 4.2), so the convention is fixed he
     - core attention        2 * 2 * a * d * k   (q @ k^T and probs @ v)
     - output projection     2 * a * d * h
     - MLP                   2 * h * f * (2 if gated else 1)  +  2 * f * h
-  plus the output layer 2 * h * V once per token (tied or not, it is a matmul).
+  plus the output layer 2 * h * V once per position it runs at (tied or not, it is a matmul).
+* The output layer runs where the loss needs logits: at every position in Megatron's formula, but
+  under --difflm-masked-only-loss in the DLM modes only at the masked ones, E[p] of the maskable
+  positions (about half; objective.output_layer_positions). The step's count
+  (`executed_flops_per_iteration`: the console, tensorboard, the benchmarks) charges the output
+  layer there only; `training_flops_per_iteration` without `output_positions` is Megatron's count,
+  which the run's header prints beside it where the two differ.
 * MoE layers count their *active* parameters: the router 2 * h * E, the experts a token goes
   through, k x the MLP formula with the expert ffn size (k = topk; under expert choice the
   average k x capacity factor), and the shared expert's MLP. Dropped tokens (a capacity factor
@@ -36,7 +42,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron.core.transformer.transformer_config import MASK_TYPE_ALIASES, TransformerConfig
+from megatron.core.models.difflm.objective import output_layer_positions
+from megatron.core.transformer.transformer_config import MASK_TYPE_ALIASES, DLMConfig, TransformerConfig
 
 # Dense (no structured sparsity) tensor-core peaks in TFLOP/s, from the vendors' data sheets.
 # Keys are matched as case-insensitive substrings of torch.cuda.get_device_name(); the longest
@@ -144,18 +151,32 @@ def forward_flops_per_token(config: TransformerConfig, seq_length: int, mask_typ
 
 def training_flops_per_iteration(config: TransformerConfig, seq_length: int, global_batch_size: int,
                                  mask_type: str = "no_mask", block_size: Optional[int] = None,
-                                 window: Optional[int] = None) -> float:
+                                 window: Optional[int] = None, output_positions: Optional[float] = None) -> float:
     """Model FLOPs of one optimizer step over `global_batch_size` sequences of `seq_length`.
 
     3 x forward (backward costs twice the forward). Activation recompute is not counted, as
     `config.recompute_granularity` changes the hardware work but not the model FLOPs that MFU
     is defined on. Sequences are counted at their nominal length (padding included), like
-    Megatron.
+    Megatron. `output_positions`: the positions of a sequence (block diffusion: of its L noisy
+    tokens) the output layer runs at; None: all of them, Megatron's count.
     """
     if global_batch_size <= 0:
         raise ValueError(f"global_batch_size={global_batch_size} must be a positive integer")
     tokens = global_batch_size * seq_length
-    return 3.0 * tokens * forward_flops_per_token(config, seq_length, mask_type, block_size, window)
+    per_token = forward_flops_per_token(config, seq_length, mask_type, block_size, window)
+    if output_positions is None:
+        return 3.0 * tokens * per_token
+    output_layer = forward_flops_breakdown(config, seq_length, mask_type, block_size, window)["output_layer"]
+    return 3.0 * (tokens * (per_token - output_layer) + global_batch_size * output_positions * output_layer)
+
+
+def executed_flops_per_iteration(config: TransformerConfig, dlm: DLMConfig, seq_length: int,
+                                 global_batch_size: int) -> float:
+    """The model FLOPs a training step of this objective executes: its mask's attention, and the
+    output layer at the positions the loss takes logits at (see the module doc)."""
+    return training_flops_per_iteration(config, seq_length, global_batch_size, mask_type=dlm.effective_mask_type,
+                                        block_size=dlm.block_size, window=config.sliding_window,
+                                        output_positions=output_layer_positions(dlm, seq_length))
 
 
 def peak_tflops(device_name: Optional[str], dtype: str = "bf16") -> Optional[float]:

@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
-from megatron.core.transformer.compilation import compile_transformer_layers
+from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
 from megatron.core.transformer.fp8 import enable_fp8_training, float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
@@ -453,7 +453,7 @@ def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelStat
         if args.fp8_format and not args.cache_low_precision_weights:
             fp8_layers += enable_fp8_training(chunk, args.fp8_format, args.fp8_recipe)
         if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
-            compile_transformer_layers(chunk)
+            compile_transformer_layers(chunk, **training_compile_options(args.dlm_config))
         chunks.append(chunk)
     return (chunks[0] if virtual == 1 else ModelChunks(chunks)), fp8_layers
 

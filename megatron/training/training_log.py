@@ -66,15 +66,26 @@ def _rate(value: float) -> str:
     return f"{value:.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
 
 
+def _tflop(flops_count: float) -> str:
+    """TFLOP with three decimals, or four significant digits below 1 (a small model's count is not 0.000)."""
+    value = flops_count / 1e12
+    return f"{value:.3f}" if value >= 1 else f"{value:.4g}"
+
+
 class TrainingLogger:
     """Everything printed or recorded during training; only rank 0 writes."""
 
     def __init__(self, config: LoggingConfig, training: TrainingConfig, record: RunRecord, runtime: Runtime) -> None:
         self.config, self.training, self.record, self.runtime = config, training, record, runtime
         model, dlm = record.transformer_config, record.dlm_config
-        self.flops_per_iteration = flops.training_flops_per_iteration(
+        self.flops_per_iteration = flops.executed_flops_per_iteration(model, dlm, training.seq_length,
+                                                                      training.global_batch_size)
+        """What the step executes (the output layer at the masked positions only under masked-only loss):
+        every TFLOP/s and MFU of the run is counted with it."""
+        self.megatron_flops_per_iteration = flops.training_flops_per_iteration(
             model, training.seq_length, training.global_batch_size, mask_type=dlm.effective_mask_type,
             block_size=dlm.block_size, window=model.sliding_window)
+        """Megatron's formula (the output layer at every position), printed beside it in the header."""
         device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else None
         self.peak = flops.peak_tflops(device_name, "bf16")
         self.fp8_peak: Optional[float] = None
@@ -117,9 +128,13 @@ class TrainingLogger:
         params = sum(stage["params"] for stage in stages)
         bd3 = (" over [x_t ; x_0]: a 2L-token forward, its mask's density counted"
                if record.dlm_config.block_diffusion else "")
+        megatron = ""
+        if self.megatron_flops_per_iteration != self.flops_per_iteration:
+            megatron = (f" (Megatron's formula, the output layer at every position: "
+                        f"{_tflop(self.megatron_flops_per_iteration)})")
         self.print(f"> MegaDLMs: {record.dlm_config.model_running_mode} "
                    f"(attention {record.dlm_config.effective_mask_type}{bd3}), {params / 1e6:.2f}M parameters, "
-                   f"{self.flops_per_iteration / 1e12:.3f} TFLOP per iteration")
+                   f"{_tflop(self.flops_per_iteration)} TFLOP per iteration{megatron}")
         self.print("> parallel layout\n" + (state.layout_table() + "\n" if state is not None else "") +
                    f"  sequence parallel: {record.sequence_parallel}, data-parallel sharding: "
                    f"{record.data_parallel_sharding_strategy}, micro-batch {training.micro_batch_size} x "

@@ -161,3 +161,79 @@ def test_moe_layers_count_active_parameters():
                        expert_capacity_factor=1.5)
     terms = forward_flops_breakdown(small_config(moe=choice), SEQ, "no_mask")
     assert terms["moe_experts"] == 2 * 3 * 12288 and terms["mlp"] == 0 and terms["moe_shared_expert"] == 0
+
+
+def test_output_positions_charge_the_output_layer_where_it_runs():
+    config = small_config()
+    megatron = training_flops_per_iteration(config, SEQ, 8)
+    assert training_flops_per_iteration(config, SEQ, 8, output_positions=SEQ) == megatron
+    # 10 of the 32 positions: the other 22 of each of the 8 sequences lose the output layer's 3 passes
+    assert training_flops_per_iteration(config, SEQ, 8, output_positions=10) == \
+        megatron - 3 * 8 * 22 * HAND_OUTPUT_LAYER
+    block = training_flops_per_iteration(config, SEQ, 8, "block_diffusion", block_size=8, output_positions=0)
+    assert block == training_flops_per_iteration(config, SEQ, 8, "block_diffusion", block_size=8) \
+        - 3 * 8 * SEQ * HAND_OUTPUT_LAYER
+
+
+# --difflm-eps 0.2 --difflm-t-min 0.2 --difflm-t-max 0.6: E[t] = 0.4, E[p] = 0.8 * 0.4 + 0.2 = 0.52
+# of the maskable positions: all 32 in difflm-noshift, 31 in difflm-shift (position 0 is never masked).
+T_RANGE = ["--difflm-eps", "0.2", "--difflm-t-min", "0.2", "--difflm-t-max", "0.6"]
+MASKED_PER_ROW = {"difflm-noshift": 32 * 0.52, "difflm-shift": 31 * 0.52}
+
+
+def header(runtime, capsys, *flags) -> tuple:
+    """(the trainer, the header line `log_start` prints) of the tiny model with `flags`."""
+    from tests.unit_tests.test_training import make_trainer
+
+    trainer = make_trainer(runtime, "--train-iters", "1", "--global-batch-size", "4", "--micro-batch-size", "2",
+                           *T_RANGE, *flags)
+    capsys.readouterr()
+    trainer.logger.log_start(trainer.model)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "TFLOP per iteration" in line)
+    return trainer, line
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
+def test_the_header_counts_the_output_layer_at_the_masked_positions_only(runtime, capsys, mode):
+    import re
+
+    full, full_line = header(runtime, capsys, "--model-running-mode", mode)
+    masked, masked_line = header(runtime, capsys, "--model-running-mode", mode, "--difflm-masked-only-loss")
+    config = full.logger.record.transformer_config
+    unmasked = SEQ - MASKED_PER_ROW[mode]
+    output_layer = 2 * config.hidden_size * config.vocab_size
+    difference = full.logger.flops_per_iteration - masked.logger.flops_per_iteration
+    assert difference == pytest.approx(3 * 4 * unmasked * output_layer, rel=1e-12)
+    printed = [float(value) for value in re.findall(r"([0-9.e+-]+) TFLOP per iteration", full_line + masked_line)]
+    assert printed == pytest.approx([full.logger.flops_per_iteration / 1e12, masked.logger.flops_per_iteration / 1e12],
+                                    rel=1e-3)
+    # Megatron's count, the output layer at every position, beside it and labelled; nothing to add without the flag
+    assert "Megatron's formula" not in full_line
+    megatron = re.search(r"\(Megatron's formula, the output layer at every position: ([0-9.e+-]+)\)", masked_line)
+    assert float(megatron.group(1)) == pytest.approx(full.logger.flops_per_iteration / 1e12, rel=1e-3)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(model_running_mode="difflm-noshift", t_sampling="uniform"),
+    dict(model_running_mode="difflm-shift", t_sampling="antithetic", eps=0.2, t_min=0.2, t_max=0.6),
+    dict(model_running_mode="difflm-noshift", t_sampling="antithetic", block_diffusion=True, block_size=8,
+         ignore_bos=True, t_min=0.3, t_max=0.8)])
+def test_output_layer_positions_are_the_mean_of_the_masked_only_selection(changes):
+    """The expectation the count uses against what the masked-only path selects (weights != 0), the mean
+    over 4096 corrupted rows, within 5 standard errors (antithetic t makes the error smaller still)."""
+    import torch
+
+    from megatron.core.models.difflm.diffusion import CorruptionKey
+    from megatron.core.models.difflm.objective import loss_inputs, output_layer_positions
+    from megatron.core.transformer.transformer_config import DLMConfig
+
+    dlm = DLMConfig(mask_token_id=99, masked_only_loss=True, **changes).validate(vocab_size=100, seq_length=SEQ)
+    rows = 4096
+    ids = torch.randint(0, 99, (rows, SEQ), generator=torch.Generator().manual_seed(0))
+    key = CorruptionKey.for_batch(dlm.seed, iteration=3, global_batch_size=rows, first_sample_index=0,
+                                  batch_size=rows)
+    selected = (loss_inputs(ids, dlm, key, clamp_normalizer=False).weights != 0).sum(dim=1).double()
+    tolerance = 5 * selected.std().item() / rows ** 0.5
+    assert selected.mean().item() == pytest.approx(output_layer_positions(dlm, SEQ), abs=tolerance)
+    vanilla = DLMConfig(model_running_mode="vanilla", masked_only_loss=True)
+    assert output_layer_positions(vanilla, SEQ) == SEQ

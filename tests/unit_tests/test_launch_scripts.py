@@ -29,6 +29,55 @@ SCRIPTS = {
 }
 
 
+# script: its schedule without TRAIN_ITERS (run, warmup, WSD decay iterations; None: not WSD)
+DEFAULT_SCHEDULES = {
+    "examples/dlm_training/dlm_pretrain_7b.sh": (250000, 2000, 25000),
+    "examples/dlm_training/dlm_pretrain_1.7b.sh": (500000, 2000, 50000),
+    "examples/dlm_training/dlm_pretrain_125m.sh": (100000, 1000, 10000),
+    "examples/ar_training/ar_pretrain_1.7b.sh": (500000, 2000, None),
+    "examples/dlm_training/dlm_sft_1.7b.sh": (5000, 50, None),
+    "examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh": (500000, 2000, 50000),
+}
+SCHEDULE_VARIABLES = ("TRAIN_ITERS", "LR_WARMUP_ITERS", "WSD_DECAY_ITERS")
+
+
+def test_every_launch_script_has_its_default_schedule():
+    assert set(DEFAULT_SCHEDULES) == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_without_train_iters_the_schedule_is_the_scripts(script, tmp_path, monkeypatch):
+    for name in SCHEDULE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    gpus = SCRIPTS[script][0]
+    flags = recorded_flags(script, tmp_path, {"GPUS_PER_NODE": str(gpus), "TENSORBOARD_DIR": str(tmp_path / "tb")})
+    args = parse_args(flags, add_difflm_args, world_size=gpus)
+    assert (args.train_iters, args.lr_warmup_iters, args.lr_wsd_decay_iters) == DEFAULT_SCHEDULES[script]
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_short_run_validates_with_train_iters_alone(script, tmp_path, monkeypatch):
+    """CHECK_ONLY=1 TRAIN_ITERS=25: the script's own flag check passes, the warmup and decay scaled down."""
+    import os
+    import subprocess
+
+    from tests.launch_flags import ROOT
+
+    for name in SCHEDULE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    env = dict(os.environ, CHECK_ONLY="1", TRAIN_ITERS="25", GPUS_PER_NODE=str(SCRIPTS[script][0]),
+               TENSORBOARD_DIR=str(tmp_path / "tb"))
+    result = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "CHECK_ONLY=1: not launched" in result.stdout
+    flags = recorded_flags(script, tmp_path, {"TRAIN_ITERS": "25", "GPUS_PER_NODE": str(SCRIPTS[script][0]),
+                                              "TENSORBOARD_DIR": str(tmp_path / "tb")})
+    args = parse_args(flags, add_difflm_args, world_size=SCRIPTS[script][0])
+    assert args.train_iters == 25 and args.lr_warmup_iters < 25
+    if DEFAULT_SCHEDULES[script][2] is not None:
+        assert 0 < args.lr_wsd_decay_iters <= 25 - args.lr_warmup_iters
+
+
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_launch_script_flags_validate_at_its_layout(script, tmp_path):
     gpus, expected = SCRIPTS[script]
@@ -84,3 +133,18 @@ def test_only_rank_zero_prints_a_flag_error(extra, capsys, monkeypatch):
             parse_args(TINY + extra, add_difflm_args, world_size=2)
         assert exit_info.value.code == 2
         assert bool(capsys.readouterr().err.strip()) == prints, rank
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5"])
+def test_a_train_iters_that_is_no_count_is_one_line(value, tmp_path):
+    import os
+    import subprocess
+
+    from tests.launch_flags import ROOT
+
+    env = dict(os.environ, CHECK_ONLY="1", TRAIN_ITERS=value, TENSORBOARD_DIR=str(tmp_path / "tb"))
+    result = subprocess.run(["bash", "examples/dlm_training/dlm_pretrain_125m.sh"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"TRAIN_ITERS={value} is not a positive number of iterations; "
+                                          "set it to one (e.g. TRAIN_ITERS=25)"]

@@ -24,9 +24,10 @@ TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
 MOE_TINY = ["--model", "olmoe-tiny", "--steps", "2", "--warmup", "1"]
 
 
-def expected_flops(config: dict, mode: str, block_size=None) -> float:
+def expected_flops(config: dict, mode: str, block_size=None, output_positions=None) -> float:
     """The project's formula for the shape the JSON says was run, built here independently
-    (`block_size`: block diffusion's count, a 2L-token forward)."""
+    (`block_size`: block diffusion's count, a 2L-token forward; `output_positions`: where the output
+    layer runs, per sequence, default every position)."""
     transformer = TransformerConfig(
         num_layers=config["num_layers"], hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"], num_query_groups=config["num_query_groups"],
@@ -34,7 +35,12 @@ def expected_flops(config: dict, mode: str, block_size=None) -> float:
         vocab_size=config["vocab_size"], gated_linear_unit=True)
     mask_type = "block_diffusion" if block_size else ("no_mask" if mode == "dlm" else "causal")
     return training_flops_per_iteration(transformer, config["seq_length"], config["micro_batch_size"],
-                                        mask_type=mask_type, block_size=block_size)
+                                        mask_type=mask_type, block_size=block_size, output_positions=output_positions)
+
+
+def masked_positions(seq_length: int) -> float:
+    """E[masked] of a row under the benchmark's objective: p = (1 - eps) t + eps, t uniform on [0, 1)."""
+    return seq_length * ((1 - tt.DLM_EPS) / 2 + tt.DLM_EPS)
 
 
 def check_result(result: dict, mode: str) -> None:
@@ -123,8 +129,11 @@ def test_block_diffusion_times_the_bd3_step_and_counts_its_flops(monkeypatch):
     assert result["attention_mask_type"] == "block_diffusion" and config["block_diffusion"] == 16
     assert row["name"] == "MegaDLMs masked-only block-diffusion-16"
     assert doubled and all(inner == (2, 64) and outer == (2, 128) for inner, outer in doubled)
-    assert result["flops_per_step"] == pytest.approx(expected_flops(config, "dlm", block_size=16), rel=1e-12)
-    assert result["flops_per_step"] > 1.5 * expected_flops(config, "dlm")  # the decoder runs twice the tokens
+    # masked-only: the output layer at the masked ones of the L noisy positions
+    assert result["flops_per_step"] == pytest.approx(expected_flops(config, "dlm", block_size=16,
+                                                                    output_positions=masked_positions(64)), rel=1e-12)
+    plain = expected_flops(config, "dlm", output_positions=masked_positions(64))
+    assert result["flops_per_step"] > 1.5 * plain  # the decoder runs twice the tokens
     assert result["tokens_per_step"] == 2 * 64 and math.isfinite(row["final_loss"]) and row["final_loss"] > 0
     assert row["tokens_per_sec_per_gpu"] == pytest.approx(2 * 64 / (row["median_step_ms"] / 1e3))
 
@@ -278,6 +287,10 @@ def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
     result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--profile", str(tmp_path), "--profile-top", "2"])
     row = result["rows"][0]
     assert row["name"] == "MegaDLMs masked-only" and row["masked_only_loss"] and result["config"]["masked_only_loss"]
+    seq = result["config"]["seq_length"]
+    assert result["flops_per_step"] == pytest.approx(expected_flops(result["config"], "dlm",
+                                                                    output_positions=masked_positions(seq)), rel=1e-12)
+    assert result["flops_per_step"] < expected_flops(result["config"], "dlm")
     profile = row["profile"]
     assert profile["steps"] == tt.PROFILED_STEPS and profile["time"].startswith("CPU")
     assert set(profile["ms_per_step"]) == set(tt.kernel_breakdown.CATEGORIES)
@@ -288,6 +301,17 @@ def test_masked_only_loss_and_profile_flags_on_cpu(tmp_path):
         assert top and top == sorted(top, reverse=True) and sum(top) <= profile["ms_per_step"][category] * (1 + 1e-9)
         assert len(top) <= 2  # --profile-top
     assert os.path.getsize(profile["trace"]) > 0
+
+
+def test_under_masked_only_loss_each_row_counts_the_output_layer_it_runs():
+    """Ours at the masked positions, Hugging Face's step at every position (its logits are all taken)."""
+    result = tt.main([*TINY, "--mode", "dlm", "--masked-only-loss", "--baseline", "hf"])
+    config, (ours, hf) = result["config"], result["rows"]
+    assert result["hf_flops_per_step"] == pytest.approx(expected_flops(config, "dlm"), rel=1e-12)
+    assert result["flops_per_step"] == pytest.approx(
+        expected_flops(config, "dlm", output_positions=masked_positions(config["seq_length"])), rel=1e-12)
+    for row, counted in ((ours, result["flops_per_step"]), (hf, result["hf_flops_per_step"])):
+        assert row["tflops_per_gpu"] == pytest.approx(counted / (row["median_step_ms"] / 1e3) / 1e12)
 
 
 @pytest.mark.parametrize("kernel, callers, category", [

@@ -34,12 +34,18 @@ def format_row(row: dict, baseline: Optional[dict] = None) -> str:
             f"{'-' if row['peak_memory_gib'] is None else format(row['peak_memory_gib'], '.1f')} |")
 
 
+def _baseline_flops(result: dict) -> str:
+    """The HF step's count where it differs from ours (it takes logits at every position)."""
+    hf = result.get("hf_flops_per_step")
+    return f" (HF's step: {hf / 1e9:,.1f}, logits at every position)" if hf and hf != result["flops_per_step"] else ""
+
+
 def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\n{cfg['model']} ({cfg['mode']}, {result['attention_mask_type']}), seq {cfg['seq_length']} x micro-batch "
           f"{cfg['micro_batch_size']} x {cfg['accumulation']} accumulated, {cfg['steps']} timed steps after "
           f"{cfg['warmup']}, {result['device']}, "
-          f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step")
+          f"{result['flops_per_step'] / 1e9:,.1f} GFLOP per step" + _baseline_flops(result))
     print(TABLE_HEADER)
     baseline = result["rows"][-1] if cfg["baseline"] == "hf" else None
     for row in result["rows"]:

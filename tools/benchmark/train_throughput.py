@@ -33,12 +33,14 @@ its experts one grouped GEMM per projection (`--no-moe-grouped-gemm`: one GEMM p
 loss; moe_models.py says where the rows differ (QK-norm over the whole projection in OLMoE, per
 head in ours; z-loss; the balancing loss's scale).
 
-Both rows are counted with the FLOPs formula of megatron/training/flops.py (the one the console
-MFU uses; MoE layers by their active parameters): bidirectional attention counts the full s keys,
-causal s/2. MFU is against the dense peak of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on
-CPU. Step times are the median of the timed steps (CUDA events on GPU, wall clock on CPU), after
---warmup steps. The table gives each row's tokens/s over the HF row's. `--accumulation N`: each step
-runs N micro-batches (forward and backward), then one optimizer step, as a global batch does.
+Each row is counted with the FLOPs formula of megatron/training/flops.py for the work it executes
+(the one the console MFU uses; MoE layers by their active parameters): bidirectional attention
+counts the full s keys, causal s/2; with --masked-only-loss our row's output layer runs at the
+masked positions only (E[p] of them), the HF row's at every position. MFU is against the dense peak
+of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on CPU. Step times are the median of the timed
+steps (CUDA events on GPU, wall clock on CPU), after --warmup steps. The table gives each row's
+tokens/s over the HF row's. `--accumulation N`: each step runs N micro-batches (forward and
+backward), then one optimizer step, as a global batch does.
 `--profile DIR` then profiles 3 more steps of each row: where the time went (kernel_breakdown.py),
 stored in the row's "profile", and a Chrome trace per row in DIR.
 """
@@ -181,12 +183,10 @@ def attention_mask_type(mode: str, block_diffusion: Optional[int] = None) -> str
     return "causal" if mode == "ar" else "no_mask"
 
 
-def flops_per_step(config: TransformerConfig, mode: str, seq_length: int, micro_batch_size: int,
-                   block_diffusion: Optional[int] = None) -> float:
-    """Model FLOPs of one step; under block diffusion `seq_length` is L, the forward runs 2L tokens."""
-    return flops.training_flops_per_iteration(config, seq_length, micro_batch_size,
-                                              mask_type=attention_mask_type(mode, block_diffusion),
-                                              block_size=block_diffusion)
+def flops_per_step(config: TransformerConfig, dlm: DLMConfig, seq_length: int, micro_batch_size: int) -> float:
+    """Model FLOPs one micro-batch of `dlm`'s objective executes (the output layer at the masked positions
+    only under masked-only loss); under block diffusion `seq_length` is L, the forward runs 2L tokens."""
+    return flops.executed_flops_per_iteration(config, dlm, seq_length, micro_batch_size)
 
 
 def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_length: int, seed: int,
@@ -474,8 +474,11 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
     grouped_variants = moe_models.grouped_variants(args, spec)
     config = transformer_config(spec, device, args.attention_backend, grouped_gemm=grouped_variants[0])
-    step_flops = args.accumulation * flops_per_step(config, args.mode, args.seq_length, args.micro_batch_size,
-                                                    args.block_diffusion)
+    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, block_diffusion=args.block_diffusion)
+    step_flops = args.accumulation * flops_per_step(config, dlm, args.seq_length, args.micro_batch_size)
+    # Hugging Face's step takes the logits of every position, whatever our row's loss path.
+    hf_flops = args.accumulation * flops_per_step(config, dataclasses.replace(dlm, masked_only_loss=False),
+                                                  args.seq_length, args.micro_batch_size)
     precision = "bf16" if device.type == "cuda" else "fp32"
     rows = []
     # With --fp8 our step runs without and with fp8, and with --compare-grouped-gemm with both expert
@@ -502,7 +505,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
             rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
                                 build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
     if args.baseline == "hf":
-        rows.append(measure("HF transformers", build_hf, spec, args, device, step_flops, precision))
+        rows.append(measure("HF transformers", build_hf, spec, args, device, hf_flops, precision))
     return {
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
@@ -518,7 +521,8 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "transformer_config": {name: str(value) if isinstance(value, torch.dtype) else value
                                for name, value in dataclasses.asdict(config).items()},
         "attention_mask_type": attention_mask_type(args.mode, args.block_diffusion),
-        "flops_per_step": step_flops, "tokens_per_step": args.micro_batch_size * args.accumulation * args.seq_length,
+        "flops_per_step": step_flops, "hf_flops_per_step": hf_flops if args.baseline == "hf" else None,
+        "tokens_per_step": args.micro_batch_size * args.accumulation * args.seq_length,
         "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),

@@ -27,7 +27,7 @@ import torch
 from megatron.core.transformer.transformer_config import DLMConfig
 
 __all__ = ["CorruptionKey", "Corruption", "keyed_bits", "keyed_uniform", "sample_t", "sample_block_t",
-           "mask_probability", "corrupt", "loss_weights", "varilen_length"]
+           "mask_probability", "expected_mask_probability", "corrupt", "loss_weights", "varilen_length"]
 
 _M32 = 0xFFFFFFFF
 _IV = 0x243F6A88                      # initial state; any fixed constant works
@@ -206,6 +206,16 @@ def mask_probability(cfg: DLMConfig, t: torch.Tensor) -> torch.Tensor:
     Two separate ops on purpose: a fused multiply-add could round differently on another device.
     """
     return t * (1.0 - cfg.eps) + cfg.eps
+
+
+def expected_mask_probability(cfg: DLMConfig) -> float:
+    """E[p], the expected fraction of maskable positions masked: (1 - eps) E[t] + eps with
+    E[t] = (t_min + t_max) / 2. Every way of drawing t gives each row (block, document) a t that is
+    uniform on [t_min, t_max) on its own (antithetic sampling stratifies the batch, not the marginal),
+    so the expectation is the same for all. Not counted: inverse_empirical's one forced mask in a row
+    that drew none (over t in [0, 1) a row of n positions draws none with probability (1 - eps)^n / (n + 1):
+    4e-6 at n = 4096)."""
+    return (1.0 - cfg.eps) * (cfg.t_min + cfg.t_max) / 2.0 + cfg.eps
 
 
 @dataclass

@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_config import DLMConfig
 if TYPE_CHECKING:  # the model calls in here: an import at run time would be a cycle
     from megatron.core.models.difflm.gpt_model import GPTModel
 
-__all__ = ["LossOutput", "LossInputs", "Corruption", "CorruptionKey", "maskable_positions",
+__all__ = ["LossOutput", "LossInputs", "Corruption", "CorruptionKey", "maskable_positions", "output_layer_positions",
            "default_corruption_key", "loss_inputs", "next_token_labels", "difflm_forward_process",
            "compute_loss"]
 
@@ -80,6 +80,18 @@ def maskable_positions(input_ids: torch.Tensor, dlm: DLMConfig,
     if dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos:
         maskable[:, 0] = False
     return maskable
+
+
+def output_layer_positions(dlm: DLMConfig, seq_length: int) -> float:
+    """Expected positions of a `seq_length` row (block diffusion: of its L noisy tokens) at which the
+    output layer runs: all of them, or under DLMConfig.masked_only_loss in the DLM modes the masked
+    ones, E[p] (diffusion.expected_mask_probability) of the maskable positions. Counted at nominal
+    length with every position a loss position (no padding, prompt or --eod-mask-loss), as Megatron
+    counts padded tokens; vanilla's masked-only path runs at every loss position, so at all of them."""
+    if not (dlm.is_diffusion and dlm.masked_only_loss):
+        return float(seq_length)
+    unmaskable = 1 if dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos else 0  # maskable_positions
+    return (seq_length - unmaskable) * diffusion.expected_mask_probability(dlm)
 
 
 def default_corruption_key(input_ids: torch.Tensor, dlm: DLMConfig) -> CorruptionKey:
