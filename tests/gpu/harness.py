@@ -129,7 +129,7 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256"
          "RMSNorm", "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--seq-length", "256",
          "--mock-data", "--vocab-size", "500", "--add-mask-token", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--train-iters", str(STEPS), "--lr", "3e-3", "--lr-decay-style", "constant",
-         "--log-interval", "1000", "--eval-iters", "0"]
+         "--log-interval", "1000", "--eval-iters", "0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-aux-loss-coeff",
        "1e-2", "--moe-z-loss-coeff", "1e-3"]
 
