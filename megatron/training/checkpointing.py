@@ -20,6 +20,7 @@ fall back to (`iteration_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -414,12 +415,37 @@ def _find_checkpoint(config: CheckpointConfig, record: RunRecord):
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one (collective
     with local non-persistent checkpoints)."""
+    from megatron.training.checkpoint_sources import LOCAL  # builds on this module
+
     source = _find_checkpoint(config, record)
     if source is None and config.exit_on_missing_checkpoint:
         raise InputError(f"--load {config.load}: no checkpoint there (no {TRACKER}) and --exit-on-missing-checkpoint "
                          "is set; check the path, or drop the flag to start from scratch")
     if source is not None:
         _check_compatible(record, config.finetune, read_checkpoint_metadata(source.path), source.path)
+        if source.kind != LOCAL:  # the files' sizes against the index: before the model is built
+            with _naming_earlier_iterations(source):
+                _serialization().check_shard_files(source.path)
+
+
+@contextlib.contextmanager
+def _naming_earlier_iterations(source):
+    """A damaged shard of the iteration `source` holds is reported with the iterations beside it that
+    could be loaded instead."""
+    from megatron.core.dist_checkpointing.safe_reader import DamagedCheckpointError  # imports DCP
+
+    try:
+        yield
+    except DamagedCheckpointError as error:
+        root, iteration = os.path.dirname(source.path), source.iteration
+        saved = sorted(int(name[5:]) for name in os.listdir(root)
+                       if name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) < iteration)
+        if not saved:
+            raise error.with_fix(f"{root} holds no earlier iteration: copy iteration {iteration} again, or start "
+                                 "from scratch without --load") from None
+        raise error.with_fix(f"load an earlier iteration with --ckpt-step {saved[-1]} (saved: "
+                             f"{', '.join(map(str, saved))}), or delete {source.path} and write {saved[-1]} into "
+                             f"{os.path.join(root, TRACKER)}") from None
 
 
 def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
@@ -442,7 +468,8 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     if source.kind == LOCAL:
         load_local(sharded, source)
     else:
-        _serialization().load(sharded, source.path)
+        with _naming_earlier_iterations(source):
+            _serialization().load(sharded, source.path)
     if log is not None:
         restart = "; --finetune: training starts at iteration 0" if config.finetune else ""
         log(f"> loaded {config.load} at iteration {source.iteration}{describe(source, config)}{restart}")

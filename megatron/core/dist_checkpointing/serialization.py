@@ -26,7 +26,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchSharde
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.safe_reader import CheckpointMetadataError, SafeFileSystemReader
+from megatron.core.dist_checkpointing.safe_reader import (CheckpointMetadataError, DamagedCheckpointError,
+                                                           SafeFileSystemReader, check_shard_files)
 
 Box = List[Tuple[int, int]]
 
@@ -199,9 +200,13 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         if stored != expected:
             raise ValueError(f"checkpoint {checkpoint_dir}: tensor {key!r} has shape {stored}, this model "
                              f"expects {expected}; the architecture differs")
+    check_shard_files(checkpoint_dir)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir))
     except (Exception, CheckpointException) as error:  # DCP reports a damaged file deep inside its reader
+        damaged = _damaged_file(error)
+        if damaged is not None:  # every rank gathers every rank's failures: all of them raise it
+            raise damaged from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(f"checkpoint {checkpoint_dir} could not be read ({type(error).__name__}: {first_line}): "
                          "a shard file is damaged or missing; load an earlier iteration") from error
@@ -209,3 +214,12 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         if piece.key in staged:
             box = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.data.shape))
             piece.data.copy_(staged[piece.key][box])
+
+
+def _damaged_file(error: BaseException):
+    """The DamagedCheckpointError among the ranks' failures DCP gathered into `error`, if any."""
+    failures = error.failures.values() if isinstance(error, CheckpointException) else [(error, None)]
+    for failure, _ in failures:
+        if isinstance(failure, DamagedCheckpointError):
+            return failure
+    return None
