@@ -203,19 +203,50 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     _barrier()
     sharded = _sharded_state(config, trainer)
     planning = dict(fully_parallel=config.ckpt_fully_parallel_save, cache_plan=config.ckpt_assume_constant_structure)
-    if config.async_save:
-        future = _serialization().save_async(sharded, target, process_group, **planning)
-    else:
-        _serialization().save(sharded, target, **planning)
-        future = None
-    if not config.no_save_rng:
-        os.makedirs(os.path.join(target, "rng"), exist_ok=True)
-        torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
-    save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
-    if rank == 0:
-        with open(os.path.join(target, "metadata.json"), "w") as handle:
-            json.dump(_metadata(record, trainer, iteration), handle, indent=1)
+    with reporting_failed_writes(root or config.save, iteration):
+        if config.async_save:
+            future = _serialization().save_async(sharded, target, process_group, **planning)
+        else:
+            _serialization().save(sharded, target, **planning)
+            future = None
+        if not config.no_save_rng:
+            os.makedirs(os.path.join(target, "rng"), exist_ok=True)
+            torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+        save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(target, "metadata.json"), "w") as handle:
+                json.dump(_metadata(record, trainer, iteration), handle, indent=1)
     return target, future
+
+
+@contextlib.contextmanager
+def reporting_failed_writes(root: str, iteration: int):
+    """A save of `iteration` into `root` that the file system refuses (a full disk, a quota, a
+    read-only mount: an OSError on this rank, or on any rank DCP gathered its failures from)
+    becomes one InputError saying what still loads. Nothing is lost: the files were staged in
+    `iter_N.tmp/`, which is never loaded and is deleted here, and the tracker was not moved."""
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP is imported by the save itself
+
+    try:
+        yield
+    except (OSError, CheckpointException) as error:
+        failures = error.failures.values() if isinstance(error, CheckpointException) else [(error, None)]
+        cause = next((failure for failure, _ in failures if isinstance(failure, OSError)), None)
+        if cause is None:
+            raise
+        staged = checkpoint_dir(root, iteration) + STAGING_SUFFIX
+        if _rank() == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        try:
+            previous = latest_iteration(root, missing_ok=True)
+        except (InputError, OSError):
+            previous = None
+        kept = (f"{TRACKER} still names iteration {previous}, which --load {root} resumes from"
+                if previous is not None else f"{root} holds no earlier checkpoint")
+        raise InputError(f"--save {root}: saving iteration {iteration} failed ({cause.strerror or cause}"
+                         f"{': ' + str(cause.filename) if cause.filename else ''}); {kept}; the partial "
+                         f"{os.path.basename(staged)} is never loaded and was deleted: free space (or give "
+                         "--save another disk) and run again") from None
 
 
 def finalize_save(config: CheckpointConfig, iteration: int, root: Optional[str] = None,
@@ -297,7 +328,8 @@ class Checkpointer:
             return
         saved_iteration, root, future, non_persistent = self.pending
         if blocking:
-            future.result()  # re-raises a failed write
+            with reporting_failed_writes(root or self.config.save, saved_iteration):
+                future.result()  # re-raises a failed write
         done = torch.tensor([1.0 if future.done() else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":
@@ -305,8 +337,9 @@ class Checkpointer:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() < 1.0:
             return
-        future.result()
         self.pending = None
+        with reporting_failed_writes(root or self.config.save, saved_iteration):
+            future.result()
         target = finalize_save(self.config, saved_iteration, root, non_persistent)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")

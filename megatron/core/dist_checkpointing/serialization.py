@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Sequence, Tuple
+from functools import partial
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -91,8 +92,52 @@ def to_dcp_state_dict(sharded: Dict[str, ShardedTensor]) -> Dict[str, object]:
 WRITER_THREADS = 4
 
 
+class _CheckedWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer, where a file that fails to write (a full disk) fails the save.
+
+    DCP writes files in WRITER_THREADS threads; in a helper thread an error only ends that thread,
+    printing its traceback, and the save goes on without that file's entries: the index would then
+    be written for a checkpoint missing tensors. Here every file's stream records its error and
+    stops (no traceback from the thread), and `write_data` raises the first one once all are done.
+    """
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        super().__init__(checkpoint_dir, thread_count=WRITER_THREADS)
+        self.failures: List[Exception] = []
+        self.fs.create_stream = partial(_RecordedStream, self.fs.create_stream, self.failures)
+
+    def write_data(self, plan, planner):
+        self.failures.clear()
+        written = super().write_data(plan, planner)
+        if self.failures:
+            raise self.failures[0]
+        return written
+
+
+class _RecordedStream:
+    """`open_stream(path, mode)` as a context whose body's error is recorded in `failures` and
+    swallowed: the thread writing it moves on (and fails fast on a full disk) instead of dying."""
+
+    def __init__(self, open_stream: Callable, failures: List[Exception], path, mode: str) -> None:
+        self.context, self.failures = open_stream(path, mode), failures
+
+    def __enter__(self):
+        try:
+            return self.context.__enter__()
+        except Exception as error:
+            self.failures.append(error)
+            raise
+
+    def __exit__(self, kind, error, trace) -> bool:
+        self.context.__exit__(kind, error, trace)
+        if isinstance(error, Exception):
+            self.failures.append(error)
+            return True
+        return False
+
+
 def _writer(checkpoint_dir: str) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(checkpoint_dir, thread_count=WRITER_THREADS)
+    return _CheckedWriter(checkpoint_dir)
 
 
 def _planner(fully_parallel: bool, cache_plan: bool) -> DefaultSavePlanner:
