@@ -19,6 +19,7 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tests.distributed.parity import free_port
+from tests.unit_tests.test_bad_inputs_training import DISK_FULL_AT_4
 
 pytestmark = pytest.mark.distributed
 
@@ -26,8 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--add-mask-token",
         "--eval-iters", "0", "--log-interval", "1", "--attention-backend", "math"]
-DISK_FULL_AT_4 = (ROOT / "tests" / "unit_tests" / "test_bad_inputs_training.py").read_text().split(
-    'DISK_FULL_AT_4 = """')[1].split('"""')[0]
 
 
 def torchrun(script, *flags, nproc=2):
