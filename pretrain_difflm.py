@@ -60,8 +60,11 @@ def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: Li
                      for count, split in zip(num_samples, ("train", "valid", "test")))
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Rank 0 builds the index files; the others wait at the barrier and read them.
+    # Every piece read is checked against the tokenizer's own ids: the padding rows (and an appended
+    # mask token) are never data.
     builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path,
-                                               mmap_bin_files=not args.no_mmap_bin_files),
+                                               mmap_bin_files=not args.no_mmap_bin_files,
+                                               vocab_size=args.tokenizer.base_vocab_size),
                              barrier=dist.barrier if distributed else None,
                              is_builder=not distributed or dist.get_rank() == 0, sft=sft)
     if args.data_path:

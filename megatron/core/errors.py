@@ -8,3 +8,16 @@ non-zero exit and no traceback; any other exception keeps its traceback, because
 
 class InputError(ValueError):
     """A bad flag, file or checkpoint; the message names it and says how to fix it."""
+
+
+def user_message(error: InputError) -> str:
+    """The line to print for `error`. One raised in a DataLoader worker (a sample's token ids checked
+    as it is read) reaches the training process with the worker's traceback folded into its text:
+    torch re-raises it as `type(error)("Caught ... Original Traceback ...")`, whose last line is
+    `<module>.<class>: <the original message>`."""
+    text = str(error)
+    if not text.startswith("Caught "):
+        return text
+    marker = f"{type(error).__name__}: "
+    last = text.rstrip().splitlines()[-1]
+    return last.split(marker, 1)[1] if marker in last else text

@@ -106,7 +106,9 @@ def _check_rope(saved: dict, current: dict, source: str) -> None:
 
 def check_compatible(record, finetune: bool, metadata: dict, source: str) -> None:
     """Raise InputError naming the first field where the checkpoint and this run (its
-    `configs.RunRecord`) differ; `finetune` accepts a function change on purpose."""
+    `configs.RunRecord`) differ; `finetune` accepts a function change on purpose. The tokenizer
+    comes first: another vocabulary also moves an appended mask token, and that is its cause."""
+    _check_vocabulary(record, finetune, metadata, source)
     saved = metadata["transformer_config"]
     current = dataclasses.asdict(record.transformer_config)
     for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
@@ -123,7 +125,6 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
         for field, flag in DLM_FUNCTION_FIELDS.items():
             if saved_dlm.get(field) != current_dlm.get(field):
                 raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)
-    _check_vocabulary(record, finetune, metadata, source)
 
 
 def _check_moe(saved, current, finetune: bool, source: str) -> None:
@@ -151,6 +152,17 @@ def _apply_moe(args, saved) -> None:
 
 
 def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> None:
+    saved_tokenizer, tokenizer = metadata.get("tokenizer"), record.tokenizer
+    if saved_tokenizer and tokenizer:
+        if saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
+            raise InputError(f"--load {source}: the checkpoint was trained with another tokenizer "
+                             f"({saved_tokenizer}); pass the same --tokenizer-model")
+        # Tokenizers without files (NullTokenizer) hash alike: their size and special ids tell them apart.
+        for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type"), ("mask", "--mask-token")):
+            if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not finetune:
+                raise InputError(f"--load {source}: the checkpoint's tokenizer has {field}="
+                                 f"{saved_tokenizer[field]!r} but this run's has {tokenizer.get(field)!r} ({flag}); "
+                                 "use the checkpoint's tokenizer, or --finetune to change it on purpose")
     saved = metadata["transformer_config"]
     # More stored rows than this tokenizer has (Hugging Face models pad their embeddings, e.g. Qwen's
     # 151,936 rows for 151,665 tokens) load as padding. Fewer (tokens added, say a mask token) leave
@@ -160,18 +172,6 @@ def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> No
         raise InputError(f"--load {source}: the checkpoint has {saved_rows} vocabulary rows but this run's "
                          f"tokenizer has {vocab} tokens; pass --finetune to start from it with the new rows "
                          "initialised")
-    saved_tokenizer, tokenizer = metadata.get("tokenizer"), record.tokenizer
-    if not (saved_tokenizer and tokenizer):
-        return
-    if saved_tokenizer.get("sha256") != tokenizer.get("sha256"):
-        raise InputError(f"--load {source}: the checkpoint was trained with another tokenizer "
-                         f"({saved_tokenizer}); pass the same --tokenizer-model")
-    # Tokenizers without files (NullTokenizer) hash alike: their size and special ids tell them apart.
-    for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type"), ("mask", "--mask-token")):
-        if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not finetune:
-            raise InputError(f"--load {source}: the checkpoint's tokenizer has {field}={saved_tokenizer[field]!r} "
-                             f"but this run's has {tokenizer.get(field)!r} ({flag}); use the checkpoint's "
-                             "tokenizer, or --finetune to change it on purpose")
 
 
 def apply_checkpoint_args(args) -> None:

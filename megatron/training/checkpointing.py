@@ -20,6 +20,7 @@ fall back to (`iteration_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -202,19 +203,50 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     _barrier()
     sharded = _sharded_state(config, trainer)
     planning = dict(fully_parallel=config.ckpt_fully_parallel_save, cache_plan=config.ckpt_assume_constant_structure)
-    if config.async_save:
-        future = _serialization().save_async(sharded, target, process_group, **planning)
-    else:
-        _serialization().save(sharded, target, **planning)
-        future = None
-    if not config.no_save_rng:
-        os.makedirs(os.path.join(target, "rng"), exist_ok=True)
-        torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
-    save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
-    if rank == 0:
-        with open(os.path.join(target, "metadata.json"), "w") as handle:
-            json.dump(_metadata(record, trainer, iteration), handle, indent=1)
+    with reporting_failed_writes(root or config.save, iteration):
+        if config.async_save:
+            future = _serialization().save_async(sharded, target, process_group, **planning)
+        else:
+            _serialization().save(sharded, target, **planning)
+            future = None
+        if not config.no_save_rng:
+            os.makedirs(os.path.join(target, "rng"), exist_ok=True)
+            torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+        save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(target, "metadata.json"), "w") as handle:
+                json.dump(_metadata(record, trainer, iteration), handle, indent=1)
     return target, future
+
+
+@contextlib.contextmanager
+def reporting_failed_writes(root: str, iteration: int):
+    """A save of `iteration` into `root` that the file system refuses (a full disk, a quota, a
+    read-only mount: an OSError on this rank, or on any rank DCP gathered its failures from)
+    becomes one InputError saying what still loads. Nothing is lost: the files were staged in
+    `iter_N.tmp/`, which is never loaded and is deleted here, and the tracker was not moved."""
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP is imported by the save itself
+
+    try:
+        yield
+    except (OSError, CheckpointException) as error:
+        failures = error.failures.values() if isinstance(error, CheckpointException) else [(error, None)]
+        cause = next((failure for failure, _ in failures if isinstance(failure, OSError)), None)
+        if cause is None:
+            raise
+        staged = checkpoint_dir(root, iteration) + STAGING_SUFFIX
+        if _rank() == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        try:
+            previous = latest_iteration(root, missing_ok=True)
+        except (InputError, OSError):
+            previous = None
+        kept = (f"{TRACKER} still names iteration {previous}, which --load {root} resumes from"
+                if previous is not None else f"{root} holds no earlier checkpoint")
+        raise InputError(f"--save {root}: saving iteration {iteration} failed ({cause.strerror or cause}"
+                         f"{': ' + str(cause.filename) if cause.filename else ''}); {kept}; the partial "
+                         f"{os.path.basename(staged)} is never loaded and was deleted: free space (or give "
+                         "--save another disk) and run again") from None
 
 
 def finalize_save(config: CheckpointConfig, iteration: int, root: Optional[str] = None,
@@ -296,7 +328,8 @@ class Checkpointer:
             return
         saved_iteration, root, future, non_persistent = self.pending
         if blocking:
-            future.result()  # re-raises a failed write
+            with reporting_failed_writes(root or self.config.save, saved_iteration):
+                future.result()  # re-raises a failed write
         done = torch.tensor([1.0 if future.done() else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":
@@ -304,8 +337,9 @@ class Checkpointer:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() < 1.0:
             return
-        future.result()
         self.pending = None
+        with reporting_failed_writes(root or self.config.save, saved_iteration):
+            future.result()
         target = finalize_save(self.config, saved_iteration, root, non_persistent)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")
@@ -414,12 +448,37 @@ def _find_checkpoint(config: CheckpointConfig, record: RunRecord):
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one (collective
     with local non-persistent checkpoints)."""
+    from megatron.training.checkpoint_sources import LOCAL  # builds on this module
+
     source = _find_checkpoint(config, record)
     if source is None and config.exit_on_missing_checkpoint:
         raise InputError(f"--load {config.load}: no checkpoint there (no {TRACKER}) and --exit-on-missing-checkpoint "
                          "is set; check the path, or drop the flag to start from scratch")
     if source is not None:
         _check_compatible(record, config.finetune, read_checkpoint_metadata(source.path), source.path)
+        if source.kind != LOCAL:  # the files' sizes against the index: before the model is built
+            with _naming_earlier_iterations(source):
+                _serialization().check_shard_files(source.path)
+
+
+@contextlib.contextmanager
+def _naming_earlier_iterations(source):
+    """A damaged shard of the iteration `source` holds is reported with the iterations beside it that
+    could be loaded instead."""
+    from megatron.core.dist_checkpointing.safe_reader import DamagedCheckpointError  # imports DCP
+
+    try:
+        yield
+    except DamagedCheckpointError as error:
+        root, iteration = os.path.dirname(source.path), source.iteration
+        saved = sorted(int(name[5:]) for name in os.listdir(root)
+                       if name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) < iteration)
+        if not saved:
+            raise error.with_fix(f"{root} holds no earlier iteration: copy iteration {iteration} again, or start "
+                                 "from scratch without --load") from None
+        raise error.with_fix(f"load an earlier iteration with --ckpt-step {saved[-1]} (saved: "
+                             f"{', '.join(map(str, saved))}), or delete {source.path} and write {saved[-1]} into "
+                             f"{os.path.join(root, TRACKER)}") from None
 
 
 def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
@@ -442,7 +501,8 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     if source.kind == LOCAL:
         load_local(sharded, source)
     else:
-        _serialization().load(sharded, source.path)
+        with _naming_earlier_iterations(source):
+            _serialization().load(sharded, source.path)
     if log is not None:
         restart = "; --finetune: training starts at iteration 0" if config.finetune else ""
         log(f"> loaded {config.load} at iteration {source.iteration}{describe(source, config)}{restart}")

@@ -31,10 +31,17 @@ def _read_data_args(args: argparse.Namespace) -> None:
             setattr(args, f"{split}_data_path", value.split() if isinstance(value, str) else value)
 
 
+def _data_flags(args: argparse.Namespace):
+    """(flag, its values) of each data-path flag given."""
+    flags = (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
+             ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path))
+    return [(flag, values) for flag, values in flags if values]
+
+
 def validate_data_args(args: argparse.Namespace) -> None:
     """The data flags (paths, split, mock data) and the tokenizer they are read with; sets args.tokenizer,
     args.padded_vocab_size and args.mask_token."""
-    from megatron.core.datasets.dataset_builder import check_prefixes_exist, parse_data_paths
+    from megatron.core.datasets.dataset_builder import check_leading_tokens, check_prefixes_exist, parse_data_paths
     from megatron.core.datasets.gpt_dataset import split_weights
     from megatron.training.tokenizer import build_tokenizer, vocab_size_with_padding
 
@@ -50,10 +57,8 @@ def validate_data_args(args: argparse.Namespace) -> None:
         if args.data_path and split_weights(args.split)[0] == 0:
             raise ValueError(f"--split {args.split} gives the train split no documents; give its first (train) "
                              "weight a positive value")
-        for flag, values in (("--data-path", args.data_path), ("--train-data-path", args.train_data_path),
-                             ("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
-            if values:
-                check_prefixes_exist(parse_data_paths(values, flag)[0], flag, sft=getattr(args, "sft", False))
+        for flag, values in _data_flags(args):
+            check_prefixes_exist(parse_data_paths(values, flag)[0], flag, sft=getattr(args, "sft", False))
     elif args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--mock-data with the NullTokenizer needs --vocab-size")
     args.tokenizer = build_tokenizer(args)
@@ -62,6 +67,9 @@ def validate_data_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--vocab-size {args.vocab_size} is not the size of --tokenizer-type {args.tokenizer_type}'s "
                          f"vocabulary ({args.tokenizer.vocab_size}); drop --vocab-size (padding is "
                          "--make-vocab-size-divisible-by) or fix it")
+    if not args.mock_data:
+        for flag, values in _data_flags(args):
+            check_leading_tokens(parse_data_paths(values, flag)[0], flag, args.tokenizer.base_vocab_size)
     args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                      args.tensor_model_parallel_size)
     requested_mask, args.mask_token = args.mask_token, args.tokenizer.mask

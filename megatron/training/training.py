@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.pipeline_parallel.layer_split import stage_layer_range
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
 from megatron.core.distributed.loss_normalization import GlobalBatchLoss
+from megatron.core.errors import InputError, user_message
 from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
@@ -523,10 +524,9 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
              forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
              argv: Optional[List[str]] = None) -> Optional[Trainer]:
     """Parse flags, build everything, train. Flag problems exit with code 2 before any of it; bad
-    data or a bad checkpoint found while building (InputError) exits with code 1 and one line.
+    data or a bad checkpoint found while building or training (InputError: an id outside the
+    vocabulary, a damaged shard, a save that fails for lack of space) exits with code 1 and one line.
     With --check-args only the flags are validated (returns None)."""
-    from megatron.core.errors import InputError
-
     args = parse_args(argv, extra_args_provider)
     if args.check_args:
         return None
@@ -544,19 +544,11 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
                 trainer.logger.print(f"> no checkpoint in {checkpoint.load}; starting from scratch")
         if checkpoint.save:
             trainer.checkpointer = Checkpointer(checkpoint, record, trainer.logger.print)
-    except InputError as error:  # the user's input, not our bug: no traceback
-        # Every rank prints its line: in the common case all of them find the same problem, and a
-        # rank that alone finds one still says why it stops (then torchrun stops the others).
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        if trainer is not None:
-            trainer.logger.close()
-        if runtime.owns_process_group and runtime.world_size == 1:  # no peer to wait for
-            dist.destroy_process_group()
-        sys.exit(1)
-    if args.training_config.exit_signal_handler:
-        trainer.signal_handler = ExitSignalHandler(getattr(signal, args.training_config.exit_signal))
-    try:
+        if args.training_config.exit_signal_handler:
+            trainer.signal_handler = ExitSignalHandler(getattr(signal, args.training_config.exit_signal))
         trainer.train()
+    except InputError as error:  # the user's input, not our bug: no traceback
+        _exit_on_input_error(error, trainer, runtime)
     except TrainingDiverged as error:  # every rank raises it at the same step
         trainer.logger.print(f"error: {error}")
         trainer.logger.close()
@@ -571,3 +563,16 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         dist.barrier()
         dist.destroy_process_group()
     return trainer
+
+
+def _exit_on_input_error(error: InputError, trainer: Optional[Trainer], runtime: Runtime) -> NoReturn:
+    """One line `error: ...` on stderr and exit code 1. Every rank prints its line: in the common
+    case all of them find the same problem (the flags, the checkpoint, a failed save), and a rank
+    that alone finds one (an id outside the vocabulary in the samples it read) still says why it
+    stops; the launcher (torchrun) then stops the others."""
+    print(f"error: {user_message(error)}", file=sys.stderr, flush=True)
+    if trainer is not None:
+        trainer.logger.close()
+    if runtime.owns_process_group and runtime.world_size == 1:  # no peer to wait for
+        dist.destroy_process_group()
+    sys.exit(1)

@@ -326,3 +326,55 @@ def test_pretrain_cli_rejects_a_bad_prefix_at_parse_time(good, tmp_path, case):
     assert_one_line_error(result, "--data-path", *names)
     assert "iteration" not in result.stdout, "stopped before training"
     assert_untouched(prefix, before)
+
+
+# ---- token ids outside the vocabulary (NullTokenizer --vocab-size 64: ids 0..63; padded to 128 rows) -----
+
+def pair_of(prefix, sequences, dtype=np.uint16):
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=dtype)
+    for tokens in sequences:
+        builder.add_document(np.asarray(tokens))
+    builder.finalize(get_idx_path(str(prefix)))
+    return str(prefix)
+
+
+def run_pretrain(*argv):
+    return subprocess.run([sys.executable, "pretrain_difflm.py", *TINY_CLI, *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_corpus_made_with_another_tokenizer_is_refused_at_parse_time(tmp_path):
+    prefix = pair_of(tmp_path / "other", [np.arange(40) % 60, np.arange(40) + 100])
+    result = run_pretrain("--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert_one_line_error(result, "--data-path", f"{prefix}.bin", "token id 139", "vocabulary of 64 ids",
+                          "tools/preprocess_data.py", "--vocab-size")
+    assert "iteration" not in result.stdout and "parameters" not in result.stdout, "stopped before building"
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_ids_among_the_padding_rows_deep_in_the_corpus_stop_training_at_their_batch(tmp_path, workers):
+    """Past the tokens read at parse time, ids 64..123 fit the 128 padded embedding rows (no index
+    error, a loss no row can predict); the host-side check of each piece read names the sequence.
+    In DataLoader workers the error crosses to the training process without the worker's traceback."""
+    good, bad = [np.arange(400) % 60] * 170, [np.arange(400) % 54 + 70] * 170  # 68000 good tokens first
+    prefix = pair_of(tmp_path / "late", good + bad)
+    result = run_pretrain("--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "10",
+                          "--num-workers", workers, "--eval-iters", "0")
+    assert result.returncode == 1, result.stderr[-2000:]
+    line = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert_one_line_error(result, f"{prefix}.bin, sequence ", "is outside this run's vocabulary of 64 ids",
+                          "tools/preprocess_data.py")
+    sequence, token = map(int, re.search(r"sequence (\d+): token id (\d+) ", line[0]).groups())
+    assert 170 <= sequence < 340 and 70 <= token <= 123, line  # a bad sequence, the largest id of its piece
+
+
+def test_sft_examples_check_their_ids(tmp_path):
+    from megatron.core.datasets.sft_dataset import indexed_examples
+
+    tokens = pair_of(tmp_path / "chat", [[1, 2, 3], [4, 99, 5]], dtype=np.int32)
+    answers = pair_of(tmp_path / "chat.answer", [[0, 1, 1], [0, 1, 1]], dtype=np.uint8)
+    _, get = indexed_examples(IndexedDataset(tokens), IndexedDataset(answers), (0, 2), vocab_size=64)
+    assert get(0)[0].tolist() == [1, 2, 3]
+    with pytest.raises(InputError, match=re.escape(f"{tokens}.bin, sequence 1: token id 99 is outside")):
+        get(1)

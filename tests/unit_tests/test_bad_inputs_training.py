@@ -5,6 +5,7 @@ building (the data's document counts) raise InputError, which pretrain() turns i
 A few cases run the real command line; the rest call the parser (or main) in this process.
 """
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +205,78 @@ def test_variable_length_cuts_that_sequence_parallelism_cannot_split(capsys):
 def test_use_checkpoint_args_without_a_checkpoint(tmp_path, capsys):
     line = parse_error(TINY + ["--use-checkpoint-args", "--load", str(tmp_path)], capsys)
     assert "--use-checkpoint-args" in line and str(tmp_path) in line
+
+
+# ---------------------------------------------------------------- resuming and saving
+TRACKER = "latest_checkpointed_iteration.txt"
+# Runs pretrain_difflm.py with every file DCP writes into iteration 4 failing as on a full disk.
+DISK_FULL_AT_4 = """
+import errno, os, sys
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+sys.path.insert(0, os.getcwd())
+import pretrain_difflm
+write_item = dcp_filesystem._write_item
+def disk_full(transforms, stream, *args, **kwargs):
+    if "iter_0000004" in getattr(stream, "name", ""):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write_item(transforms, stream, *args, **kwargs)
+dcp_filesystem._write_item = disk_full
+pretrain_difflm.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """Iterations 2 and 4 of a finished run, saved by the command line (once per module)."""
+    root = tmp_path_factory.mktemp("saved") / "ckpt"
+    result = run_cli(*TINY, "--train-iters", "4", "--save", str(root), "--save-interval", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return root
+
+
+@pytest.fixture
+def ckpt(saved_run, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_run, tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_resuming_from_a_damaged_shard_names_it_and_the_iteration_to_load(ckpt, damage):
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[1]
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100] if damage == "truncated" else b"\0" * size)
+    result = run_cli(*TINY, "--train-iters", "6", "--load", str(ckpt))
+    assert result.returncode == 1, result.stderr[-2000:]
+    line = error_line(result.stderr)
+    for part in (str(shard), "the checkpoint is damaged", "--ckpt-step 2", f"delete {ckpt / 'iter_0000004'}"):
+        assert part in line, line
+    if damage == "truncated":  # the sizes are checked before the model is built
+        assert "100 bytes where the index expects" in line and "parameters" not in result.stdout
+        return
+    resumed = run_cli(*TINY, "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "2")
+    assert resumed.returncode == 0 and "at iteration 2" in resumed.stdout, resumed.stderr[-2000:]
+
+
+def test_resuming_with_another_vocabulary_names_the_vocabulary(ckpt):
+    result = run_cli(*TINY, "--train-iters", "6", "--load", str(ckpt), "--vocab-size", "80")
+    assert result.returncode == 1, result.stderr[-2000:]
+    line = error_line(result.stderr)
+    assert "tokenizer has vocab_size=65 but this run's has 81 (--vocab-size)" in line, line
+    assert "mask" not in line, "the mask token moved because the vocabulary did"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_disk_filling_during_a_save_keeps_the_previous_checkpoint(tmp_path, mode):
+    wrapper, root = tmp_path / "disk_full.py", tmp_path / "ckpt"
+    wrapper.write_text(DISK_FULL_AT_4)
+    flags = [*TINY, "--train-iters", "4", "--save", str(root), "--save-interval", "2"]
+    result = subprocess.run([sys.executable, str(wrapper), *flags, *(["--async-save"] if mode == "async" else [])],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    line = error_line(result.stderr)
+    for part in (f"--save {root}: saving iteration 4 failed (No space left on device)",
+                 f"{TRACKER} still names iteration 2", "iter_0000004.tmp is never loaded", "free space"):
+        assert part in line, line
+    assert (root / TRACKER).read_text() == "2"
+    assert sorted(path.name for path in root.iterdir()) == ["iter_0000002", TRACKER]
+    resumed = run_cli(*TINY, "--train-iters", "4", "--load", str(root))
+    assert resumed.returncode == 0 and "at iteration 2" in resumed.stdout, resumed.stderr[-2000:]

@@ -1,9 +1,16 @@
 """Sharded save/load in one process: round trip, and clear errors for a different model."""
 
+import errno
+import re
+import threading
+
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.errors import InputError
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.initialize import initialize_distributed
@@ -41,15 +48,39 @@ def test_a_different_architecture_is_named(tmp_path):
         serialization.load(renamed, str(tmp_path / "ckpt"))
 
 
-def test_a_damaged_shard_is_reported_with_the_checkpoint(tmp_path):
+def test_a_damaged_shard_is_named(tmp_path):
     serialization.save(model().sharded_state_dict(), str(tmp_path / "ckpt"))
-    shard = next((tmp_path / "ckpt").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(ValueError, match="could not be read.*damaged"):
+    shard = sorted((tmp_path / "ckpt").glob("*.distcp"))[-1]
+    whole = shard.read_bytes()
+    shard.write_bytes(b"\0" * len(whole))  # the right size: found only by reading it
+    with pytest.raises(InputError, match=re.escape(f"{shard} cannot be read") + ".*the checkpoint is damaged"):
+        serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))
+    shard.write_bytes(whole[: len(whole) // 2])  # cut short: found from the sizes, before reading
+    with pytest.raises(InputError, match=re.escape(f"{shard} is {len(whole) // 2} bytes where the index expects")):
         serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))
     (tmp_path / "ckpt" / ".metadata").unlink()
     with pytest.raises(ValueError, match="no readable .metadata"):
         serialization.load(model(seed=1).sharded_state_dict(), str(tmp_path / "ckpt"))
+
+
+def test_a_file_failing_in_a_writer_thread_fails_the_save(tmp_path, monkeypatch, capfd):
+    """A full disk met by one of DCP's helper threads: without the check, that thread dies with a
+    printed traceback and the save completes without its file (an index naming a missing tensor)."""
+    write_item, helper_failed = dcp_filesystem._write_item, threading.Event()
+
+    def disk_full_for_helpers(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            helper_failed.wait(timeout=60)  # the other files are left to the helper threads
+            return write_item(*args, **kwargs)
+        helper_failed.set()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", disk_full_for_helpers)
+    with pytest.raises((OSError, CheckpointException)) as raised:
+        serialization.save(model().sharded_state_dict(), str(tmp_path / "ckpt"))
+    assert helper_failed.is_set() and "No space left on device" in str(raised.value)
+    assert not (tmp_path / "ckpt" / ".metadata").exists(), "no index for a checkpoint missing files"
+    assert "Exception in thread" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5), (2, 4, 3, 2)])

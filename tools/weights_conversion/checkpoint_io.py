@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import serialization
+from megatron.core.dist_checkpointing import safe_reader
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.errors import InputError
 from megatron.core.transformer.moe.config import MoEConfig
@@ -127,16 +128,11 @@ def _index(iter_dir: str):
 def check_shard_files(iter_dir: str) -> None:
     """Fail before any tensor is read when a shard file the index names is missing or shorter than the
     index says (a truncated copy); damage inside a file is found when it is read."""
-    needed: Dict[str, int] = {}
-    for info in (_index(iter_dir).storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        path = os.path.join(iter_dir, name)
-        actual = os.path.getsize(path) if os.path.isfile(path) else None
-        if actual is None or actual < size:
-            state = "missing" if actual is None else f"{actual} bytes where the index expects {size}"
-            raise CheckpointError(f"{path} is {state}: the checkpoint is damaged (an interrupted save or copy); "
-                                  "copy it again or load an earlier iteration")
+    _index(iter_dir)  # a missing index is named as such
+    try:
+        safe_reader.check_shard_files(iter_dir)
+    except safe_reader.DamagedCheckpointError as error:
+        raise error.with_fix("copy it again or load an earlier iteration") from None
 
 
 def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:

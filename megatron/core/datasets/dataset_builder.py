@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from megatron.core.datasets import indexed_dataset
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, split_document_ranges
 from megatron.core.datasets.indexed_dataset import IndexedDataset, check_indexed_dataset, get_answer_prefix
@@ -70,6 +71,16 @@ def check_prefixes_exist(prefixes: Sequence[str], flag: str, sft: bool = False) 
                              "come from different runs; rebuild both with tools/preprocess_data.py --chat")
 
 
+def check_leading_tokens(prefixes: Sequence[str], flag: str, vocab_size: int) -> None:
+    """The first tokens of every prefix fit this run's vocabulary (indexed_dataset.check_leading_tokens),
+    or an InputError naming `flag`. Called once the tokenizer is known, with the other flag checks."""
+    for prefix in prefixes:
+        try:
+            indexed_dataset.check_leading_tokens(prefix, vocab_size)
+        except InputError as error:
+            raise InputError(f"{flag}: {error}") from None
+
+
 def _checked_documents(prefix: str, flag: str, fix_if_missing: str) -> int:
     """The documents of an undamaged pair (check_indexed_dataset), or an InputError naming `flag`."""
     if not IndexedDataset.exists(prefix):
@@ -96,7 +107,7 @@ class DatasetBuilder:
     def gpt(self, prefix: str, document_range: Tuple[int, int], num_samples: int, split: str):
         if self.sft is not None:
             tokens, answers = check_answer_pair(prefix, mmap=self.config.mmap_bin_files)
-            lengths, get = indexed_examples(tokens, answers, document_range)
+            lengths, get = indexed_examples(tokens, answers, document_range, self.config.vocab_size)
             dataset = SFTDataset(lengths, get, num_samples, self.sft, name=f"{prefix} ({split})",
                                  source={"prefix": prefix, "range": list(document_range), "split": split})
             if dataset.truncated and self.is_builder:

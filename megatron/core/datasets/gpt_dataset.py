@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, out_of_vocabulary, vocabulary_error
 from megatron.core.errors import InputError
 
 INDEX_FORMAT_VERSION = 1
@@ -43,6 +43,9 @@ class GPTDatasetConfig:
     mmap_bin_files: bool = True
     """Memory-map the `.bin` token files; False reads each sample through a file handle
     (--no-mmap-bin-files, for filesystems where mmap is slow or not allowed)."""
+    vocab_size: Optional[int] = None
+    """Ids a sample may hold, [0, vocab_size) (the tokenizer's, without padding or an appended mask
+    token); every piece read is checked against it. None: unchecked."""
 
 
 def split_weights(split: str) -> List[float]:
@@ -127,10 +130,11 @@ class GPTDataset(torch.utils.data.Dataset):
             tokens_per_epoch, barrier, is_builder)
 
     def _description(self, tokens_per_epoch: int) -> Dict:
+        # What the indices depend on: not where they are cached, nor the vocabulary the reads are checked against.
+        config = {name: value for name, value in asdict(self.config).items() if name != "vocab_size"}
         return {"class": "GPTDataset", "format": INDEX_FORMAT_VERSION, "path_prefix": os.path.abspath(self.path_prefix),
                 "document_range": list(self.document_range), "tokens_per_epoch": tokens_per_epoch,
-                "num_samples": self.requested_samples, "split": self.split_name, **asdict(self.config),
-                "cache_dir": None}
+                "num_samples": self.requested_samples, "split": self.split_name, **config, "cache_dir": None}
 
     def _cache_paths(self) -> Dict[str, str]:
         cache_dir = self.config.cache_dir or os.path.join(os.path.dirname(os.path.abspath(self.path_prefix)),
@@ -187,13 +191,22 @@ class GPTDataset(torch.utils.data.Dataset):
         (first_pos, first_offset), (last_pos, last_offset) = self.sample_index[j], self.sample_index[j + 1]
         first_pos, first_offset, last_pos, last_offset = (int(v) for v in (first_pos, first_offset, last_pos,
                                                                            last_offset))
+        # (position in the document index, offset, length or None for the rest of the sequence)
         if first_pos == last_pos:
-            return self.indexed.get(int(self.document_index[first_pos]), first_offset,
-                                    last_offset - first_offset + 1)
-        pieces = [self.indexed.get(int(self.document_index[first_pos]), first_offset)]
-        pieces += [self.indexed.get(int(self.document_index[pos])) for pos in range(first_pos + 1, last_pos)]
-        pieces.append(self.indexed.get(int(self.document_index[last_pos]), 0, last_offset + 1))
-        return np.concatenate(pieces)
+            windows = [(first_pos, first_offset, last_offset - first_offset + 1)]
+        else:
+            windows = [(first_pos, first_offset, None), *((pos, 0, None) for pos in range(first_pos + 1, last_pos)),
+                       (last_pos, 0, last_offset + 1)]
+        pieces = [self._read(int(self.document_index[pos]), offset, length) for pos, offset, length in windows]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _read(self, sequence: int, offset: int, length: Optional[int]) -> np.ndarray:
+        tokens = self.indexed.get(sequence, offset, length)
+        bad = out_of_vocabulary(tokens, self.config.vocab_size)
+        if bad is not None:
+            raise vocabulary_error(f"{get_bin_path(self.path_prefix)}, sequence {sequence}", bad,
+                                   self.config.vocab_size)
+        return tokens
 
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         tokens = self.sample_tokens(index)

@@ -305,6 +305,44 @@ class IndexedDataset:
         return all(os.path.isfile(path) for path in _readable(path_prefix))
 
 
+VOCABULARY_FIX = ("tokenize the data with this run's tokenizer (tools/preprocess_data.py), or train with the "
+                  "tokenizer it was made with (--tokenizer-type, --tokenizer-model, --vocab-size)")
+LEADING_TOKENS = 1 << 16
+"""Tokens of each corpus read when the flags are checked: a wrong tokenizer shows in any of them."""
+
+
+def out_of_vocabulary(ids: np.ndarray, vocab_size: int | None) -> int | None:
+    """The largest id of `ids` at or above `vocab_size` (or a negative one), None when all fit.
+
+    One min/max on the host per piece read: cheap next to the read itself (checking a whole corpus
+    at start-up is not), and found before an embedding lookup would meet it (a device-side assert
+    on CUDA; an id among the padding rows reads a row no loss can predict).
+    """
+    if vocab_size is None or not len(ids):
+        return None
+    high = int(ids.max())
+    if high >= vocab_size:
+        return high
+    low = int(ids.min()) if np.dtype(ids.dtype).kind == "i" else 0
+    return low if low < 0 else None
+
+
+def vocabulary_error(where: str, token_id: int, vocab_size: int) -> InputError:
+    return InputError(f"{where}: token id {token_id} is outside this run's vocabulary of {vocab_size} ids "
+                      f"([0, {vocab_size})); {VOCABULARY_FIX}")
+
+
+def check_leading_tokens(path_prefix: str, vocab_size: int) -> None:
+    """The first LEADING_TOKENS tokens of the pair fit the vocabulary (InputError naming the .bin if not):
+    a corpus made with another tokenizer stops the run when its flags are checked, on every rank alike."""
+    idx_path, bin_path = _require_pair(path_prefix)
+    item = _little_endian(DTYPE_CODES[_read_header(idx_path)[0]])
+    count = min(LEADING_TOKENS, os.path.getsize(bin_path) // item.itemsize)
+    bad = out_of_vocabulary(np.fromfile(bin_path, dtype=item, count=count), vocab_size)
+    if bad is not None:
+        raise vocabulary_error(f"{bin_path} (among its first {count} tokens)", bad, vocab_size)
+
+
 def _checked_tokens(tokens, dtype: np.dtype) -> np.ndarray:
     """`tokens` as a little-endian `dtype` array, refusing values that would wrap or truncate.
 

@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset, get_answer_prefix
+from megatron.core.datasets.indexed_dataset import (IndexedDataset, get_answer_prefix, get_bin_path, out_of_vocabulary,
+                                                    vocabulary_error)
 from megatron.core.errors import InputError
 
 SFT_PADDINGS = ("eos", "pack")
@@ -140,13 +141,18 @@ class SFTDataset(torch.utils.data.Dataset):
                 "index": torch.tensor(index, dtype=torch.int64)}
 
 
-def indexed_examples(tokens: IndexedDataset, answers: IndexedDataset,
-                     document_range: Tuple[int, int]) -> Tuple[np.ndarray, Callable[[int], Example]]:
-    """(lengths, get) of the examples [begin, end) of a token pair and its answer pair."""
+def indexed_examples(tokens: IndexedDataset, answers: IndexedDataset, document_range: Tuple[int, int],
+                     vocab_size: Optional[int] = None) -> Tuple[np.ndarray, Callable[[int], Example]]:
+    """(lengths, get) of the examples [begin, end) of a token pair and its answer pair; `get` checks
+    each example's ids against [0, vocab_size) (GPTDatasetConfig.vocab_size)."""
     begin, end = document_range
 
     def get(example: int) -> Example:
-        return tokens.get(begin + example), answers.get(begin + example)
+        ids = tokens.get(begin + example)
+        bad = out_of_vocabulary(ids, vocab_size)
+        if bad is not None:
+            raise vocabulary_error(f"{get_bin_path(tokens.path_prefix)}, sequence {begin + example}", bad, vocab_size)
+        return ids, answers.get(begin + example)
     return np.asarray(tokens.sequence_lengths[begin:end]), get
 
 

@@ -5,13 +5,18 @@ plain `pickle.load`, so a crafted checkpoint runs arbitrary code on load. `SafeF
 reads the same file with an unpickler that resolves only the classes DCP's index is made of
 (its metadata dataclasses, torch.Size, dtypes, layouts, paths, a few builtins); anything
 else is refused with a `CheckpointMetadataError` naming the file and the class.
+
+A shard file that is missing, shorter than the index says (`check_shard_files`, before anything
+is read) or unreadable (DCP's own error does not say which file: the reader reads one file at a
+time to know) raises a `DamagedCheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
-from typing import Any
+from typing import Any, Dict
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,6 +38,21 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 class CheckpointMetadataError(InputError):
     pass
+
+
+class DamagedCheckpointError(InputError):
+    """A shard file that is missing, cut short or unreadable: names the file, says the checkpoint is
+    damaged, and gives `fix` (the caller knows which iterations could be loaded instead)."""
+
+    def __init__(self, path: str, problem: str, fix: str = "load an earlier iteration") -> None:
+        super().__init__(path, problem, fix)  # the arguments rebuild it when DCP sends it between ranks
+        self.path, self.problem, self.fix = path, problem, fix
+
+    def __str__(self) -> str:
+        return f"{self.path} {self.problem}: the checkpoint is damaged (an interrupted save or copy); {self.fix}"
+
+    def with_fix(self, fix: str) -> "DamagedCheckpointError":
+        return DamagedCheckpointError(self.path, self.problem, fix)
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -74,3 +94,37 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        """DCP's read, one shard file at a time: a file that cannot be read is named."""
+        by_file: Dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        done = None
+        for relative_path, items in by_file.items():
+            try:
+                done = super().read_data(dataclasses.replace(plan, items=items), planner)
+                done.wait()
+            except Exception as error:  # a damaged pickle, a short read, a size that does not match
+                detail = type(error).__name__
+                if not isinstance(error, pickle.UnpicklingError):  # whose text suggests unsafe loading instead
+                    detail += ": " + (str(error).strip().splitlines() or [""])[0][:160]
+                raise DamagedCheckpointError(os.path.join(str(self.path), relative_path),
+                                             f"cannot be read ({detail})") from None
+        return done if done is not None else super().read_data(plan, planner)
+
+
+def check_shard_files(checkpoint_dir: str) -> None:
+    """Every shard file the index names is there and as long as the index says (a DamagedCheckpointError
+    otherwise); reads the index and the files' sizes only. Damage inside a file of the right size is
+    found when it is read (SafeFileSystemReader.read_data)."""
+    needed: Dict[str, int] = {}
+    index = read_index(os.path.join(checkpoint_dir, ".metadata"))
+    for info in (index.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(checkpoint_dir, name)
+        actual = os.path.getsize(path) if os.path.isfile(path) else None
+        if actual is None or actual < size:
+            raise DamagedCheckpointError(path, "is missing" if actual is None else
+                                         f"is {actual} bytes where the index expects {size}")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Sequence, Tuple
+from functools import partial
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchSharde
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.safe_reader import CheckpointMetadataError, SafeFileSystemReader
+from megatron.core.dist_checkpointing.safe_reader import (CheckpointMetadataError, DamagedCheckpointError,
+                                                           SafeFileSystemReader, check_shard_files)
 
 Box = List[Tuple[int, int]]
 
@@ -90,8 +92,52 @@ def to_dcp_state_dict(sharded: Dict[str, ShardedTensor]) -> Dict[str, object]:
 WRITER_THREADS = 4
 
 
+class _CheckedWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer, where a file that fails to write (a full disk) fails the save.
+
+    DCP writes files in WRITER_THREADS threads; in a helper thread an error only ends that thread,
+    printing its traceback, and the save goes on without that file's entries: the index would then
+    be written for a checkpoint missing tensors. Here every file's stream records its error and
+    stops (no traceback from the thread), and `write_data` raises the first one once all are done.
+    """
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        super().__init__(checkpoint_dir, thread_count=WRITER_THREADS)
+        self.failures: List[Exception] = []
+        self.fs.create_stream = partial(_RecordedStream, self.fs.create_stream, self.failures)
+
+    def write_data(self, plan, planner):
+        self.failures.clear()
+        written = super().write_data(plan, planner)
+        if self.failures:
+            raise self.failures[0]
+        return written
+
+
+class _RecordedStream:
+    """`open_stream(path, mode)` as a context whose body's error is recorded in `failures` and
+    swallowed: the thread writing it moves on (and fails fast on a full disk) instead of dying."""
+
+    def __init__(self, open_stream: Callable, failures: List[Exception], path, mode: str) -> None:
+        self.context, self.failures = open_stream(path, mode), failures
+
+    def __enter__(self):
+        try:
+            return self.context.__enter__()
+        except Exception as error:
+            self.failures.append(error)
+            raise
+
+    def __exit__(self, kind, error, trace) -> bool:
+        self.context.__exit__(kind, error, trace)
+        if isinstance(error, Exception):
+            self.failures.append(error)
+            return True
+        return False
+
+
 def _writer(checkpoint_dir: str) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(checkpoint_dir, thread_count=WRITER_THREADS)
+    return _CheckedWriter(checkpoint_dir)
 
 
 def _planner(fully_parallel: bool, cache_plan: bool) -> DefaultSavePlanner:
@@ -199,9 +245,13 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         if stored != expected:
             raise ValueError(f"checkpoint {checkpoint_dir}: tensor {key!r} has shape {stored}, this model "
                              f"expects {expected}; the architecture differs")
+    check_shard_files(checkpoint_dir)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir))
     except (Exception, CheckpointException) as error:  # DCP reports a damaged file deep inside its reader
+        damaged = _damaged_file(error)
+        if damaged is not None:  # every rank gathers every rank's failures: all of them raise it
+            raise damaged from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(f"checkpoint {checkpoint_dir} could not be read ({type(error).__name__}: {first_line}): "
                          "a shard file is damaged or missing; load an earlier iteration") from error
@@ -209,3 +259,12 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
         if piece.key in staged:
             box = tuple(slice(o, o + n) for o, n in zip(piece.global_offset, piece.data.shape))
             piece.data.copy_(staged[piece.key][box])
+
+
+def _damaged_file(error: BaseException):
+    """The DamagedCheckpointError among the ranks' failures DCP gathered into `error`, if any."""
+    failures = error.failures.values() if isinstance(error, CheckpointException) else [(error, None)]
+    for failure, _ in failures:
+        if isinstance(failure, DamagedCheckpointError):
+            return failure
+    return None
