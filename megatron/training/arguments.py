@@ -163,10 +163,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true", help="Bias on the QKV projection only.")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Separate output layer instead of the transposed embedding.")
-    g.add_argument("--attention-dropout", type=float, default=0.1,
-                   help="Attention-probability dropout (Megatron's default, 0.1; DLM recipes pass 0.0).")
-    g.add_argument("--hidden-dropout", type=float, default=0.1,
-                   help="Residual-branch and embedding dropout (Megatron's default, 0.1; DLM recipes pass 0.0).")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Attention-probability dropout (Megatron's default, 0.1; DLM recipes pass 0.0).")  # noqa: E501
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Residual-branch and embedding dropout (Megatron's default, 0.1; DLM recipes pass 0.0).")  # noqa: E501
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the weight init.")
     g.add_argument("--sliding-window", type=int, help="Window of the sliding_window attention mask.")
     g.add_argument("--attention-backend", default="auto",
