@@ -60,6 +60,8 @@ BAD_FLAGS = [
     (["--sliding-window", "4"], "--sliding-window has no effect without --attention-mask-type sliding_window"),
     (["--difflm-block-size", "4"], "--difflm-block-size has no effect without --attention-mask-type block_causal"),
     (["--mask-token", "63"], "--mask-token 63 is the EOD token"),
+    (["--null-tokenizer-eod-id", "64"], "--null-tokenizer-eod-id 64 is outside the vocabulary of --vocab-size 64"),
+    (["--null-tokenizer-eod-id", "5", "--mask-token", "5"], "--mask-token 5 is the EOD token"),
     (["--hidden-size", "15"], "--hidden-size 15 is not divisible by --num-attention-heads 2"),
     (["--lr", "-0.001"], "--lr -0.001 must be a finite number >= 0"),
     (["--lr", "nan"], "--lr nan must be a finite number"),

@@ -275,6 +275,18 @@ def test_null_tokenizer():
         {"type": "NullTokenizer", "vocab_size": 11, "eod": 9, "mask": 10, "sha256": None}
 
 
+def test_null_tokenizer_eod_id_names_another_end_of_document():
+    """--null-tokenizer-eod-id (megatron-core's flag): EOD anywhere in the vocabulary; the mask token
+    is still appended after the last id, and the checkpoint identity records the EOD chosen."""
+    tokenizer = build("NullTokenizer", vocab_size=10, null_tokenizer_eod_id=0, add_mask_token=True)
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.mask) == (11, 0, 10)
+    assert tokenizer.identity["eod"] == 0
+    assert build("NullTokenizer", vocab_size=10, null_tokenizer_eod_id=None).eod == 9
+    for outside in (10, -1):
+        with pytest.raises(ValueError, match=f"--null-tokenizer-eod-id {outside} is outside the vocabulary"):
+            build("NullTokenizer", vocab_size=10, null_tokenizer_eod_id=outside)
+
+
 # ----- padding and errors ------------------------------------------------------------------
 
 def test_vocab_size_with_padding():

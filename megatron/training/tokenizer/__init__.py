@@ -20,7 +20,7 @@ TOKENIZER_ALIASES = {"Llama2Tokenizer": "SentencePieceTokenizer", "GPTSentencePi
 def build_tokenizer(args) -> MegatronTokenizer:
     """Build the tokenizer named by ``args.tokenizer_type``.
 
-    Reads ``tokenizer_model``, ``vocab_file``, ``merge_file``, ``vocab_size``,
+    Reads ``tokenizer_model``, ``vocab_file``, ``merge_file``, ``vocab_size``, ``null_tokenizer_eod_id``,
     ``add_mask_token`` and ``mask_token`` from ``args`` when present (any Namespace works).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None)
@@ -31,7 +31,7 @@ def build_tokenizer(args) -> MegatronTokenizer:
         vocab_size = getattr(args, "vocab_size", None)
         if vocab_size is None:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size, **mask)
+        return NullTokenizer(vocab_size, eod_id=getattr(args, "null_tokenizer_eod_id", None), **mask)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(getattr(args, "tokenizer_model", None), **mask)
     if tokenizer_type == "HuggingFaceTokenizer":
@@ -81,4 +81,6 @@ def add_tokenizer_args(group, optional_type: bool = False) -> None:
     group.add_argument("--vocab-file", help="GPT-2 BPE vocab.json.")
     group.add_argument("--merge-file", help="GPT-2 BPE merges.txt.")
     group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size (the last id is EOD).")
+    group.add_argument("--null-tokenizer-eod-id", type=int,
+                       help="NullTokenizer's end-of-document id (default: --vocab-size minus 1, as megatron-core).")
     group.add_argument("--add-mask-token", action="store_true", help="Append a mask token to the vocabulary.")
