@@ -158,7 +158,8 @@ def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> No
             raise InputError(f"--load {source}: the checkpoint was trained with another tokenizer "
                              f"({saved_tokenizer}); pass the same --tokenizer-model")
         # Tokenizers without files (NullTokenizer) hash alike: their size and special ids tell them apart.
-        for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type or --null-tokenizer-eod-id"), ("mask", "--mask-token")):
+        for field, flag in (("vocab_size", "--vocab-size"), ("eod", "--tokenizer-type or --null-tokenizer-eod-id"),
+                            ("mask", "--mask-token")):
             if field in saved_tokenizer and saved_tokenizer[field] != tokenizer.get(field) and not finetune:
                 raise InputError(f"--load {source}: the checkpoint's tokenizer has {field}="
                                  f"{saved_tokenizer[field]!r} but this run's has {tokenizer.get(field)!r} ({flag}); "
