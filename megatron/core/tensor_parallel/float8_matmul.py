@@ -268,7 +268,7 @@ def delayed_arguments(delayed: Optional[DelayedScales]):
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype,
                   grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
+    """`x weight^T + bias` in float8 from the weight's float8 copy (`working_copy.Float8Copy`) in
     `out_dtype`; the gradients of the fp32 weight and bias in fp32 (the weight's added into `grad_into`,
     its existing `.grad`, where one is given). `x`'s rows: a multiple of 16. With the copy's `delayed`
     scales, the input and output gradient are cast by them once they are `ready` (before, by their own
