@@ -37,19 +37,20 @@ import torch.distributed as dist
 
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
-from megatron.training.checkpoint_sources import (LOCAL, describe, find_checkpoint, finish_global_save, global_root,
-                                                  load_local, save_local)
 from megatron.training.checkpoint_files import (FORMAT_VERSION, FP8_DIR, STAGING_SUFFIX, TRACKER, barrier,
                                                 checkpoint_dir, checkpoint_metadata, global_rank, iteration_dir,
                                                 install_checkpoint, latest_iteration, load_delayed_scaling,
                                                 read_checkpoint_metadata, remove_old_checkpoints,
                                                 save_delayed_scaling, write_tracker)
+from megatron.training.checkpoint_sources import (LOCAL, describe, find_checkpoint, finish_global_save, global_root,
+                                                  load_local, save_local)
 from megatron.training.configs import CheckpointConfig, RunRecord
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
 from megatron.core.optimizer.optimizer import local_optimizers
 from megatron.core.distributed.data_parallel import unwrap
+
 
 def _serialization():
     """The DCP reader/writer, imported when a checkpoint is first written or read: importing
