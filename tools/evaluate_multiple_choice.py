@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.checkpoint_files import inference_metadata  # noqa: E402
 from megatron.training.checkpointing import load_inference_model  # noqa: E402
-from tools.weights_conversion import checkpoint_io  # noqa: E402
 
 SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
                       "multiple_choice_sample.jsonl")
@@ -151,14 +151,14 @@ def write_report(path: str, report: dict) -> None:
 
 def prepare(args: argparse.Namespace, device: torch.device):
     """(questions, model, metadata, tokenizer), every input checked before the model is loaded."""
-    from tools.weights_conversion.tokenizer_export import rebuild_training_tokenizer
+    from megatron.training.tokenizer.identity import rebuild_training_tokenizer
 
     if args.mc_num < 1 or args.batch_size < 1 or args.mc_num % args.batch_size:
         raise UsageError(f"--mc-num {args.mc_num} must be a positive multiple of --batch-size {args.batch_size}")
     if args.json:
         check_writable(args.json)
     questions = read_questions(args.data, args.limit)
-    metadata = checkpoint_io.inference_metadata(args.load)
+    metadata = inference_metadata(args.load)
     identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}  # none recorded: as the exporter reads it
     tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=args.tokenizer_model)
     if tokenizer is None:
@@ -173,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         questions, model, metadata, tokenizer = prepare(args, device)
-    except (UsageError, ValueError, OSError) as error:  # InputError and TokenizerExportError are ValueErrors
+    except (UsageError, ValueError, OSError) as error:  # InputError and TokenizerIdentityError are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     report = evaluate(model, tokenizer, questions, args, device)

@@ -32,6 +32,7 @@ from megatron.core.inference.generation import resolve_options
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+from megatron.training.checkpoint_files import inference_metadata
 from megatron.training.checkpointing import load_inference_model
 from megatron.training.tokenizer import build_tokenizer
 from tools.weights_conversion import checkpoint_io
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args, device: torch.device) -> None:
     """Check the checkpoint, the tokenizer, the prompt and the options; then load, generate, print."""
     torch.manual_seed(args.seed)
-    metadata = checkpoint_io.inference_metadata(args.load) if args.load else None
+    metadata = inference_metadata(args.load) if args.load else None
     identity = (metadata or {}).get("tokenizer") or {}
     tokenizer = build_text_tokenizer(args, identity)
     model = None

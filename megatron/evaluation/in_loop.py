@@ -27,8 +27,8 @@ from torch import nn
 
 from megatron.core.distributed.data_parallel import is_fully_sharded, unwrap
 from megatron.core.errors import InputError
-from megatron.training.checkpointing import _rng_state, _set_rng_state
 from megatron.training.configs import LMEvalConfig
+from megatron.training.rng_state import capture_rng_state, restore_rng_state
 
 __all__ = ["InLoopEvaluation", "build_in_loop_evaluation", "numeric_metrics", "whole_weights"]
 
@@ -130,7 +130,7 @@ class InLoopEvaluation:
         """Evaluate the tasks on `model` as it is now; print one line per task and record every metric."""
         import lm_eval
 
-        start, rng, training = time.time(), _rng_state(model), model.training
+        start, rng, training = time.time(), capture_rng_state(model), model.training
         model.eval()
         try:
             with torch.no_grad(), whole_weights(model):
@@ -139,7 +139,7 @@ class InLoopEvaluation:
                                                   log_samples=False)
         finally:
             model.train(training)
-            _set_rng_state(model, rng)
+            restore_rng_state(model, rng)
         metrics = self.history[iteration] = numeric_metrics(results)
         self._log(metrics, iteration, time.time() - start)
         return metrics

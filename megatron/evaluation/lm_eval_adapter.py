@@ -54,6 +54,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from megatron.core.inference import generation
 from megatron.evaluation.scoring import Scorer, pair_seed
+from megatron.training.checkpoint_files import inference_metadata
+from megatron.training.checkpointing import load_inference_model
+from megatron.training.tokenizer.identity import rebuild_training_tokenizer
 
 __all__ = ["MegaDLMsLM", "Backend", "load_backend"]
 
@@ -78,11 +81,7 @@ class Backend:
 
 
 def _checkpoint_backend(load: str, device: torch.device, tokenizer: Optional[str]) -> Backend:
-    from megatron.training.checkpointing import load_inference_model
-    from tools.weights_conversion import checkpoint_io
-    from tools.weights_conversion.tokenizer_export import rebuild_training_tokenizer
-
-    identity = checkpoint_io.inference_metadata(load).get("tokenizer") or {"type": "NullTokenizer"}
+    identity = inference_metadata(load).get("tokenizer") or {"type": "NullTokenizer"}
     text_tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=tokenizer)  # checked before the weights
     if text_tokenizer is None:
         raise ValueError(f"load={load} was trained with the NullTokenizer: lm-eval's tasks are text; evaluate a "

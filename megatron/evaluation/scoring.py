@@ -43,7 +43,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.inference.generation import ModelFn, _build_layout, guided, resolve_options
+from megatron.core.inference.generation import ModelFn, canvas_layout, guided, resolve_options
 from megatron.core.inference.likelihood import answer_spans, draw_masks
 
 __all__ = ["Scorer", "pair_seed"]
@@ -178,7 +178,7 @@ class Scorer:
         if self.cfg > 0 and self.running_mode != "vanilla":
             ids = torch.cat([ids, self._stacked([row.unconditional for row in rows], width)])
             real, row_of, columns = real.repeat(2, 1), torch.cat([row_of, row_of + len(rows)]), columns.repeat(2)
-        layout = _build_layout(self._to_device(real), 0, self.opts)
+        layout = canvas_layout(self._to_device(real), 0, self.opts)
         read = (self._to_device(row_of), self._to_device(columns))
         picked = self._logits(self._to_device(ids), layout.positions, layout.attention_mask(0, width, width),
                               read).float()

@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import sys
-import tempfile
 from typing import Callable, Collection, List, Optional
 
 import torch
@@ -33,7 +32,7 @@ from megatron.training import schedule_args
 from megatron.training.rope_args import (ROPE_FIELD_FLAGS, ROPE_FLAG_NEEDS, add_rope_args, rope_config_fields,
                                          validate_rope_args)
 from megatron.training.checkpoint_flags import (CHECKPOINT_FLAG_NEEDS, CKPT_FORMATS, add_checkpoint_flags,
-                                               validate_checkpoint_flags)
+                                               check_writable_dir, validate_checkpoint_flags)
 from megatron.training.configs import CheckpointConfig, LoggingConfig, RunRecord, TrainingConfig
 from megatron.training.data_args import validate_data_args
 from megatron.training.tokenizer import add_tokenizer_args
@@ -459,20 +458,6 @@ def _flag_notes(args: argparse.Namespace, given: Collection[str]) -> List[str]:
     return notes
 
 
-def _check_writable_dir(flag: str, path: Optional[str]) -> None:
-    """Create `path` if missing and write a file there now, so a mistyped or read-only directory
-    fails at start-up instead of at the first save or index build, after the model is built."""
-    if not path:
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
-            pass
-    except OSError as error:
-        raise ValueError(f"{flag} {path} is not a writable directory ({error.strerror or error}); "
-                         "choose another path or fix its permissions") from None
-
-
 def _config_error_hint(error: ValueError) -> str:
     """Names the flag behind a config error: config messages start with `Owner.field` (their docstring)."""
     match = re.match(r"(TransformerConfig|DLMConfig|MoEConfig)\.(\w+)", str(error))
@@ -506,7 +491,7 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     _validate_batch_and_schedule(args)
     # Every rank writes checkpoint shards; only rank 0 writes tensorboard events.
     for dest in ("save", "data_cache_path") + (("tensorboard_dir",) if _is_rank_zero() else ()):
-        _check_writable_dir(_flag(dest), getattr(args, dest))
+        check_writable_dir(_flag(dest), getattr(args, dest))
     validate_data_args(args)
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are both set; choose one")

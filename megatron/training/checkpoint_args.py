@@ -15,6 +15,7 @@ from typing import Callable, Dict, Tuple
 
 from megatron.core.errors import InputError
 from megatron.core.transformer.rope_scaling import FIELDS_OF_TYPE, SCALING_DEFAULTS
+from megatron.training.checkpoint_files import iteration_dir, latest_iteration, read_checkpoint_metadata
 from megatron.training.rope_args import ROPE_FIELD_FLAGS, checkpoint_rope_flags
 
 # TransformerConfig fields that decide the parameters' shapes: (the flag, checkpoint -> flag value).
@@ -178,8 +179,6 @@ def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> No
 def apply_checkpoint_args(args) -> None:
     """--use-checkpoint-args: the architecture flags (and --seq-length when not given) from the
     latest checkpoint under --load, before the flags are validated."""
-    from megatron.training.checkpointing import iteration_dir, latest_iteration, read_checkpoint_metadata
-
     if not args.load:
         raise InputError("--use-checkpoint-args needs --load DIR")
     iteration = latest_iteration(args.load)

@@ -9,7 +9,9 @@ stops at parse time with one line saying what to use instead.
 from __future__ import annotations
 
 import argparse
-from typing import Collection, Tuple
+import os
+import tempfile
+from typing import Collection, Optional, Tuple
 
 # Megatron-LM's --ckpt-format values, old and new; only the first is written here.
 CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
@@ -118,10 +120,6 @@ def validate_checkpoint_flags(args: argparse.Namespace, given: Collection[str]) 
 def _check_non_persistent_dirs(args: argparse.Namespace) -> None:
     """The directory non-persistent saves go to is writable now, and is not --save itself (whose
     iterations --keep-last-checkpoints prunes and whose tracker names the persistent one)."""
-    import os
-
-    from megatron.training.arguments import _check_writable_dir
-
     if args.non_persistent_ckpt_type == "global":
         flag, path = "--non-persistent-global-ckpt-dir", (args.non_persistent_global_ckpt_dir
                                                           or os.path.join(args.save, "non_persistent"))
@@ -130,4 +128,20 @@ def _check_non_persistent_dirs(args: argparse.Namespace) -> None:
     if os.path.abspath(path) == os.path.abspath(args.save):
         raise ValueError(f"{flag} {path} is --save itself; give the non-persistent checkpoints a directory of "
                          "their own (default: <--save>/non_persistent)")
-    _check_writable_dir(flag, path)
+    check_writable_dir(flag, path)
+
+
+def check_writable_dir(flag: str, path: Optional[str]) -> None:
+    """Create `path` if missing and write a file there now, so a mistyped or read-only directory
+    fails at start-up instead of at the first save or index build, after the model is built
+    (--save and the non-persistent directories here; arguments.py checks --data-cache-path and
+    --tensorboard-dir with it too)."""
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path} is not a writable directory ({error.strerror or error}); "
+                         "choose another path or fix its permissions") from None

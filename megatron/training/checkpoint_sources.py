@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.errors import InputError
-from megatron.training.checkpointing import (FP8_DIR, STAGING_SUFFIX, TRACKER, _barrier, _metadata, _rank,
-                                             _remove_old_checkpoints, _rng_state, checkpoint_dir, install_checkpoint,
-                                             iteration_dir, latest_iteration, save_delayed_scaling)
+from megatron.training.checkpoint_files import (FP8_DIR, STAGING_SUFFIX, TRACKER, barrier, checkpoint_dir,
+                                                checkpoint_metadata, global_rank, install_checkpoint, iteration_dir,
+                                                latest_iteration, remove_old_checkpoints, save_delayed_scaling)
 from megatron.training.configs import CheckpointConfig, RunRecord
+from megatron.training.rng_state import capture_rng_state
 
 NON_PERSISTENT_SUBDIR = "non_persistent"
 PERSISTENT, NON_PERSISTENT, LOCAL = "persistent", "non-persistent", "local non-persistent"
@@ -66,7 +67,7 @@ _WARNED = set()
 
 def _warn(message: str) -> None:
     """Once per message: the choice is made before the model is built and again when loading."""
-    if _rank() == 0 and message not in _WARNED:
+    if global_rank() == 0 and message not in _WARNED:
         _WARNED.add(message)
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -159,7 +160,7 @@ def _local_latest(config: CheckpointConfig, record: RunRecord, above: Optional[i
                   wanted: Optional[int] = None) -> Optional[CheckpointSource]:
     """The newest local iteration complete on every rank (or `wanted`, if all have it). Refuses one
     saved under another layout when it would be taken."""
-    root = local_root(config, _rank())
+    root = local_root(config, global_rank())
     mine = complete_iterations(root)[-3:]  # a save in flight keeps at most two complete ones
     candidate = wanted if wanted is not None else (mine[-1] if mine else None)
     saved = None
@@ -201,7 +202,7 @@ def _named_step(config: CheckpointConfig, record: RunRecord, step: int) -> Check
         found = _local_latest(config, record, above=None, wanted=step)
         if found is not None:
             return found
-        held["local " + config.non_persistent_local_ckpt_dir] = complete_iterations(local_root(config, _rank()))
+        held["local " + config.non_persistent_local_ckpt_dir] = complete_iterations(local_root(config, global_rank()))
     listed = "; ".join(f"{where}: {', '.join(map(str, its)) or 'none'}" for where, its in held.items())
     raise InputError(f"--ckpt-step {step}: no such iteration is saved ({listed}); pass one of those")
 
@@ -241,7 +242,7 @@ def refuse_foreign_format(root: Optional[str]) -> None:
 def finish_global_save(root: str, iteration: int) -> None:
     """Rank 0, after the tracker names `iteration`: only the newest non-persistent checkpoint is
     kept, and staged directories of saves that died are removed."""
-    _remove_old_checkpoints(root, 1, iteration)
+    remove_old_checkpoints(root, 1, iteration)
     _remove_dead_stagings(root)
 
 
@@ -259,7 +260,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 def save_local(config: CheckpointConfig, record: RunRecord, trainer, sharded) -> str:
     """Collective. This rank's boxes (`sharded`), RNG and metadata into its own directory."""
-    rank, iteration = _rank(), trainer.state.iteration
+    rank, iteration = global_rank(), trainer.state.iteration
     root = local_root(config, rank)
     os.makedirs(root, exist_ok=True)
     staged = checkpoint_dir(root, iteration) + STAGING_SUFFIX
@@ -268,16 +269,16 @@ def save_local(config: CheckpointConfig, record: RunRecord, trainer, sharded) ->
     torch.save({name: _own_storage(piece.data) for name, piece in sharded.items()},
                os.path.join(staged, LOCAL_SHARDS))
     if not config.no_save_rng:
-        torch.save(_rng_state(trainer.model), os.path.join(staged, LOCAL_RNG))
+        torch.save(capture_rng_state(trainer.model), os.path.join(staged, LOCAL_RNG))
     save_delayed_scaling(trainer, os.path.join(staged, LOCAL_FP8))
-    metadata = {**_metadata(record, trainer, iteration), "local_layout": local_layout(record), "rank": rank}
+    metadata = {**checkpoint_metadata(record, trainer, iteration), "local_layout": local_layout(record), "rank": rank}
     with open(os.path.join(staged, "metadata.json"), "w") as handle:
         json.dump(metadata, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
     final = install_checkpoint(root, iteration, staged)
-    _barrier()  # every rank holds iteration N now: the older ones can go
-    _remove_old_checkpoints(root, 1, iteration)
+    barrier()  # every rank holds iteration N now: the older ones can go
+    remove_old_checkpoints(root, 1, iteration)
     _remove_dead_stagings(root)
     return final
 

@@ -15,7 +15,8 @@ Nothing is written in place: every rank writes into `iter_N.tmp/`; once all are 
 renames it to `iter_N/` (an existing `iter_N/` is first renamed aside to `iter_N.replaced/` and
 deleted after), then moves the tracker. A crash at any moment leaves the tracker naming a
 complete directory: `iter_N/`, or between the two renames `iter_N.replaced/`, which readers
-fall back to (`iteration_dir`).
+fall back to (`iteration_dir`). Those names and files are checkpoint_files.py's; which checkpoint
+`--load` takes and the non-persistent ones are checkpoint_sources.py's.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import pickle
-import random
 import shutil
 import sys
 import time
@@ -33,68 +32,24 @@ import warnings
 from concurrent.futures import Future
 from typing import Callable, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-import megatron
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
+from megatron.training.checkpoint_files import (FORMAT_VERSION, FP8_DIR, STAGING_SUFFIX, TRACKER, barrier,
+                                                checkpoint_dir, checkpoint_metadata, global_rank, iteration_dir,
+                                                install_checkpoint, latest_iteration, load_delayed_scaling,
+                                                read_checkpoint_metadata, remove_old_checkpoints,
+                                                save_delayed_scaling, write_tracker)
+from megatron.training.checkpoint_sources import (LOCAL, describe, find_checkpoint, finish_global_save, global_root,
+                                                  load_local, save_local)
 from megatron.training.configs import CheckpointConfig, RunRecord
+from megatron.training.rng_state import capture_rng_state, restore_rng_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
 from megatron.core.optimizer.optimizer import local_optimizers
 from megatron.core.distributed.data_parallel import unwrap
-
-FORMAT_VERSION = 1
-TRACKER = "latest_checkpointed_iteration.txt"
-FP8_DIR = "fp8"
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-STAGING_SUFFIX, REPLACED_SUFFIX = ".tmp", ".replaced"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    """Where iteration N of `root` is: `iter_N/`, or `iter_N.replaced/` when a save that
-    rewrote iteration N died between its two renames (the tracker still names N)."""
-    final = checkpoint_dir(root, iteration)
-    aside = final + REPLACED_SUFFIX
-    return aside if not os.path.isdir(final) and os.path.isdir(aside) else final
-
-
-def install_checkpoint(root: str, iteration: int, staged: str) -> str:
-    """Rename the complete `staged` directory into place as iteration N (one process only)."""
-    final = checkpoint_dir(root, iteration)
-    aside = final + REPLACED_SUFFIX
-    if os.path.isdir(aside):  # left by an earlier crash: is it still the only copy of N?
-        if os.path.isdir(final):
-            shutil.rmtree(aside)
-        else:
-            os.rename(aside, final)
-    if os.path.isdir(final):
-        os.rename(final, aside)
-    os.rename(staged, final)
-    _fsync_dir(root)
-    shutil.rmtree(aside, ignore_errors=True)
-    return final
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the renames in `path` durable before the tracker names them."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def _serialization():
@@ -118,70 +73,6 @@ def _optimizer_sharded_state(model, optimizer) -> Dict[str, ShardedTensor]:
     return sharded
 
 
-def _rng_state(model) -> Dict[str, torch.Tensor]:
-    python_version, python_words, python_gauss = random.getstate()
-    _, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    state = {"torch_cpu": torch.get_rng_state(),
-             "python": torch.tensor(list(python_words), dtype=torch.int64),
-             "python_meta": torch.tensor([python_version, python_gauss is not None], dtype=torch.int64),
-             "python_gauss": torch.tensor([python_gauss or 0.0], dtype=torch.float64),
-             "numpy_keys": torch.from_numpy(numpy_keys.astype(np.int64)),
-             "numpy_meta": torch.tensor([numpy_pos, numpy_has_gauss], dtype=torch.int64),
-             "numpy_gauss": torch.tensor([numpy_gauss], dtype=torch.float64)}
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    tracker = getattr(unwrap(model), "rng_tracker", None)
-    if tracker is not None:
-        for name, per_device in tracker.get_states().items():
-            for device, tensor in per_device.items():
-                state[f"tracker/{name}/{device}"] = tensor
-    return state
-
-
-def _set_rng_state(model, state: Dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["torch_cuda"])
-    version, has_gauss = (int(v) for v in state["python_meta"])
-    gauss = float(state["python_gauss"][0]) if has_gauss else None
-    random.setstate((version, tuple(int(v) for v in state["python"]), gauss))
-    position, numpy_has_gauss = (int(v) for v in state["numpy_meta"])
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), position, numpy_has_gauss,
-                         float(state["numpy_gauss"][0])))
-    tracker = getattr(unwrap(model), "rng_tracker", None)
-    if tracker is not None:
-        streams: Dict[str, Dict[str, torch.Tensor]] = {}
-        for key, tensor in state.items():
-            if key.startswith("tracker/"):
-                _, name, device = key.split("/")
-                streams.setdefault(name, {})[device] = tensor
-        tracker.set_states(streams)
-
-
-def _metadata(record: RunRecord, trainer, iteration: int) -> dict:
-    return {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "framework": {"megadlms": megatron.__version__, "torch": torch.__version__},
-            "train_state": dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
-            "adam_step": trainer.scheduler.num_updates,  # applied updates (num_steps may count samples)
-            "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
-                                   for k, v in dataclasses.asdict(record.transformer_config).items()},
-            "dlm_config": dataclasses.asdict(record.dlm_config),
-            "layout": {"world_size": record.world_size,
-                       "tensor_model_parallel_size": record.tensor_model_parallel_size,
-                       "data_parallel_size": record.data_parallel_size,
-                       "pipeline_model_parallel_size": record.pipeline_model_parallel_size,
-                       "virtual_pipeline_model_parallel_size": record.virtual_pipeline_model_parallel_size},
-            "tokenizer": record.tokenizer, "seq_length": record.seq_length,
-            # fp16's dynamic loss scale: a resumed run continues with the scale it had reached.
-            "grad_scaler": trainer.grad_scaler.state_dict() if trainer.grad_scaler.is_enabled() else None,
-            "loss_scale": trainer.loss_scale.state_dict() if trainer.grad_scaler.is_enabled() else None}
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _sharded_state(config: CheckpointConfig, trainer) -> Dict[str, ShardedTensor]:
     sharded = model_sharded_state_dict(unwrap(trainer.model))
     if not config.no_save_optim:
@@ -197,10 +88,10 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     rank finished, never here."""
     iteration = trainer.state.iteration
     target = checkpoint_dir(root or config.save, iteration) + STAGING_SUFFIX
-    rank = _rank()
+    rank = global_rank()
     if rank == 0 and os.path.isdir(target):  # a save of N that died earlier: never part of a checkpoint
         shutil.rmtree(target)
-    _barrier()
+    barrier()
     sharded = _sharded_state(config, trainer)
     planning = dict(fully_parallel=config.ckpt_fully_parallel_save, cache_plan=config.ckpt_assume_constant_structure)
     with reporting_failed_writes(root or config.save, iteration):
@@ -211,11 +102,11 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
             future = None
         if not config.no_save_rng:
             os.makedirs(os.path.join(target, "rng"), exist_ok=True)
-            torch.save(_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
+            torch.save(capture_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
         save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
         if rank == 0:
             with open(os.path.join(target, "metadata.json"), "w") as handle:
-                json.dump(_metadata(record, trainer, iteration), handle, indent=1)
+                json.dump(checkpoint_metadata(record, trainer, iteration), handle, indent=1)
     return target, future
 
 
@@ -235,7 +126,7 @@ def reporting_failed_writes(root: str, iteration: int):
         if cause is None:
             raise
         staged = checkpoint_dir(root, iteration) + STAGING_SUFFIX
-        if _rank() == 0:
+        if global_rank() == 0:
             shutil.rmtree(staged, ignore_errors=True)
         try:
             previous = latest_iteration(root, missing_ok=True)
@@ -254,24 +145,22 @@ def finalize_save(config: CheckpointConfig, iteration: int, root: Optional[str] 
     """Collective, once every rank's files are written: rename the staged directory into place,
     move the tracker (never backwards), drop this run's older checkpoints (of a non-persistent
     `root`: all but this one). Returns the path."""
-    _barrier()
+    barrier()
     root = root or config.save
     final = checkpoint_dir(root, iteration)
-    if _rank() == 0:
+    if global_rank() == 0:
         install_checkpoint(root, iteration, final + STAGING_SUFFIX)
         newest = latest_iteration(root, missing_ok=True)
         if newest is None or newest <= iteration:
-            _write_tracker(root, iteration)
+            write_tracker(root, iteration)
         else:
             print(f"warning: {root} already holds iteration {newest}, newer than this save ({iteration}); "
                   f"{TRACKER} keeps naming {newest}", file=sys.stderr, flush=True)
         if non_persistent:
-            from megatron.training.checkpoint_sources import finish_global_save  # builds on this module
-
             finish_global_save(root, iteration)
         else:
-            _remove_old_checkpoints(root, config.keep_last_checkpoints, iteration)
-    _barrier()
+            remove_old_checkpoints(root, config.keep_last_checkpoints, iteration)
+    barrier()
     return final
 
 
@@ -303,15 +192,11 @@ class Checkpointer:
         self.finalize(blocking=True)  # one save in flight at a time
         started = time.perf_counter()
         if non_persistent and self.config.non_persistent_ckpt_type == "local":
-            from megatron.training.checkpoint_sources import save_local  # builds on this module
-
             target = save_local(self.config, self.record, trainer, _sharded_state(self.config, trainer))
             self.log(f"> saved {target} (local non-persistent, {time.perf_counter() - started:.2f} s)")
             return
         root = None
         if non_persistent:
-            from megatron.training.checkpoint_sources import global_root  # builds on this module
-
             root = global_root(self.config, saving=True)
         target, future = save_checkpoint(self.config, self.record, trainer, self.group, root)
         blocked = time.perf_counter() - started
@@ -343,68 +228,6 @@ class Checkpointer:
         target = finalize_save(self.config, saved_iteration, root, non_persistent)
         after = "" if iteration is None else f" (completed during iteration {iteration})"
         self.log(f"> saved {target}{after}")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _write_tracker(root: str, iteration: int) -> None:
-    """Write to a temporary name, fsync, rename: a crash leaves the old tracker or the new one."""
-    temporary = os.path.join(root, TRACKER + ".tmp")
-    with open(temporary, "w") as handle:
-        handle.write(str(iteration))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, os.path.join(root, TRACKER))
-
-
-def _remove_old_checkpoints(root: str, keep: Optional[int], saved: int) -> None:
-    """--keep-last-checkpoints: of the iterations up to the one just saved, keep the newest `keep`.
-    Newer iterations (another run's, in a shared directory) are never touched."""
-    if not keep:
-        return
-    iterations = sorted(int(name[5:]) for name in os.listdir(root) if name.startswith("iter_") and name[5:].isdigit())
-    older = [iteration for iteration in iterations if iteration <= saved]
-    for iteration in older[:-keep]:
-        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
-
-
-def latest_iteration(root: str, missing_ok: bool = False) -> Optional[int]:
-    """The tracker's iteration (None without a tracker). The directory it names must exist,
-    unless `missing_ok` (a save checking the tracker before moving it)."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        text = handle.read().strip()
-    if not text.isdigit():
-        raise InputError(f"{path} holds {text!r}, not an iteration number; write the number of a saved "
-                         "iteration into it, or remove it to start from scratch")
-    iteration = int(text)
-    if not missing_ok and not os.path.isdir(iteration_dir(root, iteration)):
-        raise InputError(f"{path} names iteration {iteration}, but {checkpoint_dir(root, iteration)} does not "
-                         f"exist; write the number of an iteration that {root} holds into it")
-    return iteration
-
-
-def read_checkpoint_metadata(source: str) -> dict:
-    """metadata.json of the iteration directory `source`, checked to be this format's."""
-    path = os.path.join(source, "metadata.json")
-    try:
-        with open(path) as handle:
-            metadata = json.load(handle)
-    except FileNotFoundError:
-        raise InputError(f"{path} does not exist: {source} is not a complete checkpoint; point the tracker "
-                         "at another iteration or load another directory") from None
-    except (OSError, ValueError) as error:
-        raise InputError(f"{path} is not readable JSON ({error}); the checkpoint is damaged: load another "
-                         "iteration") from None
-    if not isinstance(metadata, dict) or metadata.get("format_version") != FORMAT_VERSION:
-        version = metadata.get("format_version") if isinstance(metadata, dict) else None
-        raise InputError(f"{source}: checkpoint format {version} is not {FORMAT_VERSION}; convert it or load "
-                         "one written by this version")
-    return metadata
 
 
 def load_inference_model(root: str, device: torch.device, attention_backend: Optional[str] = None):
@@ -439,18 +262,10 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     return model.eval(), metadata
 
 
-def _find_checkpoint(config: CheckpointConfig, record: RunRecord):
-    from megatron.training.checkpoint_sources import find_checkpoint  # builds on this module
-
-    return find_checkpoint(config, record)
-
-
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one (collective
     with local non-persistent checkpoints)."""
-    from megatron.training.checkpoint_sources import LOCAL  # builds on this module
-
-    source = _find_checkpoint(config, record)
+    source = find_checkpoint(config, record)
     if source is None and config.exit_on_missing_checkpoint:
         raise InputError(f"--load {config.load}: no checkpoint there (no {TRACKER}) and --exit-on-missing-checkpoint "
                          "is set; check the path, or drop the flag to start from scratch")
@@ -485,9 +300,7 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
                     log: Optional[Callable[[str], None]] = None) -> Optional[int]:
     """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)
     from the checkpoint `checkpoint_sources.find_checkpoint` chooses; `log` gets a line saying which."""
-    from megatron.training.checkpoint_sources import LOCAL, describe, load_local  # builds on this module
-
-    source = _find_checkpoint(config, record)
+    source = find_checkpoint(config, record)
     if source is None:
         return None
     metadata = read_checkpoint_metadata(source.path)
@@ -515,7 +328,7 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
             if metadata.get("loss_scale"):
                 trainer.loss_scale.load_state_dict(metadata["loss_scale"])
     trainer.state = type(trainer.state)(**metadata["train_state"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     rng_path = source.rng_path(rank)
     # A rank's RNG streams belong to its place in the layout: restored only where that place is the
     # same (older checkpoints record no pipeline size: one stage). A checkpoint saved with
@@ -524,40 +337,9 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
     same_layout = all(layout.get(name, 1) == getattr(record, name) for name in (
         "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
     if not config.no_load_rng and same_layout and os.path.exists(rng_path):
-        _set_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
-    _load_delayed_scaling(trainer, source.fp8_path(rank), log or print)
+        restore_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
+    load_delayed_scaling(trainer, source.fp8_path(rank), log or print)
     return source.iteration
-
-
-def _delayed_scaling(trainer):
-    copies = getattr(trainer, "weight_copies", None)
-    return None if copies is None else copies.delayed_scaling
-
-
-def save_delayed_scaling(trainer, path: str) -> None:
-    """`--fp8-recipe delayed`: this rank's amax histories and scales (float8_scaling.py), tensors and
-    layer names only; nothing without it."""
-    scaling = _delayed_scaling(trainer)
-    if scaling is not None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(scaling.state_dict(), path)
-
-
-def _load_delayed_scaling(trainer, path: str, log: Callable[[str], None]) -> None:
-    """The histories and scales saved for this rank, where they fit this run; else the scales start
-    afresh (the first iteration scales by each tensor's own amax), said in one line."""
-    scaling = _delayed_scaling(trainer)
-    if scaling is None:
-        return
-    problem = "the checkpoint has none for this rank (saved without --fp8-recipe delayed, or by another layout)"
-    if os.path.exists(path):
-        try:
-            problem = scaling.load_state_dict(torch.load(path, weights_only=True))
-        except (RuntimeError, OSError, KeyError, TypeError, pickle.UnpicklingError) as error:
-            raise InputError(f"{path} cannot be read ({str(error).splitlines()[0][:200]}); delete it and the "
-                             "run starts its fp8 amax histories afresh") from None
-    if problem is not None and _rank() == 0:
-        log(f"> --fp8-recipe delayed: amax histories start afresh: {problem}")
 
 
 def _initialise_adam_state(optimizer, step: float) -> None:

@@ -20,7 +20,9 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 from megatron.training.batch_schedule import BatchSchedule
 
 
-class _FromArgs:
+class FromArgs:
+    """Base of the configs built from the parsed flags (rerun.py's RerunConfig too)."""
+
     @classmethod
     def from_args(cls, args: argparse.Namespace):
         """The fields of `cls` read from the flags of the same names, then validated."""
@@ -33,7 +35,7 @@ class _FromArgs:
 
 
 @dataclass
-class TrainingConfig(_FromArgs):
+class TrainingConfig(FromArgs):
     """Batches, iterations and the rules that end or skip a step."""
 
     micro_batch_size: int = 1
@@ -126,7 +128,7 @@ class TrainingConfig(_FromArgs):
 
 
 @dataclass
-class CheckpointConfig(_FromArgs):
+class CheckpointConfig(FromArgs):
     """Where and when checkpoints are written and what a load restores."""
 
     save: Optional[str] = None
@@ -180,7 +182,7 @@ class CheckpointConfig(_FromArgs):
 
 
 @dataclass
-class LoggingConfig(_FromArgs):
+class LoggingConfig(FromArgs):
     """What the console, tensorboard and wandb receive."""
 
     log_interval: int = 100
@@ -242,7 +244,7 @@ class LoggingConfig(_FromArgs):
 
 
 @dataclass
-class ProfilingConfig(_FromArgs):
+class ProfilingConfig(FromArgs):
     """--profile's torch-profiler window and the CUDA allocator history."""
 
     profile: bool = False
@@ -264,7 +266,7 @@ class ProfilingConfig(_FromArgs):
 
 
 @dataclass
-class LMEvalConfig(_FromArgs):
+class LMEvalConfig(FromArgs):
     """lm-eval tasks run on the live model during training (megatron/evaluation/in_loop.py)."""
 
     lm_eval_tasks: Optional[list] = None

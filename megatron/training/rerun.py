@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from megatron.core.optimizer.optimizer import per_kind_sums, sum_over_layout
-from megatron.training.checkpointing import _rng_state, _set_rng_state
-from megatron.training.configs import _FromArgs
+from megatron.training.configs import FromArgs
+from megatron.training.rng_state import capture_rng_state, restore_rng_state
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 SPIKE_FACTOR = 10.0
@@ -56,7 +56,7 @@ REFERENCE_SAMPLES = 100
 
 
 @dataclass
-class RerunConfig(_FromArgs):
+class RerunConfig(FromArgs):
     """What is validated and how, and which numerics are logged (flags: rerun_args.py)."""
 
     rerun_mode: str = "validate_results"
@@ -329,13 +329,13 @@ class StepExecution:
         self.machine, self.model, self.iteration = machine, model, iteration
         replays = machine.config.rerun_mode != "disabled"
         self.data = Replay(data_iterator) if replays else data_iterator
-        self.rng = _rng_state(model) if replays else None
+        self.rng = capture_rng_state(model) if replays else None
         """Every generator the forward and backward draw from (dropout, the tensor-parallel stream)."""
         self.first: Optional[FirstResult] = None
 
     def rewind(self) -> None:
         self.data.rewind()
-        _set_rng_state(self.model, self.rng)
+        restore_rng_state(self.model, self.rng)
 
     def judge(self, loss: float, norm: float) -> Verdict:
         """The decision on this execution's (all-reduced, so rank-independent) loss and grad norm."""

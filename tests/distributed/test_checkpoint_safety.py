@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training import checkpointing
+from megatron.training import checkpoint_files, checkpointing
 from megatron.training.configs import CheckpointConfig
 
 pytestmark = pytest.mark.distributed
@@ -109,7 +109,7 @@ def test_a_crash_between_the_two_renames_is_read_from_the_replaced_copy(saved):
     staged = saved / "iter_0000004.tmp"
     staged.mkdir()
     (staged / "partial").write_text("x")  # an unfinished staging directory never counts
-    assert checkpointing.iteration_dir(str(saved), 4).endswith(".replaced")
+    assert checkpoint_files.iteration_dir(str(saved), 4).endswith(".replaced")
 
 
 def test_a_second_run_on_the_same_save_directory_is_refused(saved, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from megatron.training.checkpoint_files import resolve_checkpoint  # noqa: E402
 from tools.weights_conversion import checkpoint_io, hf_to_megatron, megatron_to_hf  # noqa: E402
 from tools.weights_conversion import verify_correctness_dlm  # noqa: E402
 from tests.distributed.parity import run_entry_point  # noqa: E402
@@ -54,7 +55,7 @@ def test_tp2_checkpoint_to_hf_and_back(tmp_path):
 
     assert hf_to_megatron.main(["--hf-path", str(hf_dir), "--save", str(back), "--tensor-model-parallel-size", "2",
                                 "--make-vocab-size-divisible-by", "100"]) == 0
-    converted = checkpoint_io.resolve_checkpoint(str(back))[0]
+    converted = resolve_checkpoint(str(back))[0]
     writers = {name.split("_")[2] for name in os.listdir(converted) if name.endswith(".distcp")}
     assert writers == {"0", "1"}, "both tensor-parallel ranks wrote their shards"
     before, after = checkpoint_io.stored_shapes(iter_dir), checkpoint_io.stored_shapes(converted)

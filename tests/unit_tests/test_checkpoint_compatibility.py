@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from megatron.training.checkpointing import FORMAT_VERSION, _check_compatible
+from megatron.training.checkpoint_files import FORMAT_VERSION
+from megatron.training.checkpointing import _check_compatible
 from megatron.training.configs import RunRecord
 
 

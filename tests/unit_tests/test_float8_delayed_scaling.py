@@ -229,12 +229,12 @@ def test_the_command_line_trains_with_delayed_scaling():
 
 
 def test_a_checkpoints_histories_load_or_start_afresh_in_one_line(tmp_path):
-    """The trainer's load (checkpointing.py): this rank's file restores the state; a missing one starts
+    """The trainer's load (checkpoint_files.py): this rank's file restores the state; a missing one starts
     afresh and says so; an unreadable one is one line naming the file, not a traceback."""
     from types import SimpleNamespace
 
     from megatron.core.errors import InputError
-    from megatron.training.checkpointing import _load_delayed_scaling, save_delayed_scaling
+    from megatron.training.checkpoint_files import load_delayed_scaling, save_delayed_scaling
 
     def trainer():
         scaling = DelayedScaling([nn.Linear(16, 16)], ["layer"], "hybrid", DelayedScalingConfig())
@@ -247,11 +247,11 @@ def test_a_checkpoints_histories_load_or_start_afresh_in_one_line(tmp_path):
     save_delayed_scaling(saved, path)
     loaded, restored = trainer()
     lines = []
-    _load_delayed_scaling(loaded, path, lines.append)
+    load_delayed_scaling(loaded, path, lines.append)
     assert not lines and restored.ready and torch.equal(restored.scales, scaling.scales)
-    _load_delayed_scaling(trainer()[0], str(tmp_path / "missing.pt"), lines.append)
+    load_delayed_scaling(trainer()[0], str(tmp_path / "missing.pt"), lines.append)
     assert len(lines) == 1 and "amax histories start afresh" in lines[0]
     with open(path, "wb") as handle:
         handle.write(b"not a checkpoint")
     with pytest.raises(InputError, match=r"rank_0\.pt cannot be read .*delete it"):
-        _load_delayed_scaling(trainer()[0], path, lines.append)
+        load_delayed_scaling(trainer()[0], path, lines.append)

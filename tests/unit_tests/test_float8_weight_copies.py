@@ -1,4 +1,4 @@
-"""--cache-low-precision-weights under --fp8-format (weight_copies.Float8Copy, float8_matmul.float8_linear):
+"""--cache-low-precision-weights under --fp8-format (working_copy.Float8Copy, float8_matmul.float8_linear):
 the decoder's linear layers run torchao's tensorwise recipe themselves, from float8 copies of their
 weights that each iteration's refresh casts with the weight's own amax.
 
@@ -17,7 +17,8 @@ from torch import nn
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, scale_of, scaled_cast
-from megatron.core.tensor_parallel.weight_copies import Float8Copy, WeightCopies, attach_weight_copies
+from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
+from megatron.core.tensor_parallel.working_copy import Float8Copy
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 from tests.unit_tests.test_gpt_model import tokens
 from tests.unit_tests.test_weight_copies import build, train

@@ -23,7 +23,8 @@ from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.rope_scaling import inverse_frequencies
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import FORMAT_VERSION, _check_compatible
+from megatron.training.checkpoint_files import FORMAT_VERSION
+from megatron.training.checkpointing import _check_compatible
 from megatron.training.configs import RunRecord
 
 VOCAB, LENGTH, TOLERANCE = 90, 48, 1e-4

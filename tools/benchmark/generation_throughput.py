@@ -174,11 +174,11 @@ def _build_tokenizer(kind: str, tokenizer_model: str):
 
 def _checkpoint_tokenizer(identity: dict, args: argparse.Namespace):
     """The training tokenizer: --tokenizer-model or the files the checkpoint records, checked by sha256."""
-    from tools.weights_conversion.tokenizer_export import TokenizerExportError, rebuild_training_tokenizer
+    from megatron.training.tokenizer.identity import TokenizerIdentityError, rebuild_training_tokenizer
 
     try:
         tokenizer = rebuild_training_tokenizer(identity, tokenizer_model=args.tokenizer_model)
-    except (TokenizerExportError, OSError, ValueError) as error:
+    except (TokenizerIdentityError, OSError, ValueError) as error:
         raise UsageError(f"--prompt {args.prompt}: {error}") from None
     if tokenizer is None:
         raise UsageError(f"--prompt {args.prompt}: the checkpoint was trained with a NullTokenizer; "

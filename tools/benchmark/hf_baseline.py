@@ -19,7 +19,7 @@ import moe_models
 LR, WEIGHT_DECAY, BETAS, CLIP_GRAD, DLM_EPS = 2e-4, 0.1, (0.9, 0.95), 1.0, 1e-3
 
 
-def _transformers_version() -> Optional[str]:
+def transformers_version() -> Optional[str]:
     try:
         import transformers
     except ImportError:
@@ -93,7 +93,7 @@ def make_bidirectional(model: nn.Module, vocab_size: int) -> tuple[Callable[[tor
         if leaks_future(model, vocab_size, forward_kwargs):
             return forward_kwargs, how
     raise RuntimeError("could not make the transformers model bidirectional (is_causal flags and a 4-D mask both "
-                       f"left it causal); transformers {_transformers_version()} is not supported for --mode dlm")
+                       f"left it causal); transformers {transformers_version()} is not supported for --mode dlm")
 
 
 def llada_loss(model: nn.Module, tokens: torch.Tensor, forward_kwargs: dict, mask_id: int,

@@ -282,7 +282,7 @@ def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[st
     targets = torch.randint(0, vocab, (args.loss_chunk,), device=device, generator=generator)
     scale = torch.rand(args.loss_chunk, device=device, generator=generator)
     moved = 3 * logits.numel() * logits.element_size()
-    compiled = linear_cross_entropy._compiled_softmax_loss_gradient()
+    compiled = linear_cross_entropy.compiled_softmax_loss_gradient()
     name = f"loss kernel, torch.compile ({args.loss_chunk} x {vocab})"
     result = {name: (measure(lambda: compiled(logits, targets, scale, vocab)), moved)}
     if not triton_cross_entropy.available(logits):
@@ -377,7 +377,7 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
 
     def transposed_only(x, dtype):
         return float8_matmul.scaled_cast(x.t(), scale, dtype).contiguous()
-    ways = {"amax, rows first": (float8_matmul._scale, 2), "amax, one reduction": (one_reduction, 2),
+    ways = {"amax, rows first": (float8_matmul.amax_scale, 2), "amax, one reduction": (one_reduction, 2),
             "both layouts": (both_layouts, 4), "delayed, tensor math": (delayed, 4),
             "delayed, rows only": (rows_only, 3), "delayed, transposed only": (transposed_only, 3)}
     triton_float8_cast.register_for(amax)

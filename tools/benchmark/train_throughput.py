@@ -67,7 +67,7 @@ import kernel_breakdown  # noqa: E402
 import moe_models  # noqa: E402
 import trace_gaps  # noqa: E402
 from throughput_table import device_name, format_row, print_table, ratios, write_json  # noqa: E402, F401
-from hf_baseline import (BETAS, CLIP_GRAD, DLM_EPS, LR, WEIGHT_DECAY, _transformers_version,  # noqa: E402, F401
+from hf_baseline import (BETAS, CLIP_GRAD, DLM_EPS, LR, WEIGHT_DECAY, transformers_version,  # noqa: E402, F401
                          build_hf, hf_model, leaks_future, llada_loss, make_bidirectional, mask_token_id)
 
 from megatron.core.models.difflm import diffusion  # noqa: E402
@@ -443,7 +443,7 @@ def validate(args: argparse.Namespace) -> ModelSpec:
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise UsageError(f"--attention-backend {args.attention_backend!r} is not one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    if args.baseline == "hf" and _transformers_version() is None:
+    if args.baseline == "hf" and transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
     if args.fp8 and not (args.cache_low_precision_weights and _device(args).type == "cuda"):  # copies: no torchao
         try:
@@ -525,7 +525,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         "tokens_per_step": args.micro_batch_size * args.accumulation * args.seq_length,
         "rows": rows, **ratios(rows, args.baseline == "hf", args.fp8, len(grouped_variants)),
         "command": " ".join(["python", os.path.relpath(__file__, ROOT), *argv]),
-        "torch_version": torch.__version__, "transformers_version": _transformers_version(),
+        "torch_version": torch.__version__, "transformers_version": transformers_version(),
         "device": device_name(device) or "cpu",
     }
 

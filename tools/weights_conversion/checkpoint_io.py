@@ -18,6 +18,9 @@ is never written over.
 
 Bad checkpoints (a tracker naming a missing iteration, no or unreadable metadata.json, a
 missing or truncated shard) raise `CheckpointError`, an `InputError` naming the file and the fix.
+Finding and checking the checkpoint a --load names (`resolve_checkpoint`, `read_metadata`,
+`check_shard_files`, `inference_metadata`) is megatron/training/checkpoint_files.py's: the
+evaluation reads checkpoints too.
 """
 
 from __future__ import annotations
@@ -35,63 +38,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import serialization
-from megatron.core.dist_checkpointing import safe_reader
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
-from megatron.core.errors import InputError
 from megatron.core.transformer.moe.config import MoEConfig
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from megatron.training.checkpointing import (FORMAT_VERSION, TRACKER, _write_tracker, install_checkpoint,
-                                             iteration_dir, latest_iteration, read_checkpoint_metadata)
+from megatron.training.checkpoint_files import (FORMAT_VERSION, TRACKER, CheckpointError, check_shard_files,
+                                                dcp_index, install_checkpoint, iteration_dir, latest_iteration,
+                                                read_metadata, resolve_checkpoint, write_tracker)
 from megatron.training.tokenizer import vocab_size_with_padding
 
 MODEL_PREFIX = "model."
-
-
-class CheckpointError(InputError):
-    pass
-
-
-# ---------------------------------------------------------------------- reading
-def resolve_checkpoint(load: str, iteration: Optional[int] = None) -> Tuple[str, int]:
-    """(iter directory, iteration) of `load`: a save directory (latest or `iteration`) or an iter_ directory."""
-    if not os.path.isdir(load):
-        raise CheckpointError(f"--load {load} does not exist or is not a directory; pass the --save directory "
-                              "of a training run")
-    if os.path.isfile(os.path.join(load, "metadata.json")):
-        with open(os.path.join(load, "metadata.json")) as handle:
-            return load, int(json.load(handle).get("iteration", 0))
-    if iteration is None:
-        iteration = latest_iteration(load)  # which also refuses a tracker naming a missing iteration
-        if iteration is None:
-            raise CheckpointError(f"{load} has no {TRACKER} and no metadata.json: pass a checkpoint directory "
-                                  "written by --save (or one of its iter_NNNNNNN folders), or --iteration N")
-    path = iteration_dir(load, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--iteration {iteration}: {path} does not exist; pass an iteration that {load} holds")
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path}/metadata.json is missing, so {path} is incomplete (an interrupted save or "
-                              f"copy); copy it again, or write an earlier complete iteration into {TRACKER}")
-    return path, iteration
-
-
-def read_metadata(iter_dir: str) -> dict:
-    metadata = read_checkpoint_metadata(iter_dir)  # readable JSON of this format, or an InputError
-    if not isinstance(metadata.get("transformer_config"), dict):
-        raise CheckpointError(f"{iter_dir}/metadata.json has no transformer_config; it is not the metadata of a "
-                              "MegaDLMs checkpoint")
-    return metadata
-
-
-def inference_metadata(load: str) -> dict:
-    """metadata.json of the checkpoint `load_inference_model(load)` reads (the tracker's iteration),
-    with its shard files checked, so a bad --load is one clear error before any model is built."""
-    if os.path.isdir(load) and latest_iteration(load) is None:
-        raise CheckpointError(f"--load {load} has no {TRACKER}; point it at the --save directory of a training run")
-    iter_dir, _ = resolve_checkpoint(load)
-    metadata = read_metadata(iter_dir)
-    check_shard_files(iter_dir)
-    return metadata
 
 
 def _known_fields(cls, values: dict) -> dict:
@@ -117,27 +73,9 @@ def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]
     return config, dlm
 
 
-def _index(iter_dir: str):
-    """DCP's index (`.metadata`) of a checkpoint, read without executing code from it."""
-    if not os.path.isfile(os.path.join(iter_dir, ".metadata")):
-        raise CheckpointError(f"{iter_dir}/.metadata is missing: the save was interrupted or the copy is "
-                              "incomplete; load an earlier iteration")
-    return SafeFileSystemReader(iter_dir).read_metadata()
-
-
-def check_shard_files(iter_dir: str) -> None:
-    """Fail before any tensor is read when a shard file the index names is missing or shorter than the
-    index says (a truncated copy); damage inside a file is found when it is read."""
-    _index(iter_dir)  # a missing index is named as such
-    try:
-        safe_reader.check_shard_files(iter_dir)
-    except safe_reader.DamagedCheckpointError as error:
-        raise error.with_fix("copy it again or load an earlier iteration") from None
-
-
 def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """{model tensor name (without `model.`): (global shape, dtype)} of a checkpoint."""
-    metadata = _index(iter_dir).state_dict_metadata
+    metadata = dcp_index(iter_dir).state_dict_metadata
     shapes = {}
     for key, item in metadata.items():
         if key.startswith(MODEL_PREFIX) and hasattr(item, "size"):
@@ -254,7 +192,7 @@ def write_checkpoint(save: str, tensors: Dict[str, torch.Tensor], metadata: dict
         if created and not os.listdir(save):
             os.rmdir(save)
         raise
-    _write_tracker(save, iteration)
+    write_tracker(save, iteration)
     return target
 
 

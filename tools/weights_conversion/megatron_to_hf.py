@@ -42,10 +42,11 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.errors import InputError  # noqa: E402
+from megatron.training.checkpoint_files import check_shard_files, read_metadata, resolve_checkpoint  # noqa: E402
+from megatron.training.tokenizer.identity import rebuild_training_tokenizer  # noqa: E402
 from tools.weights_conversion import checkpoint_io, hf_config, mapping  # noqa: E402
 from tools.weights_conversion.safetensors_io import INDEX_FILE, ShardedWriter, parse_size  # noqa: E402
-from tools.weights_conversion.tokenizer_export import (TokenizerExportError, export_tokenizer,  # noqa: E402
-                                                       rebuild_training_tokenizer)
+from tools.weights_conversion.tokenizer_export import TokenizerExportError, export_tokenizer  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_dlm")
@@ -205,9 +206,9 @@ def _write_export(source: dict, output_dir: str, args: argparse.Namespace) -> di
 
 def convert(args: argparse.Namespace) -> dict:
     """Check every input, build the export in a temporary sibling of --save, then publish it."""
-    iter_dir, iteration = checkpoint_io.resolve_checkpoint(args.load, args.iteration)
-    metadata = checkpoint_io.read_metadata(iter_dir)
-    checkpoint_io.check_shard_files(iter_dir)
+    iter_dir, iteration = resolve_checkpoint(args.load, args.iteration)
+    metadata = read_metadata(iter_dir)
+    check_shard_files(iter_dir)
     config, dlm = checkpoint_io.configs_from_metadata(metadata)
     identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}
     source = dict(iter_dir=iter_dir, iteration=iteration, metadata=metadata, config=config, dlm=dlm,

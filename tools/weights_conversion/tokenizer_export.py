@@ -1,7 +1,8 @@
 """Export the training tokenizer into a Hugging Face folder so `AutoTokenizer` loads it.
 
 The checkpoint's metadata records the tokenizer's type, special ids and the sha256 of its
-files (`MegatronTokenizer.identity`). The files themselves come from `--tokenizer-model` /
+files (`MegatronTokenizer.identity`). The tokenizer exported is the one rebuilt from them
+(megatron/training/tokenizer/identity.py): its files come from `--tokenizer-model` /
 `--vocab-file` / `--merge-file` (or the identity's `files`, when it records them) and must hash
 to the recorded sha256, so the export cannot silently ship another tokenizer.
 
@@ -24,75 +25,11 @@ from typing import Dict, List, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 
-from megatron.training.tokenizer import build_tokenizer
-from megatron.training.tokenizer.base import ADDED_MASK_TOKEN, MegatronTokenizer, sha256_of_files
-
-NO_FILES = "NullTokenizer"
+from megatron.training.tokenizer.base import ADDED_MASK_TOKEN, MegatronTokenizer
 
 
 class TokenizerExportError(ValueError):
     pass
-
-
-def tokenizer_source_args(identity: dict, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                          merge_file: Optional[str] = None):
-    """The namespace `build_tokenizer` needs to rebuild the training tokenizer, from the flags
-    or from the files the identity records; raises when neither names the files."""
-    kind = identity.get("type")
-    files = identity.get("files") or []
-    if kind == "SentencePieceTokenizer" or kind == "HuggingFaceTokenizer":
-        recorded = files[0] if files else None
-        if kind == "HuggingFaceTokenizer" and len(files) > 1:
-            # tokenizer.json plus its folder's config files: it was loaded from the folder.
-            recorded = os.path.dirname(files[0])
-        tokenizer_model = tokenizer_model or recorded
-        if not tokenizer_model:
-            raise TokenizerExportError(
-                f"the checkpoint was trained with a {kind} (sha256 {identity.get('sha256')}) but does not record "
-                "its files; pass --tokenizer-model (the file given to training), or --no-tokenizer")
-    elif kind == "GPT2BPETokenizer":
-        vocab_file = vocab_file or (files[0] if len(files) == 2 else None)
-        merge_file = merge_file or (files[1] if len(files) == 2 else None)
-        if not (vocab_file and merge_file):
-            raise TokenizerExportError("the checkpoint was trained with a GPT2BPETokenizer; pass --vocab-file and "
-                                       "--merge-file (the files given to training), or --no-tokenizer")
-    elif kind != NO_FILES:
-        raise TokenizerExportError(f"tokenizer type {kind!r} recorded in the checkpoint is not one of "
-                                   "SentencePieceTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer")
-    return _Namespace(tokenizer_type=kind, tokenizer_model=tokenizer_model, vocab_file=vocab_file,
-                      merge_file=merge_file, vocab_size=identity.get("vocab_size"),
-                      mask_token=identity.get("mask"), add_mask_token=_mask_was_appended(identity))
-
-
-class _Namespace:
-    def __init__(self, **values):
-        self.__dict__.update(values)
-
-
-def _mask_was_appended(identity: dict) -> bool:
-    """The identity's vocab size counts an appended mask id (it is then the last id)."""
-    mask, size = identity.get("mask"), identity.get("vocab_size")
-    return mask is not None and size is not None and mask == size - 1 and identity.get("type") != NO_FILES
-
-
-def rebuild_training_tokenizer(identity: dict, **paths) -> Optional[MegatronTokenizer]:
-    """The tokenizer of the checkpoint, checked against the recorded sha256; None for the NullTokenizer."""
-    if identity.get("type") == NO_FILES:
-        return None
-    args = tokenizer_source_args(identity, **paths)
-    if args.add_mask_token:
-        # A recorded mask id equal to the base size means it was appended by --add-mask-token.
-        args.mask_token = identity["mask"]
-    tokenizer = build_tokenizer(args)
-    recorded, actual = identity.get("sha256"), sha256_of_files(tokenizer._source_files())
-    if recorded and actual != recorded:
-        raise TokenizerExportError(f"tokenizer files {tokenizer._source_files()} hash to {actual}, but the checkpoint "
-                                   f"was trained with sha256 {recorded}; pass the training tokenizer's files")
-    for name in ("vocab_size", "eod", "mask"):
-        if identity.get(name) is not None and getattr(tokenizer, name) != identity[name]:
-            raise TokenizerExportError(f"tokenizer {name}={getattr(tokenizer, name)} but the checkpoint recorded "
-                                       f"{identity[name]}; pass the training tokenizer's files and mask settings")
-    return tokenizer
 
 
 # ---------------------------------------------------------------------- SentencePiece -> tokenizers

@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron.core.models.difflm import objective  # noqa: E402
 from tools.weights_conversion import checkpoint_io  # noqa: E402
 from tools.weights_conversion.safetensors_io import LazyWeights, read_config  # noqa: E402
-from tools.weights_conversion.tokenizer_export import (TokenizerExportError,  # noqa: E402
-                                                       rebuild_training_tokenizer)
+from megatron.training.tokenizer.identity import TokenizerIdentityError, rebuild_training_tokenizer  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUNDLED_CORPUS = os.path.join(REPO_ROOT, "examples", "data", "sotu_1790_1928.jsonl.gz")
@@ -79,7 +78,7 @@ def _training_tokenizer(identity: dict, args):
     for paths in attempts:
         try:
             return rebuild_training_tokenizer(identity, **paths), None
-        except (TokenizerExportError, ValueError, FileNotFoundError) as error:
+        except (TokenizerIdentityError, ValueError, FileNotFoundError) as error:
             errors.append(str(error))
     return None, errors[-1]
 
@@ -121,7 +120,7 @@ def token_rows(args, metadata: dict, vocab: int, length: int) -> torch.Tensor:
         ids = torch.randint(0, vocab, (needed,), generator=torch.Generator().manual_seed(0)).tolist()
         source = "random ids (the checkpoint was trained with the NullTokenizer: there is no text)"
     else:
-        raise TokenizerExportError(f"cannot rebuild the checkpoint's tokenizer: {problem}")
+        raise TokenizerIdentityError(f"cannot rebuild the checkpoint's tokenizer: {problem}")
     if len(ids) < needed:
         ids = (ids * (needed // max(len(ids), 1) + 1))[:needed]
     print(f"> input: {args.batch_size} x {length} tokens from {source}")
@@ -180,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         length = choose_length(args, model.config, model.dlm_config)
         ids = token_rows(args, metadata, model.config.unpadded_vocab_size, length)
         result = compare(model, hf_model, ids)
-    except (ValueError, OSError) as error:  # InputError and TokenizerExportError are ValueErrors
+    except (ValueError, OSError) as error:  # InputError and TokenizerIdentityError are ValueErrors
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"> {iter_dir} vs {args.hf_path} ({result['mode']}, fp32)")

@@ -163,7 +163,7 @@ class LayerCache:
 
 # ---------------------------------------------------------------------------- canvas and masks
 @dataclass
-class _Layout:
+class CanvasLayout:
     """Which canvas slots hold real tokens, their positions, and the trained attention rule."""
 
     real: torch.Tensor
@@ -172,8 +172,8 @@ class _Layout:
     """[B, L] long: counted from the row's first real token (0 on padding)."""
     opts: GenerationOptions
 
-    def repeat(self, times: int) -> "_Layout":
-        return _Layout(self.real.repeat(times, 1), self.positions.repeat(times, 1), self.opts)
+    def repeat(self, times: int) -> "CanvasLayout":
+        return CanvasLayout(self.real.repeat(times, 1), self.positions.repeat(times, 1), self.opts)
 
     def attention_mask(self, q0: int, q1: int, key_length: int) -> torch.Tensor:
         """[B, q1 - q0, key_length] bool for queries at canvas slots [q0, q1) over keys [0, key_length)."""
@@ -199,7 +199,7 @@ class _Layout:
         return allowed | own
 
 
-def _call_model(model_fn: ModelFn, ids: torch.Tensor, layout: _Layout, q0: int, q1: int,
+def _call_model(model_fn: ModelFn, ids: torch.Tensor, layout: CanvasLayout, q0: int, q1: int,
                 cache: Optional[KVCache]) -> torch.Tensor:
     """Logits [B, q1 - q0, V] for canvas slots [q0, q1), in the model's dtype (callers keep the
     positions they need, then go to fp32); without a cache the run must start at 0."""
@@ -237,12 +237,14 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor
     return real
 
 
-def _build_layout(prompt_real: torch.Tensor, gen_length: int, opts: GenerationOptions) -> _Layout:
+def canvas_layout(prompt_real: torch.Tensor, gen_length: int, opts: GenerationOptions) -> CanvasLayout:
+    """The layout of rows of a (left-padded) prompt, `prompt_real` False on padding, followed by
+    `gen_length` generated slots; the likelihood and the lm-eval scorer lay out their rows the same way."""
     batch = prompt_real.shape[0]
     generated = torch.ones(batch, gen_length, dtype=torch.bool, device=prompt_real.device)
     real = torch.cat([prompt_real, generated], dim=1)
     positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)
-    return _Layout(real, positions, opts)
+    return CanvasLayout(real, positions, opts)
 
 
 # ---------------------------------------------------------------------------- token choice
@@ -308,7 +310,7 @@ def _finish_at_eos(canvas: torch.Tensor, gen_start: int, finished: torch.Tensor,
 class _DiffusionSampler:
     """One LLaDA-style generation over a batch; the canvas is updated in place."""
 
-    def __init__(self, model_fn: ModelFn, canvas: torch.Tensor, layout: _Layout, prompt_length: int,
+    def __init__(self, model_fn: ModelFn, canvas: torch.Tensor, layout: CanvasLayout, prompt_length: int,
                  shift: bool, mask_token_id: int, eos_token_id: Optional[int], fill_id: Optional[int]) -> None:
         self.model_fn, self.canvas, self.opts = model_fn, canvas, layout.opts
         self.prompt_length, self.shift = prompt_length, int(shift)
@@ -452,7 +454,7 @@ def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- autoregressive
-def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: _Layout, prompt_length: int,
+def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: CanvasLayout, prompt_length: int,
                            eos_token_id: Optional[int], fill_id: Optional[int]) -> torch.Tensor:
     """Greedy / sampled next-token decoding: prefill the prompt, then one token per step."""
     opts = layout.opts
@@ -492,7 +494,7 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
                                 pad_token_id)
     batch, prompt_length = input_ids.shape
     fill_id = pad_token_id if pad_token_id is not None else eos_token_id
-    layout = _build_layout(prompt_real.to(input_ids.device), opts.gen_length, opts)
+    layout = canvas_layout(prompt_real.to(input_ids.device), opts.gen_length, opts)
     placeholder = mask_token_id if running_mode != "vanilla" else (fill_id if fill_id is not None else 0)
     generated = torch.full((batch, opts.gen_length), placeholder, dtype=torch.long, device=input_ids.device)
     canvas = torch.cat([input_ids.long(), generated], dim=1)
@@ -506,7 +508,7 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     offsets = prompt_real.sum(dim=1) % opts.attention_block_size
     for offset in offsets.unique().tolist():
         rows = (offsets == offset).nonzero()[:, 0].to(canvas.device)
-        part = _Layout(layout.real[rows], layout.positions[rows], opts)
+        part = CanvasLayout(layout.real[rows], layout.positions[rows], opts)
         canvas[rows] = _DiffusionSampler(model_fn, canvas[rows], part, prompt_length, False, mask_token_id,
                                          eos_token_id, fill_id).run()
     return canvas

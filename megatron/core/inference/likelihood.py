@@ -34,7 +34,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .generation import ModelFn, _build_layout, guided, resolve_options
+from .generation import ModelFn, canvas_layout, guided, resolve_options
 
 __all__ = ["log_likelihood", "answer_spans", "draw_masks"]
 
@@ -60,7 +60,7 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
     opts = resolve_options(running_mode, gen_length=answer.numel(), attention_mask_type=attention_mask_type,
                            attention_block_size=attention_block_size, sliding_window=sliding_window)
     sequence = torch.cat([prompt, answer]).long()[None]
-    layout = _build_layout(torch.ones_like(prompt, dtype=torch.bool)[None], answer.numel(), opts)
+    layout = canvas_layout(torch.ones_like(prompt, dtype=torch.bool)[None], answer.numel(), opts)
     mask = layout.attention_mask(0, sequence.shape[1], sequence.shape[1])
     if running_mode == "vanilla":
         if prompt.numel() == 0:

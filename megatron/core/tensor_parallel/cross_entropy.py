@@ -14,14 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.utils import check_index_range, group_rank, group_size, is_parallel
-
-
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """In-place all-reduce of a tensor this module allocated itself (so in place is safe)."""
-    if is_parallel(group):
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+from megatron.core.tensor_parallel.utils import all_reduce_in_place, check_index_range, group_rank, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -32,7 +25,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         vocab_start = group_rank(group) * local_vocab
 
-        logits_max = _all_reduce(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
+        logits_max = all_reduce_in_place(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
         # Subtracting an fp32 tensor promotes bf16/fp16 logits to fp32 in the same allocation.
         shifted = logits - logits_max.unsqueeze(-1)
 
@@ -42,7 +35,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         exp_logits = shifted.exp_()
         # One all-reduce for both sums instead of two: they are independent [..] tensors.
-        sums = _all_reduce(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, group)
+        sums = all_reduce_in_place(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, group)
         target_logit, sum_exp = sums[0], sums[1]
         loss = torch.log(sum_exp) - target_logit
 

@@ -62,7 +62,7 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max |tensor| in fp32 (0-d), the rows' maxima first (see `_scale`)."""
+    """max |tensor| in fp32 (0-d), the rows' maxima first (see `amax_scale`)."""
     magnitude = tensor.detach().abs()
     return (magnitude.amax(dim=-1).amax() if magnitude.dim() > 1 else magnitude.amax()).float()
 
@@ -73,7 +73,7 @@ def raise_amax(slot: torch.Tensor, amax: torch.Tensor) -> None:
     slot.copy_(torch.maximum(slot, amax.reshape(slot.shape)))
 
 
-def _scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def amax_scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The scale of `tensor`'s amax. Rows first: compiled, one reduction over all of a [8192, 14336]
     tensor ran at 0.5 TB/s on an H200 (docs/performance.md); the rows' maxima, then theirs, are the same
     value."""
@@ -268,7 +268,7 @@ def delayed_arguments(delayed: Optional[DelayedScales]):
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype,
                   grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`x weight^T + bias` in float8 from the weight's float8 copy (`weight_copies.Float8Copy`) in
+    """`x weight^T + bias` in float8 from the weight's float8 copy (`working_copy.Float8Copy`) in
     `out_dtype`; the gradients of the fp32 weight and bias in fp32 (the weight's added into `grad_into`,
     its existing `.grad`, where one is given). `x`'s rows: a multiple of 16. With the copy's `delayed`
     scales, the input and output gradient are cast by them once they are `ready` (before, by their own

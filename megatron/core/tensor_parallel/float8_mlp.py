@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.float8_matmul import (FORWARD_DTYPE, backward
                                                          raise_amax)
 from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.weight_copies import Float8Copy, training_copy
+from megatron.core.tensor_parallel.working_copy import Float8Copy, training_copy
 from megatron.core.transformer import triton_swiglu
 
 

@@ -3,7 +3,7 @@ Engine): a layer casts its input and its output gradient with scales taken from 
 amaxes instead of this tensor's own, so the cast needs no reduction before it and the amax it records
 is read in the same pass (one Triton kernel on CUDA: triton_float8_cast.py).
 
-State, per float8 layer (`weight_copies.Float8Copy`, so only with `--cache-low-precision-weights`), two
+State, per float8 layer (`working_copy.Float8Copy`, so only with `--cache-low-precision-weights`), two
 columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
 - `current` [2]: this iteration's running amax, which every micro-batch's forward (the input,
   `float8_matmul.raise_amax`) and backward (the output gradient) raises; the backward hands its amax

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel import float8_matmul, triton_cross_entropy
-from megatron.core.tensor_parallel.cross_entropy import _all_reduce
 from megatron.core.tensor_parallel.fp32_weight_grad import matmul_into
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
-from megatron.core.tensor_parallel.utils import group_rank, group_size
+from megatron.core.tensor_parallel.utils import all_reduce_in_place, group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -88,13 +87,13 @@ def _chunk_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    float8: Optional[float8_matmul.Float8Weight] = None):
     """fp32 (exp(logits - max), sum_exp, target_logit - max, max, local target, foreign mask) of a chunk."""
     logits = _chunk_logits(hidden, weight, layout, float8)
-    logits_max = _all_reduce(logits.amax(dim=-1), dist.ReduceOp.MAX, layout.group)
+    logits_max = all_reduce_in_place(logits.amax(dim=-1), dist.ReduceOp.MAX, layout.group)
     logits.sub_(logits_max.unsqueeze(-1))
     local_target, foreign = _local_targets(targets, weight.shape[0], layout)
     target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
     exp_logits = logits.exp_()
     # One all-reduce for both [c] sums instead of two.
-    sums = _all_reduce(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, layout.group)
+    sums = all_reduce_in_place(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, layout.group)
     return exp_logits, sums[1], sums[0], logits_max, local_target, foreign
 
 
@@ -123,7 +122,7 @@ def _softmax_loss_gradient(logits: torch.Tensor, targets: torch.Tensor, scale: t
 
 
 @functools.cache
-def _compiled_softmax_loss_gradient():
+def compiled_softmax_loss_gradient():
     """Compiled once per process, with dynamic shapes: the number of selected tokens changes every batch."""
     return torch.compile(_softmax_loss_gradient, dynamic=True)
 
@@ -148,7 +147,7 @@ def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
         return _vocab_parallel_fused(logits, targets, scale, layout)
     if TRITON_KERNEL and triton_cross_entropy.available(logits):
         return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, layout.valid_rows)
-    return _compiled_softmax_loss_gradient()(logits, targets, scale, layout.valid_rows)
+    return compiled_softmax_loss_gradient()(logits, targets, scale, layout.valid_rows)
 
 
 def _vocab_parallel_fused(logits, targets, scale, layout: _Layout):

@@ -34,6 +34,15 @@ def is_parallel(group: Optional[dist.ProcessGroup]) -> bool:
     return group_size(group) > 1
 
 
+def all_reduce_in_place(tensor: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-reduce `tensor` in place over `group` (nothing without parallelism) and return it. In
+    place, without autograd: for tensors the caller allocated itself (the vocab-parallel losses'
+    maxima and sums), which nothing else holds."""
+    if is_parallel(group):
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
     """Exact integer division that names the quantity when it does not divide.
 

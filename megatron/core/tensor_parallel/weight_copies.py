@@ -6,7 +6,8 @@ cast into a neighbouring kernel, but the bytes stay), about 2 ms a step at the Q
 an H200. Megatron keeps bf16 parameters and fp32 main weights in the optimizer instead; here the
 fp32 parameters stay (checkpoints, data-parallel buffers and the optimizer are unchanged) and each
 tensor-parallel linear layer gets a non-persistent buffer `weight_low` in the compute dtype that
-its training forward reads instead of casting (`fp32_weight_grad.linear`). The weight gradient
+its training forward reads instead of casting (`fp32_weight_grad.linear`; a layer finds its copy
+with `working_copy.training_copy`, which this module builds on). The weight gradient
 still reaches the fp32 weight, computed in fp32. Under the masked-only loss the output layer's
 weight (the word embedding's, when tied) gets one too, in the compute dtype even under fp8, which
 the chunked loss reads instead of casting it (`linear_cross_entropy(weight_low=...)`).
@@ -43,53 +44,15 @@ rank of a layer casts by the same scales, those of the whole tensor.
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import (ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES, DelayedScales,
-                                                         to_float8)
+from megatron.core.tensor_parallel.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES
 from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
-
-BUFFER = "weight_low"
-FLOAT8_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inverse_scale")
-
-
-class Float8Copy(NamedTuple):
-    """A weight's float8 working copy: its layer's non-persistent buffers, and the gradients' dtype."""
-
-    rows: torch.Tensor
-    """[out, in] e4m3: the weight times the scale, for the forward GEMM."""
-    columns: torch.Tensor
-    """[in, out] e4m3, contiguous: the same values transposed, for the input gradient's GEMM."""
-    inverse_scale: torch.Tensor
-    """0-d fp32: what the GEMMs multiply the products back by (the weight's amax over e4m3's largest)."""
-    gradient_dtype: torch.dtype
-    delayed: Optional[DelayedScales] = None
-    """The input's and output gradient's delayed scaling (`--fp8-recipe delayed`), in training."""
-
-
-def _cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
-    """Current scaling: each weight's float8 values in both layouts with its own amax."""
-    for copy, weight in zip(copies, weights):
-        values, inverse_scale = to_float8(weight, FORWARD_DTYPE)  # the output layer's cast (float8_matmul.py)
-        copy.rows.copy_(values)
-        copy.columns.copy_(values.t())
-        copy.inverse_scale.copy_(inverse_scale)
-
-
-@functools.cache
-def _compiled_cast_float8():
-    return torch.compile(_cast_float8)  # memory-bound passes over every weight, fused per weight
-
-
-def cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
-    """Each weight into its float8 copy (compiled on CUDA: one graph for the whole list)."""
-    if copies:
-        with torch.no_grad():
-            (_compiled_cast_float8() if weights[0].is_cuda else _cast_float8)(copies, [w.detach() for w in weights])
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.working_copy import BUFFER, FLOAT8_BUFFERS, Float8Copy, cast_float8
 
 
 def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Float8Copy:
@@ -119,7 +82,6 @@ class WeightCopies:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, fp8_format: Optional[str] = None,
                  delayed: Optional[DelayedScalingConfig] = None, groups: Sequence = ()) -> None:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
         self.dtype = dtype
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
         heads = _output_weight_owners(model)
@@ -197,21 +159,6 @@ class WeightCopies:
             index = self._index.get(id(weight))
             if index is not None:
                 self._written[index] = self._stamp(weight)
-
-
-def training_copy(module: nn.Module) -> Union[None, torch.Tensor, Float8Copy]:
-    """The layer's copy to read in this forward: only in training mode, where `refresh` keeps it fresh;
-    in evaluation a float8 layer's weight is cast afresh, any other layer casts its own."""
-    if hasattr(module, "float8_gradient_dtype"):
-        buffers = [getattr(module, name) for name in FLOAT8_BUFFERS]
-        delayed = (DelayedScales(module.fp8_scale, module.fp8_amax, module.fp8_delayed_ready, module.fp8_gradient_amax)
-                   if hasattr(module, "fp8_scale") and module.training else None)
-        copy = Float8Copy(*buffers, module.float8_gradient_dtype, delayed)
-        if not module.training:
-            copy = Float8Copy(*(torch.empty_like(b) for b in buffers), module.float8_gradient_dtype)
-            cast_float8([copy], [module.weight])
-        return copy
-    return getattr(module, BUFFER, None) if module.training else None
 
 
 def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype, fp8_format: Optional[str] = None,

@@ -24,7 +24,7 @@ The callers differ in two conventions, each kept on purpose:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -32,14 +32,29 @@ from megatron.core.models.difflm import diffusion
 from megatron.core.models.difflm.batch import VOCAB_FIX, check_id_ranges
 from megatron.core.models.difflm.diffusion import Corruption, CorruptionKey
 from megatron.core.transformer.moe.moe_layer import set_aux_loss_scale
-from megatron.core.transformer.transformer_config import DLMConfig
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
-if TYPE_CHECKING:  # the model calls in here: an import at run time would be a cycle
-    from megatron.core.models.difflm.gpt_model import GPTModel
+__all__ = ["LossOutput", "LossInputs", "ScoredModel", "Corruption", "CorruptionKey", "maskable_positions",
+           "output_layer_positions", "default_corruption_key", "loss_inputs", "next_token_labels",
+           "difflm_forward_process", "compute_loss"]
 
-__all__ = ["LossOutput", "LossInputs", "Corruption", "CorruptionKey", "maskable_positions", "output_layer_positions",
-           "default_corruption_key", "loss_inputs", "next_token_labels", "difflm_forward_process",
-           "compute_loss"]
+
+class ScoredModel(Protocol):
+    """What `compute_loss` and `difflm_forward_process` use of a model (GPTModel, which calls them
+    from its methods of the same names); described here so the objective does not import the model."""
+
+    config: TransformerConfig
+    dlm_config: DLMConfig
+    routers: List[TopKRouter]
+
+    def check_inputs(self, input_ids, position_ids=None, labels=None) -> None: ...
+
+    def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None, loss_normalizer=None,
+                       document_ids=None, decoder_input=None, *, checked: bool = False): ...
+
+    def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None, loss_normalizer=None,
+                        document_ids=None, decoder_input=None): ...
 
 
 @dataclass
@@ -140,7 +155,7 @@ def next_token_labels(input_ids: torch.Tensor,
     return labels, loss_mask
 
 
-def difflm_forward_process(model: "GPTModel", input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
+def difflm_forward_process(model: ScoredModel, input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
                            loss_mask: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
     """The forward (noising) process: returns (noisy_batch, masked_indices, p_mask)."""
     if not model.dlm_config.is_diffusion:
@@ -151,7 +166,7 @@ def difflm_forward_process(model: "GPTModel", input_ids: torch.Tensor, key: Opti
     return corruption.noisy_input_ids, corruption.masked_positions, corruption.p_mask
 
 
-def compute_loss(model: "GPTModel", input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
+def compute_loss(model: ScoredModel, input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
                  loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                  document_ids: Optional[torch.Tensor] = None,
                  position_ids: Optional[torch.Tensor] = None, normalize: bool = True) -> LossOutput:
