@@ -56,7 +56,7 @@ def test_the_samplers_canvas_mask_allows_what_the_reference_allows(mask_type):
     options = generation.GenerationOptions(attention_mask_type=mask_type,
                                            attention_block_size=MASKS[mask_type].get("block_size"),
                                            sliding_window=MASKS[mask_type].get("window"))
-    layout = generation._Layout(torch.ones(1, LENGTH, dtype=torch.bool), torch.arange(LENGTH)[None], options)
+    layout = generation.CanvasLayout(torch.ones(1, LENGTH, dtype=torch.bool), torch.arange(LENGTH)[None], options)
     assert torch.equal(layout.attention_mask(0, LENGTH, LENGTH)[0], _reference(mask_type))
     # A slice of the queries against every key (a cached block) keeps the same rule.
     assert torch.equal(layout.attention_mask(4, 9, LENGTH)[0], _reference(mask_type)[4:9])
