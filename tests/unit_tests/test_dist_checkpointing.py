@@ -83,6 +83,23 @@ def test_a_file_failing_in_a_writer_thread_fails_the_save(tmp_path, monkeypatch,
     assert "Exception in thread" not in capfd.readouterr().err
 
 
+
+def test_a_full_disk_while_the_index_is_written_fails_the_save(tmp_path, monkeypatch):
+    """The index (.metadata) is the last file a save writes: an error there must fail the save too,
+    not leave a cut-short index renamed into place as if the save had finished."""
+    dump = dcp_filesystem.pickle.dump
+
+    def disk_full(obj, stream, *args, **kwargs):
+        stream.write(b"\x80")  # a few bytes reach the file before the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_filesystem.pickle, "dump", disk_full)
+    with pytest.raises((OSError, CheckpointException)) as raised:
+        serialization.save(model().sharded_state_dict(), str(tmp_path / "ckpt"))
+    monkeypatch.setattr(dcp_filesystem.pickle, "dump", dump)
+    assert "No space left on device" in str(raised.value)
+    assert not (tmp_path / "ckpt" / ".metadata").exists(), "a cut-short index renamed into place"
+
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5), (2, 4, 3, 2)])
 def test_linear_ranges_become_disjoint_boxes_covering_exactly_those_elements(shape):
     from megatron.core.dist_checkpointing.model_state import linear_range_boxes

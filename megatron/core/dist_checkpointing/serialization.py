@@ -14,7 +14,7 @@ import dataclasses
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,40 +97,47 @@ class _CheckedWriter(dcp.FileSystemWriter):
 
     DCP writes files in WRITER_THREADS threads; in a helper thread an error only ends that thread,
     printing its traceback, and the save goes on without that file's entries: the index would then
-    be written for a checkpoint missing tensors. Here every file's stream records its error and
-    stops (no traceback from the thread), and `write_data` raises the first one once all are done.
+    be written for a checkpoint missing tensors. Here, while `write_data` runs, every file's stream
+    records its error and stops (no traceback from the thread), and `write_data` raises the first one
+    once all are done. Elsewhere (the index `finish` writes) a stream's error propagates as it is.
     """
 
     def __init__(self, checkpoint_dir: str) -> None:
         super().__init__(checkpoint_dir, thread_count=WRITER_THREADS)
-        self.failures: List[Exception] = []
-        self.fs.create_stream = partial(_RecordedStream, self.fs.create_stream, self.failures)
+        self.failures: Optional[List[Exception]] = None
+        """The errors of the files `write_data` is writing; None outside it."""
+        self.fs.create_stream = partial(_RecordedStream, self.fs.create_stream, self)
 
     def write_data(self, plan, planner):
-        self.failures.clear()
-        written = super().write_data(plan, planner)
-        if self.failures:
-            raise self.failures[0]
+        self.failures = []
+        try:
+            written = super().write_data(plan, planner)
+        finally:
+            failures, self.failures = self.failures, None
+        if failures:
+            raise failures[0]
         return written
 
 
 class _RecordedStream:
-    """`open_stream(path, mode)` as a context whose body's error is recorded in `failures` and
-    swallowed: the thread writing it moves on (and fails fast on a full disk) instead of dying."""
+    """`open_stream(path, mode)` as a context; while `writer.failures` is a list (inside write_data), the
+    body's error is recorded there and swallowed: the thread writing it moves on (and fails fast on a
+    full disk) instead of dying."""
 
-    def __init__(self, open_stream: Callable, failures: List[Exception], path, mode: str) -> None:
-        self.context, self.failures = open_stream(path, mode), failures
+    def __init__(self, open_stream: Callable, writer: _CheckedWriter, path, mode: str) -> None:
+        self.context, self.failures = open_stream(path, mode), writer.failures
 
     def __enter__(self):
         try:
             return self.context.__enter__()
         except Exception as error:
-            self.failures.append(error)
+            if self.failures is not None:
+                self.failures.append(error)
             raise
 
     def __exit__(self, kind, error, trace) -> bool:
         self.context.__exit__(kind, error, trace)
-        if isinstance(error, Exception):
+        if isinstance(error, Exception) and self.failures is not None:
             self.failures.append(error)
             return True
         return False
