@@ -92,9 +92,13 @@ def maskable_positions(input_ids: torch.Tensor, dlm: DLMConfig,
     """Positions the corruption may touch: the loss mask, minus position 0 in the shift
     mode (nothing predicts it) and with ignore_bos (BD3-LM: the first token stays clean)."""
     maskable = (torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool().clone())
-    if dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos:
+    if _first_position_stays_clean(dlm):
         maskable[:, 0] = False
     return maskable
+
+
+def _first_position_stays_clean(dlm: DLMConfig) -> bool:
+    return dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos
 
 
 def output_layer_positions(dlm: DLMConfig, seq_length: int) -> float:
@@ -105,8 +109,8 @@ def output_layer_positions(dlm: DLMConfig, seq_length: int) -> float:
     counts padded tokens; vanilla's masked-only path runs at every loss position, so at all of them."""
     if not (dlm.is_diffusion and dlm.masked_only_loss):
         return float(seq_length)
-    unmaskable = 1 if dlm.model_running_mode == "difflm-shift" or dlm.ignore_bos else 0  # maskable_positions
-    return (seq_length - unmaskable) * diffusion.expected_mask_probability(dlm)
+    maskable = seq_length - 1 if _first_position_stays_clean(dlm) else seq_length  # as maskable_positions
+    return maskable * diffusion.expected_mask_probability(dlm)
 
 
 def default_corruption_key(input_ids: torch.Tensor, dlm: DLMConfig) -> CorruptionKey:
