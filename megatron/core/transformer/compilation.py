@@ -27,11 +27,20 @@ default seed), after which that symbolic graph serves every length anyway. Only 
 `dynamic=True` would also make the batch, the float attributes and any size equal to the length
 symbolic (dynamo gives equal sizes one symbol, and a hidden size equal to the length then
 specialises both).
+
+A symbolic length alone is not enough on a GPU: Inductor's mix-order reduction (RMSNorm's backward
+fusing the weight-gradient column sum with the row sums) decides by size thresholds evaluated on the
+length's hint, and each decision is a guard: the 1.7B model compiled for 4096 tokens recompiled, forward
+and backward, for lengths below 2560, again below 2048 and again below 1280 (2-6 s each, H100), until
+dynamo's limit of 8 graphs sent later lengths to eager silently. `VARIABLE_LENGTH_INDUCTOR_OPTIONS`
+turns those thresholds off for these compilations (non-strict mode fuses whenever the fusion is legal),
+so one graph serves every length; at the full length it fuses as before.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -40,6 +49,17 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 DYNAMIC_RECOMPILE_LIMIT = 32
+# Inductor options of a variable-length training compilation (see the module docstring).
+VARIABLE_LENGTH_INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def _variable_length_options(compile_options: dict) -> dict:
+    """`compile_options` with VARIABLE_LENGTH_INDUCTOR_OPTIONS added to its Inductor options, those this
+    torch has (the mix-order reduction arrived in torch 2.10)."""
+    triton = torch._inductor.config.triton
+    known = {key: value for key, value in VARIABLE_LENGTH_INDUCTOR_OPTIONS.items()
+             if hasattr(triton, key.split(".", 1)[1])}
+    return {**compile_options, "options": {**known, **compile_options.get("options", {})}}
 
 
 def compile_transformer_layers(model: nn.Module, variable_length: bool = False, **compile_options) -> int:
@@ -48,6 +68,8 @@ def compile_transformer_layers(model: nn.Module, variable_length: bool = False, 
     if compile_options.get("dynamic"):
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, DYNAMIC_RECOMPILE_LIMIT)
+    if variable_length and compile_options.get("backend", "inductor") == "inductor":
+        compile_options = _variable_length_options(compile_options)
     layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
     for layer in layers:
         layer.compile(**compile_options)
