@@ -35,7 +35,7 @@ def validate_parallel(args: argparse.Namespace) -> None:
         raise ValueError("--cache-low-precision-weights does not apply under FSDP2 (--data-parallel-sharding-strategy "
                          f"{args.data_parallel_sharding_strategy} gathers the weights in bf16 itself); drop it")
     if args.fp8_format:
-        from megatron.core.transformer.fp8 import float8_config
+        from megatron.core.fp8.torchao_float8 import float8_config
         from megatron.training.precision_args import delayed_scaling
 
         if args.tensor_model_parallel_size != 1 and not weight_copies:

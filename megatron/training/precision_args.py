@@ -84,6 +84,6 @@ def delayed_scaling(args: argparse.Namespace):
     """`--fp8-recipe delayed`'s settings (float8_scaling.DelayedScalingConfig), or None."""
     if not args.fp8_format or args.fp8_recipe != "delayed":
         return None
-    from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig
+    from megatron.core.fp8.float8_scaling import DelayedScalingConfig
 
     return DelayedScalingConfig(args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin)

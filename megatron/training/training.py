@@ -33,11 +33,11 @@ from megatron.core.parallel_state import ParallelContext, ParallelState, Process
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
-from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
+from megatron.core.precision.weight_copies import WeightCopies, attach_weight_copies
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
-from megatron.core.transformer.fp8 import enable_fp8_training, float8_gemms_on_cpu
+from megatron.core.fp8.torchao_float8 import enable_fp8_training, float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs

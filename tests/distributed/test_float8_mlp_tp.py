@@ -17,9 +17,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from megatron.core.parallel_state import ProcessGroups
-    from megatron.core.tensor_parallel import float8_mlp
-    from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig
-    from megatron.core.tensor_parallel.weight_copies import WeightCopies
+    from megatron.core.fp8 import float8_mlp
+    from megatron.core.fp8.float8_scaling import DelayedScalingConfig
+    from megatron.core.precision.weight_copies import WeightCopies
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -22,13 +22,13 @@ def _worker(rank: int, port: int, unpadded: int) -> None:
     import torch.distributed as dist
 
     from megatron.core.tensor_parallel import linear_cross_entropy as module
-    from megatron.core.tensor_parallel import triton_cross_entropy
+    from megatron.core.fusions import fused_cross_entropy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     calls = []
-    statistics = triton_cross_entropy.row_statistics
-    triton_cross_entropy.row_statistics = lambda *args: calls.append(1) or statistics(*args)
+    statistics = fused_cross_entropy.row_statistics
+    fused_cross_entropy.row_statistics = lambda *args: calls.append(1) or statistics(*args)
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(TOKENS, HIDDEN, generator=generator)
     weight = torch.randn(PADDED, HIDDEN, generator=generator)

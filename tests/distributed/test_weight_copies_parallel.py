@@ -120,7 +120,7 @@ def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
+    from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -143,7 +143,7 @@ def test_delayed_scaling_shares_the_largest_amax_over_replicas_and_tensor_parall
     each group in the update), so they agree and a checkpoint holds what each rank holds."""
     import torch
 
-    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
+    from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
     from tests.distributed.parity import free_port, start_workers
 
     out = str(tmp_path / "amax")

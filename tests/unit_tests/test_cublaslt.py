@@ -6,7 +6,7 @@ and for shapes whose three dimensions all differ (a swapped dimension or operand
 import pytest
 import torch
 
-from megatron.core.tensor_parallel import cublaslt
+from megatron.core.fusions import cublaslt
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # float8 GEMMs need compute capability 8.9+ (Ada, Hopper); the `gpu` mark skips them without CUDA

@@ -1,4 +1,4 @@
-"""Delayed scaling's one-pass float8 cast (triton_float8_cast.py, reached through float8_matmul's casts
+"""Delayed scaling's one-pass float8 cast (fused_float8_cast.py, reached through float8_matmul's casts
 where the scale is given: the float8 linears' forward and backward under --fp8-recipe delayed).
 
 Each test fails if its part broke: a wrong tile offset, mask, scale, saturation or transposition writes
@@ -13,10 +13,11 @@ checked on CUDA against torch's cast, bit for bit, on random values."""
 import pytest
 import torch
 
-from megatron.core import triton_support
-from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, DelayedScales
-from megatron.core.tensor_parallel.float8_scaling import DelayedScaling
+from megatron.core.fusions import triton_support
+from megatron.core.fp8 import float8_matmul
+from megatron.core.fusions import fused_float8_cast
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, DelayedScales
+from megatron.core.fp8.float8_scaling import DelayedScaling
 
 DTYPES = {"e4m3": FORWARD_DTYPE, "e5m2": GRADIENT_DTYPES["hybrid"]}
 INTERPRETER = pytest.mark.skipif(not (triton_support.HAS_TRITON and triton_support.interpreting()),
@@ -41,7 +42,7 @@ def _on_grid(rows: int, cols: int, dtype: torch.dtype, scale: float, seed: int =
 
 
 def _check_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, expected: torch.Tensor) -> None:
-    rows, columns, amax = triton_float8_cast.cast_both_layouts(x, scale, dtype)
+    rows, columns, amax = fused_float8_cast.cast_both_layouts(x, scale, dtype)
     assert rows.dtype == columns.dtype == dtype and columns.is_contiguous()
     assert torch.equal(_bytes(rows), _bytes(expected))
     assert torch.equal(_bytes(columns), _bytes(expected.t().contiguous()))
@@ -57,12 +58,12 @@ def test_the_kernel_writes_both_layouts_of_torchs_cast_and_its_amax(shape, name,
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     dtype, scale = DTYPES[name], torch.tensor(8.0)
     x = _on_grid(*shape, dtype, scale.item())
-    assert triton_float8_cast.available(x) and not triton_float8_cast.available(x.t())  # contiguous only
+    assert fused_float8_cast.available(x) and not fused_float8_cast.available(x.t())  # contiguous only
     _check_cast(x, scale, dtype, float8_matmul.scaled_cast(x, scale, dtype))
 
 
 def _layer(bias: bool):
-    from megatron.core.tensor_parallel.working_copy import Float8Copy, cast_float8
+    from megatron.core.precision.working_copy import Float8Copy, cast_float8
 
     weight = torch.nn.Parameter(_on_grid(32, 48, FORWARD_DTYPE, 1.0).float().clamp(-448, 448))
     copy = Float8Copy(torch.empty(32, 48, dtype=FORWARD_DTYPE), torch.empty(48, 32, dtype=FORWARD_DTYPE),
@@ -92,8 +93,8 @@ def test_a_delayed_float8_linear_casts_through_the_kernel(bias, monkeypatch):
         out.backward(grad_output)
         return [out, amax] + [t.grad for t in (weight, x, bias_parameter) if t is not None]
     reference = run(ready=True)
-    calls, original = [], triton_float8_cast.cast_both_layouts
-    monkeypatch.setattr(triton_float8_cast, "cast_both_layouts", lambda *args: calls.append(args[2]) or original(*args))
+    calls, original = [], fused_float8_cast.cast_both_layouts
+    monkeypatch.setattr(fused_float8_cast, "cast_both_layouts", lambda *args: calls.append(args[2]) or original(*args))
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     ours = run(ready=True)
     assert calls == [FORWARD_DTYPE, GRADIENT_DTYPES["hybrid"]]
@@ -123,7 +124,7 @@ def test_on_cuda_the_kernel_rounds_as_torchs_cast(shape, name):
 def test_on_cuda_a_compiled_function_traces_the_op():
     """Compiled code calls the kernel inside its graph (no graph break) and returns what eager code does."""
     x = torch.randn(1024, 768, device="cuda").to(torch.bfloat16)
-    triton_float8_cast.register_for(x)
+    fused_float8_cast.register_for(x)
     scale = torch.tensor(40.0, device="cuda")
     compiled = torch.compile(float8_matmul.cast_both_layouts, fullgraph=True)
     ours, eager = compiled(x, FORWARD_DTYPE, scale), float8_matmul.cast_both_layouts(x, FORWARD_DTYPE, scale)

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, triton_float8_cast
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
-from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
-from megatron.core.tensor_parallel.weight_copies import WeightCopies
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.fusions import fused_float8_cast
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
+from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
+from megatron.core.precision.weight_copies import WeightCopies
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 
 E4M3, E5M2 = torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES["hybrid"]).max
@@ -178,8 +179,8 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, m
     amax leaves as a gradient, raising the same amaxes as the eager layers'. The leaf keeps no gradient.
     From the second step the casts run through the Triton kernel (`kernel`; traced into the graph; under
     the interpreter only eagerly, test_float8_cast.py: its kernels are not traceable)."""
-    calls, graphs, original = [], [], triton_float8_cast.cast_both_layouts
-    monkeypatch.setattr(triton_float8_cast, "cast_both_layouts",  # eager calls counted (compiled code: the graphs)
+    calls, graphs, original = [], [], fused_float8_cast.cast_both_layouts
+    monkeypatch.setattr(fused_float8_cast, "cast_both_layouts",  # eager calls counted (compiled code: the graphs)
                         lambda *args: (None if torch.compiler.is_compiling() else calls.append(1)) or original(*args))
 
     def recording(graph, example_inputs):  # every traced graph's code, the autograd.Function's bodies too

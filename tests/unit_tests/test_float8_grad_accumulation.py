@@ -8,8 +8,9 @@ it to autograd."""
 import pytest
 import torch
 
-from megatron.core.tensor_parallel import float8_matmul, fp32_weight_grad
-from megatron.core.tensor_parallel.weight_copies import WeightCopies
+from megatron.core.tensor_parallel import fp32_weight_grad
+from megatron.core.fp8 import float8_matmul
+from megatron.core.precision.weight_copies import WeightCopies
 from tests.unit_tests.test_gpt_model import tokens
 from tests.unit_tests.test_weight_copies import STYLES, build
 
@@ -55,7 +56,7 @@ def test_on_a_float8_gpu_a_compiled_layer_adds_through_cublaslts_gemm(bias, monk
     """A compiled transformer layer of float8 layers over three micro-batches: inside the context every
     float8 layer's GEMM adds into `.grad` from the second micro-batch on (cuBLASLt's beta = 1, not the
     fallback), and the sums are those of the same compiled layer outside it within fp32 rounding."""
-    from megatron.core.tensor_parallel import cublaslt
+    from megatron.core.fusions import cublaslt
     from megatron.core.transformer.attention_mask import AttentionMask
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer

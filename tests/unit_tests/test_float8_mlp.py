@@ -1,4 +1,4 @@
-"""The float8 SwiGLU MLP as one function (float8_mlp.py) and its two fused kernels (triton_float8_swiglu.py).
+"""The float8 SwiGLU MLP as one function (float8_mlp.py) and its two fused kernels (fused_float8_swiglu.py).
 
 Each test fails if its part broke: a kernel writing other bytes than SwiGLU's kernel followed by the cast
 kernel (a wrong tile offset, the up half's pointer, the rounding to 16 bits before the cast, the
@@ -15,12 +15,13 @@ import copy
 import pytest
 import torch
 
-from megatron.core import triton_support
-from megatron.core.tensor_parallel import float8_mlp, triton_float8_cast, triton_float8_swiglu
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
-from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig
-from megatron.core.tensor_parallel.weight_copies import WeightCopies
-from megatron.core.transformer import triton_swiglu
+from megatron.core.fusions import triton_support
+from megatron.core.fp8 import float8_mlp
+from megatron.core.fusions import fused_float8_cast, fused_float8_swiglu
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.fp8.float8_scaling import DelayedScalingConfig
+from megatron.core.precision.weight_copies import WeightCopies
+from megatron.core.fusions import fused_swiglu
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -57,15 +58,15 @@ def _inputs(rows: int, f: int, device: str = "cpu", seed: int = 0):
 
 def _check_kernels(h: torch.Tensor, grad: torch.Tensor, scales) -> None:
     forward_scale, backward_scale = (torch.tensor(s, device=h.device) for s in scales)
-    activation = triton_swiglu.swiglu(h)
-    _same(triton_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE),
-          triton_float8_cast.cast_both_layouts(activation, forward_scale, FORWARD_DTYPE))
-    assert torch.equal(triton_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE)[2],
+    activation = fused_swiglu.swiglu(h)
+    _same(fused_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE),
+          fused_float8_cast.cast_both_layouts(activation, forward_scale, FORWARD_DTYPE))
+    assert torch.equal(fused_float8_swiglu.swiglu_cast(h, forward_scale, FORWARD_DTYPE)[2],
                        activation.abs().max().float())
-    grad_h = triton_swiglu.swiglu_backward(grad, h)
-    _same(triton_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2),
-          triton_float8_cast.cast_both_layouts(grad_h, backward_scale, E5M2))
-    assert torch.equal(triton_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2)[2],
+    grad_h = fused_swiglu.swiglu_backward(grad, h)
+    _same(fused_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2),
+          fused_float8_cast.cast_both_layouts(grad_h, backward_scale, E5M2))
+    assert torch.equal(fused_float8_swiglu.swiglu_backward_cast(grad, h, backward_scale, E5M2)[2],
                        grad_h.abs().max().float())
 
 
@@ -86,8 +87,8 @@ def test_the_tensor_math_backward_is_autograds(dtype):
     generator = torch.Generator().manual_seed(3)
     h, grad = (torch.randn(8, 64, generator=generator) * 4).to(dtype), torch.randn(8, 32, generator=generator).to(dtype)
     leaf = h.clone().requires_grad_()
-    triton_swiglu.reference(leaf).backward(grad)
-    assert torch.equal(triton_swiglu.reference_backward(grad, h), leaf.grad)
+    fused_swiglu.reference(leaf).backward(grad)
+    assert torch.equal(fused_swiglu.reference_backward(grad, h), leaf.grad)
 
 
 def _mlp(fusion: bool, bias: bool = False, activation: str = "silu", delayed: bool = True, device: str = "cpu"):
@@ -125,8 +126,8 @@ def test_the_fused_mlp_trains_as_its_two_float8_layers(kernels, delayed, monkeyp
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     calls = []
     for name in ("swiglu_cast", "swiglu_backward_cast"):
-        original = getattr(triton_float8_swiglu, name)
-        monkeypatch.setattr(triton_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+        original = getattr(fused_float8_swiglu, name)
+        monkeypatch.setattr(fused_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     fused, fused_copies, plain, plain_copies = _mlp(kernels, delayed=delayed)
     generator = torch.Generator().manual_seed(1)
     x, grad = torch.randn(16, 2, 32, generator=generator), torch.randn(16, 2, 32, generator=generator) * 1e-3
@@ -158,7 +159,7 @@ def test_the_fused_function_runs_only_float8_swiglu_without_fc1_bias(change, mon
 @pytest.mark.parametrize("rows, f", [(8192, 14336), (272, 1040)], ids=["7b-fc2", "partial"])
 def test_on_cuda_the_fused_kernels_write_what_swiglu_then_the_cast_write(rows, f):
     h, grad = _inputs(rows, f, "cuda")
-    triton_float8_swiglu.register_for(h)
+    fused_float8_swiglu.register_for(h)
     _check_kernels(h, grad, (20.0, 300.0))
 
 

@@ -1,11 +1,11 @@
 """--fp8-output-layer: the chunked output layer's logits and input-gradient GEMMs in float8
-(tensor_parallel/float8_matmul.py): the casts, the scaled GEMMs against the same math on the
+(fp8/float8_matmul.py): the casts, the scaled GEMMs against the same math on the
 dequantised operands, the loss and gradients against the compute-dtype GEMMs, and the flags."""
 
 import pytest
 import torch
 
-from megatron.core.tensor_parallel import float8_matmul as f8
+from megatron.core.fp8 import float8_matmul as f8
 from megatron.core.tensor_parallel import linear_cross_entropy as lce
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error
 

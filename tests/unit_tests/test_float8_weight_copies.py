@@ -16,9 +16,9 @@ from torch import nn
 
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, scale_of, scaled_cast
-from megatron.core.tensor_parallel.weight_copies import WeightCopies, attach_weight_copies
-from megatron.core.tensor_parallel.working_copy import Float8Copy
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, scale_of, scaled_cast
+from megatron.core.precision.weight_copies import WeightCopies, attach_weight_copies
+from megatron.core.precision.working_copy import Float8Copy
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 from tests.unit_tests.test_gpt_model import tokens
 from tests.unit_tests.test_weight_copies import build, train
@@ -33,7 +33,7 @@ def fresh_compile_caches():
 
 
 def _torchao_twin(layer: ColumnParallelLinear, fp8_format: str) -> nn.Module:
-    from megatron.core.transformer.fp8 import float8_config
+    from megatron.core.fp8.torchao_float8 import float8_config
 
     twin = nn.Sequential(nn.Linear(layer.input_size, layer.output_size, bias=layer.bias is not None))
     twin[0].weight = nn.Parameter(layer.weight.detach().clone())
@@ -110,7 +110,7 @@ def test_each_refresh_casts_the_stepped_weights_with_their_own_amax():
 
 def _fp8_train(style: str, mode: str, float8_copies: bool):
     """Losses of 3 bf16 steps with the decoder in fp8: float8 copies, or torchao's float8 linears."""
-    from megatron.core.transformer.fp8 import enable_fp8_training
+    from megatron.core.fp8.torchao_float8 import enable_fp8_training
 
     if float8_copies:
         return train(style, mode, copies=True, compiled=True, fp8_format="hybrid")

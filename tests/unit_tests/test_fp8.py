@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron.core.models.difflm.gpt_model import GPTModel
-from megatron.core.transformer.fp8 import swap_parallel_linears
+from megatron.core.fp8.torchao_float8 import swap_parallel_linears
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from tests.distributed.test_pretrain_cli import LOSS
 
@@ -39,7 +39,7 @@ def test_parallel_linears_swap_to_nn_linear_exactly():
 
 def test_formats_choose_the_gradient_element_type():
     pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
-    from megatron.core.transformer.fp8 import float8_config
+    from megatron.core.fp8.torchao_float8 import float8_config
 
     assert float8_config("hybrid").cast_config_grad_output.target_dtype == torch.float8_e5m2
     assert float8_config("e4m3").cast_config_grad_output.target_dtype == torch.float8_e4m3fn
@@ -79,7 +79,7 @@ def test_torchao_fp8_with_tensor_parallelism_is_refused_before_any_work():
 def test_float8_gemms_on_cpu_leave_onednn_only_for_cpu_runs():
     """oneDNN's float8 matmul is a reference loop on CPUs with AMX tiles (the quickstart's fp8 run took
     over 10 minutes there): CPU runs turn it off for torch's own kernel, CUDA runs leave it alone."""
-    from megatron.core.transformer.fp8 import float8_gemms_on_cpu
+    from megatron.core.fp8.torchao_float8 import float8_gemms_on_cpu
 
     enabled = torch.backends.mkldnn.enabled
     try:

@@ -168,10 +168,10 @@ def test_the_gradients_are_scaled_by_the_loss_sums_gradient(factor, monkeypatch)
     """The gradients made in forward are scaled by the loss sum's incoming gradient: left as they are
     for the training loop's 1 (the [V, h] pass skipped on the device), fp16's loss scale or any other
     factor scales both."""
-    from megatron.core.tensor_parallel import triton_cross_entropy
+    from megatron.core.fusions import fused_cross_entropy
 
-    factors, original = [], triton_cross_entropy.scale_unless_one_
-    monkeypatch.setattr(triton_cross_entropy, "scale_unless_one_",
+    factors, original = [], fused_cross_entropy.scale_unless_one_
+    monkeypatch.setattr(fused_cross_entropy, "scale_unless_one_",
                         lambda tensor, f: factors.append(float(f)) or original(tensor, f))
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(30, 8, generator=generator, requires_grad=True)

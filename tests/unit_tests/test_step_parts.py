@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "benchmark"))
 import step_parts  # noqa: E402
 
-from megatron.core import triton_support  # noqa: E402
+from megatron.core.fusions import triton_support  # noqa: E402
 
 
 def test_rows_count_the_bytes_of_the_real_parameter_set(tmp_path, capsys):
@@ -91,7 +91,7 @@ def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
     tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving
     the logits 3 times."""
-    kernel = step_parts.triton_cross_entropy
+    kernel = step_parts.fused_cross_entropy
     default = (kernel.BLOCK, kernel.NUM_WARPS)
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
                               "--loss-kernels", "64x4,256x8", "--loss-chunk", "3"])
@@ -107,7 +107,7 @@ def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
 def test_swiglu_rows_time_both_implementations(monkeypatch):
     """SwiGLU's rows: torch.compile's kernels and, where the Triton kernels run (under the interpreter on
     CPU, when a test allows it), each configuration named (restored afterwards), each moving 8 passes."""
-    kernel = step_parts.triton_swiglu
+    kernel = step_parts.fused_swiglu
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     default = (kernel.BLOCK, kernel.NUM_WARPS)
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
@@ -164,7 +164,7 @@ def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     the layers' Triton kernel runs (under the interpreter here), its row too, not compiled (one kernel)."""
     import torch
 
-    from megatron.core.tensor_parallel.float8_matmul import scaled_cast, to_float8
+    from megatron.core.fp8.float8_matmul import scaled_cast, to_float8
 
     seen = []
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
@@ -215,13 +215,13 @@ def test_float8_swiglu_rows_time_the_layers_pair_and_the_fused_kernel(monkeypatc
     one after the other and the fused one, each way; their bytes (an element of the activation: 10 and 6
     forward, 18 and 10 backward); and every one computes the MLP's values (the fused kernels' own tests
     check the bytes: tests/unit_tests/test_float8_mlp.py), so each timed function is called."""
-    from megatron.core.tensor_parallel import triton_float8_swiglu
+    from megatron.core.fusions import fused_float8_swiglu
 
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     calls = []
     for name in ("swiglu_cast", "swiglu_backward_cast"):
-        original = getattr(triton_float8_swiglu, name)
-        monkeypatch.setattr(triton_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+        original = getattr(fused_float8_swiglu, name)
+        monkeypatch.setattr(fused_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     spec = step_parts.shapes.MODELS["tiny"]
     rows = step_parts.float8_swiglu_rows(spec.ffn_hidden_size, 32, step_parts.torch.device("cpu"),
                                          lambda function: (function(), 1.0)[1])

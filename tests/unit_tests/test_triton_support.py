@@ -5,7 +5,7 @@ compiled layers)."""
 
 import torch
 
-from megatron.core.triton_support import LazyOp
+from megatron.core.fusions.triton_support import LazyOp
 
 
 def test_a_lazy_op_registers_once_and_compiled_code_reads_it():

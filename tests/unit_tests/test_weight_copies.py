@@ -1,4 +1,4 @@
-"""--cache-low-precision-weights (tensor_parallel/weight_copies.py): the linear layers read bf16
+"""--cache-low-precision-weights (precision/weight_copies.py): the linear layers read bf16
 working copies of their fp32 weights in training. A bf16 run trains to the bit as without them,
 whichever optimizer writes the copies; a weight changed behind the optimizer's back is copied
 again before it is read; evaluation never reads a copy; bad flag combinations are one line."""
@@ -11,7 +11,7 @@ import torch
 from megatron.core.models.difflm import diffusion
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
-from megatron.core.tensor_parallel.weight_copies import attach_weight_copies
+from megatron.core.precision.weight_copies import attach_weight_copies
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 from tests.unit_tests.test_gpt_model import dlm_config, tiny_config, tokens
 

@@ -24,7 +24,7 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   backward: read gate, up and the output gradient, write both gradients).
 * RMSNorm (`--rmsnorm-tokens`): a norm's forward and backward over bf16 activations, the hidden
   norm [tokens, h] and the query norm [tokens, heads, head dim]: torch.compile's kernels and the
-  Triton kernels (triton_rmsnorm.py, where they run), against the 5 passes both need (forward: read
+  Triton kernels (fused_rmsnorm.py, where they run), against the 5 passes both need (forward: read
   the input, write the output; backward: read the input and the gradient, write the input's gradient).
   On CUDA these rows are kernel time from the profiler: one call's GPU work (tens of microseconds)
   is shorter than its Python and autograd overhead, which the events would time instead;
@@ -35,7 +35,7 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   tensor math and through the one-pass Triton kernel where it runs, against one pass over it (read 2 bytes
   an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm; with them, where Triton
   runs, SwiGLU and fc2's input cast, then SwiGLU's backward and fc1's output-gradient cast, each as the
-  two kernels the layers would run and as the float8 MLP's one (triton_float8_swiglu.py);
+  two kernels the layers would run and as the float8 MLP's one (fused_float8_swiglu.py);
 * float8 weight gradient (`--float8-weight-gradient-tokens`): a float8 layer's weight gradient over that many
   tokens added into an fp32 `.grad`, at each decoder linear's shape, two ways: `_scaled_mm`'s fp32 product
   then autograd's add (write 4 bytes a parameter, then read 8 and write 4), and cuBLASLt's GEMM adding it
@@ -67,12 +67,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_breakdown  # noqa: E402
 import train_throughput as shapes  # noqa: E402  (the named model shapes, shared with the training benchmark)
 
-from megatron.core.tensor_parallel import linear_cross_entropy, tied_gradient, triton_cross_entropy  # noqa: E402
+from megatron.core.tensor_parallel import linear_cross_entropy, tied_gradient  # noqa: E402
+from megatron.core.fusions import fused_cross_entropy  # noqa: E402
 
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.compiled_adamw import CompiledAdamW  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
-from megatron.core.transformer import triton_rmsnorm, triton_swiglu  # noqa: E402
+from megatron.core.fusions import fused_rmsnorm, fused_swiglu  # noqa: E402
 from megatron.core.transformer.norms import RMSNorm  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
 
@@ -196,7 +197,7 @@ def rmsnorm_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, 
         x = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16).requires_grad_()
         grad = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16)
         for name, fusion in (("torch.compile", False), ("Triton", True)):
-            if fusion and not triton_rmsnorm.available(x):
+            if fusion and not fused_rmsnorm.available(x):
                 print("rmsnorm: its Triton kernels do not run here; only torch.compile's rows")
                 continue
             norm = RMSNorm(shape[-1], fusion=fusion).to(device)
@@ -285,20 +286,20 @@ def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[st
     compiled = linear_cross_entropy.compiled_softmax_loss_gradient()
     name = f"loss kernel, torch.compile ({args.loss_chunk} x {vocab})"
     result = {name: (measure(lambda: compiled(logits, targets, scale, vocab)), moved)}
-    if not triton_cross_entropy.available(logits):
+    if not fused_cross_entropy.available(logits):
         print("loss kernel: Triton does not run here; only torch.compile's row")
         return result
-    work, default = logits.clone(), (triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS)
+    work, default = logits.clone(), (fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS)
     for config in args.loss_kernels.split(","):
         block, warps = (int(value) for value in config.split("x"))
-        triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = block, warps
+        fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS = block, warps
 
         def run():  # each call overwrites its input: start from the same logits every time
             work.copy_(logits)
-            triton_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab)
+            fused_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab)
         copy_ms = measure(lambda: work.copy_(logits))
         result[f"loss kernel, Triton, block {block}, {warps} warps"] = (measure(run) - copy_ms, moved)
-    triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = default
+    fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS = default
     return result
 
 
@@ -318,22 +319,22 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
             function(x).backward(grad)
         return measure(step)
     name = f"swiglu forward+backward, torch.compile ({args.swiglu_tokens} x {ffn})"
-    result = {name: (timed(torch.compile(triton_swiglu.reference)), moved)}
-    if not triton_swiglu.available(x):
+    result = {name: (timed(torch.compile(fused_swiglu.reference)), moved)}
+    if not fused_swiglu.available(x):
         print("swiglu: its Triton kernels do not run here; only torch.compile's row")
         return result
-    default = (triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS)
+    default = (fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS)
     for config in args.swiglu_kernels.split(","):
-        triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = (int(value) for value in config.split("x"))
-        label = f"swiglu forward+backward, Triton, block {triton_swiglu.BLOCK}, {triton_swiglu.NUM_WARPS} warps"
-        result[label] = (timed(triton_swiglu.swiglu), moved)
-    triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = default
+        fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS = (int(value) for value in config.split("x"))
+        label = f"swiglu forward+backward, Triton, block {fused_swiglu.BLOCK}, {fused_swiglu.NUM_WARPS} warps"
+        result[label] = (timed(fused_swiglu.swiglu), moved)
+    fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS = default
     return result
 
 
 def float8_cast_inputs(spec, tokens: int, device: torch.device) -> Dict[str, tuple]:
     """{name: (a bf16 [tokens, width] tensor, its float8 dtype)} for each cast a decoder layer makes."""
-    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+    from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
 
     attention = spec.num_attention_heads * spec.kv_channels
     tensors = {"a hidden-width input (qkv, o, fc1)": (spec.hidden_size, FORWARD_DTYPE),
@@ -354,8 +355,9 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     element, write 1 twice; the amax's own read keeps it above one pass), and delayed scaling's (the scale
     given, the amax recorded beside the cast), whole and in its two halves: the row-major values with the
     amax, and the transposed copy alone (read 2, write 1 each), which say whether the whole is one pass or
-    two; and, where Triton runs, the layers' one-pass kernel (triton_float8_cast.py)."""
-    from megatron.core.tensor_parallel import float8_matmul, triton_float8_cast
+    two; and, where Triton runs, the layers' one-pass kernel (fused_float8_cast.py)."""
+    from megatron.core.fp8 import float8_matmul
+    from megatron.core.fusions import fused_float8_cast
 
     def both_layouts(x, dtype):
         values, inverse = float8_matmul.to_float8(x, dtype)
@@ -380,8 +382,8 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
     ways = {"amax, rows first": (float8_matmul.amax_scale, 2), "amax, one reduction": (one_reduction, 2),
             "both layouts": (both_layouts, 4), "delayed, tensor math": (delayed, 4),
             "delayed, rows only": (rows_only, 3), "delayed, transposed only": (transposed_only, 3)}
-    triton_float8_cast.register_for(amax)
-    if triton_float8_cast.available(torch.zeros(1, 1, device=device)):  # on CPU: a test's interpreter
+    fused_float8_cast.register_for(amax)
+    if fused_float8_cast.available(torch.zeros(1, 1, device=device)):  # on CPU: a test's interpreter
         ways["delayed, Triton"] = (lambda x, dtype: delayed(x, dtype, float8_matmul.cast_both_layouts), 4)
     inputs, result = float8_cast_inputs(spec, args.float8_cast_tokens, device), {}
     for way, (function, bytes_per_element) in ways.items():
@@ -395,23 +397,24 @@ def float8_cast_rows(spec, args, device: torch.device, measure) -> Dict[str, tup
 def float8_swiglu_rows(ffn: int, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
     """Where Triton runs: SwiGLU and fc2's float8 input cast (by a given scale, both layouts), then
     SwiGLU's backward and fc1's float8 output-gradient cast, each as the two kernels the layers run one
-    after the other and as the one kernel of the float8 MLP (triton_float8_swiglu.py). Bytes an element of
+    after the other and as the one kernel of the float8 MLP (fused_float8_swiglu.py). Bytes an element of
     the activation: forward 10 then 6, backward 18 then 10."""
-    from megatron.core.tensor_parallel import float8_matmul, triton_float8_swiglu
+    from megatron.core.fp8 import float8_matmul
+    from megatron.core.fusions import fused_float8_swiglu
 
     generator = torch.Generator(device).manual_seed(0)
     h = torch.randn(tokens, 2 * ffn, device=device, generator=generator).to(torch.bfloat16)
     grad = torch.randn(tokens, ffn, device=device, generator=generator).to(torch.bfloat16)
     scale, e4m3, e5m2 = torch.tensor(10.0, device=device), float8_matmul.FORWARD_DTYPE, torch.float8_e5m2
-    triton_float8_swiglu.register_for(h)
-    if not (triton_float8_swiglu.available(h) and triton_swiglu.available(h)):
+    fused_float8_swiglu.register_for(h)
+    if not (fused_float8_swiglu.available(h) and fused_swiglu.available(h)):
         return {}
-    ways = {"forward, SwiGLU then the cast": (lambda: float8_matmul.cast_both_layouts(triton_swiglu.swiglu(h), e4m3,
+    ways = {"forward, SwiGLU then the cast": (lambda: float8_matmul.cast_both_layouts(fused_swiglu.swiglu(h), e4m3,
                                                                                       scale), 10),
-            "forward, fused": (lambda: triton_float8_swiglu.swiglu_cast(h, scale, e4m3), 6),
+            "forward, fused": (lambda: fused_float8_swiglu.swiglu_cast(h, scale, e4m3), 6),
             "backward, SwiGLU's then the cast": (lambda: float8_matmul.cast_both_layouts(
-                triton_swiglu.swiglu_backward(grad, h), e5m2, scale), 18),
-            "backward, fused": (lambda: triton_float8_swiglu.swiglu_backward_cast(grad, h, scale, e5m2), 10)}
+                fused_swiglu.swiglu_backward(grad, h), e5m2, scale), 18),
+            "backward, fused": (lambda: fused_float8_swiglu.swiglu_backward_cast(grad, h, scale, e5m2), 10)}
     return {f"float8 SwiGLU, {way} [{tokens} x {ffn}]": (measure(function), per_element * tokens * ffn)
             for way, (function, per_element) in ways.items()}
 
@@ -420,8 +423,8 @@ def float8_weight_gradient_rows(spec, tokens: int, device: torch.device, measure
     """Each decoder linear's float8 weight gradient [out, in] over `tokens`, added into an fp32 gradient:
     `_scaled_mm` then the add, and in the GEMM (cublaslt.scaled_mm_add_); then a micro-batch's sum over the
     model's layers, each way. Bytes: the gradient's traffic (16 and 8 a parameter)."""
-    from megatron.core.tensor_parallel import cublaslt
-    from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
+    from megatron.core.fusions import cublaslt
+    from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES
 
     attention = spec.num_attention_heads * spec.kv_channels
     linears = {"qkv": (attention + 2 * spec.num_query_groups * spec.kv_channels, spec.hidden_size),

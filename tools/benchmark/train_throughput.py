@@ -75,9 +75,9 @@ from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
                                               forget_gradient_scale)
 from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
-from megatron.core.tensor_parallel.float8_scaling import DelayedScalingConfig  # noqa: E402
-from megatron.core.tensor_parallel.weight_copies import attach_weight_copies  # noqa: E402
-from megatron.core.transformer.fp8 import (  # noqa: E402
+from megatron.core.fp8.float8_scaling import DelayedScalingConfig  # noqa: E402
+from megatron.core.precision.weight_copies import attach_weight_copies  # noqa: E402
+from megatron.core.fp8.torchao_float8 import (  # noqa: E402
     FP8_FORMATS, FP8_RECIPES, enable_fp8_training, float8_gemms_on_cpu)
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402

@@ -32,8 +32,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import float8_linear, float8_ready
-from megatron.core.tensor_parallel.working_copy import Float8Copy
+from megatron.core.fp8.float8_matmul import float8_linear, float8_ready
+from megatron.core.precision.working_copy import Float8Copy
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.fp32_weight_grad import linear
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient, embedding
-from megatron.core.tensor_parallel.working_copy import training_copy
+from megatron.core.precision.working_copy import training_copy
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,

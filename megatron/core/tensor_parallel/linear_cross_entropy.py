@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel import float8_matmul, triton_cross_entropy
+from megatron.core.fp8 import float8_matmul
+from megatron.core.fusions import fused_cross_entropy
 from megatron.core.tensor_parallel.fp32_weight_grad import matmul_into
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.tensor_parallel.utils import all_reduce_in_place, group_rank, group_size
@@ -137,7 +138,7 @@ def _fuses(layout: _Layout, chunk: torch.Tensor) -> bool:
     ranks where Triton's kernels run on it."""
     if not layout.compiled:
         return False
-    return group_size(layout.group) == 1 or (TRITON_KERNEL and triton_cross_entropy.available(chunk))
+    return group_size(layout.group) == 1 or (TRITON_KERNEL and fused_cross_entropy.available(chunk))
 
 
 def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
@@ -145,8 +146,8 @@ def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
     written over them) where it can run, else torch.compile's; over tensor-parallel ranks Triton's pair."""
     if group_size(layout.group) > 1:
         return _vocab_parallel_fused(logits, targets, scale, layout)
-    if TRITON_KERNEL and triton_cross_entropy.available(logits):
-        return triton_cross_entropy.softmax_loss_gradient_(logits, targets, scale, layout.valid_rows)
+    if TRITON_KERNEL and fused_cross_entropy.available(logits):
+        return fused_cross_entropy.softmax_loss_gradient_(logits, targets, scale, layout.valid_rows)
     return compiled_softmax_loss_gradient()(logits, targets, scale, layout.valid_rows)
 
 
@@ -156,13 +157,13 @@ def _vocab_parallel_fused(logits, targets, scale, layout: _Layout):
     and loss, then the gradient written over the logits. (losses, log-sum-exp, gradient) as on one rank."""
     local_target, foreign = _local_targets(targets, logits.shape[1], layout)
     owned = local_target.masked_fill(foreign, -1)
-    statistics = torch.stack(triton_cross_entropy.row_statistics(logits, owned, layout.valid_rows))
+    statistics = torch.stack(fused_cross_entropy.row_statistics(logits, owned, layout.valid_rows))
     ranks = [torch.empty_like(statistics) for _ in range(group_size(layout.group))]
     dist.all_gather(ranks, statistics, group=layout.group)
     ranks = torch.stack(ranks)  # [tp, 2, c]: log-sum-exp and target logit of each rank
     log_sum_exp = torch.logsumexp(ranks[:, 0], dim=0)
     losses = log_sum_exp - ranks[:, 1].sum(dim=0)
-    return losses, log_sum_exp, triton_cross_entropy.logits_gradient_(logits, owned, log_sum_exp, scale,
+    return losses, log_sum_exp, fused_cross_entropy.logits_gradient_(logits, owned, log_sum_exp, scale,
                                                                         layout.valid_rows)
 
 
@@ -230,9 +231,9 @@ def _scale_(grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_loss_sum:
     pipeline schedule's or a caller's factor). In the training loop's bf16 and fp32 backward of the
     loss sum itself that factor is exactly 1, and the scaling of the fp32 [V, h] weight gradient (a
     read and a write: 2.5 GB, ~0.9 ms at Qwen3-1.7B) is skipped on the device, without a host read
-    (`triton_cross_entropy.scale_unless_one_`)."""
-    triton_cross_entropy.scale_unless_one_(grad_hidden, grad_loss_sum)
-    triton_cross_entropy.scale_unless_one_(grad_weight, grad_loss_sum)
+    (`fused_cross_entropy.scale_unless_one_`)."""
+    fused_cross_entropy.scale_unless_one_(grad_hidden, grad_loss_sum)
+    fused_cross_entropy.scale_unless_one_(grad_weight, grad_loss_sum)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

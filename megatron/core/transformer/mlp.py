@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from megatron.core.parallel_state import ProcessGroups
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, float8_mlp
-from megatron.core.transformer import triton_swiglu
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.fp8 import float8_mlp
+from megatron.core.fusions import fused_swiglu
 from megatron.core.transformer.init import output_init_std, parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -23,8 +24,8 @@ def activate(hidden: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     activation = _ACTIVATIONS[config.activation]
     if not config.gated_linear_unit:
         return activation(hidden)
-    if triton_swiglu.configured(config) and triton_swiglu.available(hidden):
-        return triton_swiglu.swiglu(hidden)
+    if fused_swiglu.configured(config) and fused_swiglu.available(hidden):
+        return fused_swiglu.swiglu(hidden)
     gate, up = hidden.chunk(2, dim=-1)
     return activation(gate) * up
 
@@ -32,7 +33,7 @@ def activate(hidden: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
 class MLP(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0, pg: Optional[ProcessGroups] = None) -> None:
         super().__init__(config)
-        triton_swiglu.register_for(config)
+        fused_swiglu.register_for(config)
         tp_group = pg.tp if pg is not None else None
         self.gated = config.gated_linear_unit
         ffn = config.ffn_hidden_size

@@ -144,10 +144,10 @@ class TransformerConfig:
     """Under bf16/fp16, the linear layers' weight-gradient GEMMs write the fp32 gradient themselves
     (on CUDA; tensor_parallel/fp32_weight_grad.py) instead of the compute dtype and a cast."""
     bias_swiglu_fusion: bool = True
-    """SwiGLU's forward and backward as Triton kernels on CUDA (transformer/triton_swiglu.py) instead of
+    """SwiGLU's forward and backward as Triton kernels on CUDA (fusions/fused_swiglu.py) instead of
     the tensor math; Megatron's flag name (there is no fc1 bias to fuse when biases are off)."""
     rmsnorm_fusion: bool = False
-    """RMSNorm's forward and backward as Triton kernels on CUDA (transformer/triton_rmsnorm.py: the
+    """RMSNorm's forward and backward as Triton kernels on CUDA (fusions/fused_rmsnorm.py: the
     input's and the weight's gradients in one pass) instead of the tensor math; off until measured."""
 
     recompute_granularity: Optional[str] = None
@@ -370,7 +370,7 @@ class DLMConfig:
     parallelism) instead of a dozen eager passes over fp32 copies. Same values up to float rounding."""
     fp8_output_layer: Optional[str] = None
     """`hybrid` or `e4m3` (`--fp8-output-layer` with `--fp8-format`): with `masked_only_loss`, the
-    output layer's logits and input-gradient GEMMs in float8 (tensor_parallel/float8_matmul.py)."""
+    output layer's logits and input-gradient GEMMs in float8 (fp8/float8_matmul.py)."""
 
     def __post_init__(self) -> None:
         self.attention_mask_type = MASK_TYPE_ALIASES.get(self.attention_mask_type, self.attention_mask_type)

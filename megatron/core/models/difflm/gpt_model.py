@@ -37,7 +37,7 @@ from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
-from megatron.core.tensor_parallel.working_copy import training_copy
+from megatron.core.precision.working_copy import training_copy
 from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import routers, set_aux_loss_scale

@@ -25,7 +25,7 @@ from torch import nn
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import init_master_weight
 from megatron.core.transformer.init import output_init_std, parameter_seed
-from megatron.core.transformer import triton_swiglu
+from megatron.core.fusions import fused_swiglu
 from megatron.core.transformer.mlp import activate
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -68,7 +68,7 @@ class GroupedExperts(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int = 0, ep_rank: int = 0, ep_size: int = 1,
                  etp_rank: int = 0, etp_size: int = 1, edp_rank: int = 0) -> None:
         super().__init__(config)
-        triton_swiglu.register_for(config)
+        fused_swiglu.register_for(config)
         moe = config.moe
         self.num_experts, self.num_local_experts = moe.num_experts, moe.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local_experts

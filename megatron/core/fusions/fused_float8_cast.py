@@ -10,7 +10,7 @@ passes (Inductor writes the transposed copy in a pass of its own): on an H100 fc
 took 0.29 ms that way and 0.17 in this kernel, fc1's output gradient [8192 x 28672] 0.55 and 0.35
 (docs/performance.md). Two earlier kernels that transposed the float8 tile instead, with one fixed tile
 shape, were no faster than the tensor math; this one's tile shape is autotuned per width. The kernel is
-in triton_float8_kernels.py with SwiGLU's fused casts (triton_float8_swiglu.py), which `launch` runs too.
+in fused_float8_kernels.py with SwiGLU's fused casts (fused_float8_swiglu.py), which `launch` runs too.
 
 `cast_both_layouts(x, scale, dtype)` is a `torch.library.triton_op`, so compiled layers trace it into
 their graph, backward included, and returns (values [M, K], values transposed [K, M], amax): fresh
@@ -25,7 +25,7 @@ from typing import Tuple
 
 import torch
 
-from megatron.core.triton_support import LazyOp, interpreting, runs_on
+from megatron.core.fusions.triton_support import LazyOp, interpreting, runs_on
 
 CONFIGS = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8),
            (32, 64, 4), (32, 128, 4), (64, 64, 8), (64, 128, 8), (128, 64, 8)]
@@ -43,9 +43,9 @@ def available(x: torch.Tensor) -> bool:
 
 @functools.cache
 def kernels(interpreter: bool) -> dict:
-    """{name: kernel} of triton_float8_kernels.py (the cast, SwiGLU's two): autotuned over CONFIGS on a
+    """{name: kernel} of fused_float8_kernels.py (the cast, SwiGLU's two): autotuned over CONFIGS on a
     GPU, as jitted under the interpreter."""
-    from megatron.core.tensor_parallel import triton_float8_kernels as module
+    from megatron.core.fusions import fused_float8_kernels as module
 
     jitted = {name: getattr(module, name) for name in ("cast", "swiglu", "swiglu_backward")}
     if interpreter:

@@ -1,15 +1,15 @@
-"""RMSNorm's Triton kernels (triton_rmsnorm): the tensor math's output and gradients (the input's and the
+"""RMSNorm's Triton kernels (fused_rmsnorm): the tensor math's output and gradients (the input's and the
 weight's, made in one backward pass), in the model's norms when `rmsnorm_fusion` is on, traced whole by
 torch.compile. On CPU, where Triton is installed, the cases run under Triton's interpreter."""
 
 import pytest
 import torch
 
-from megatron.core.transformer import triton_rmsnorm as kernel
-from megatron.core import triton_support
+from megatron.core.fusions import fused_rmsnorm as kernel
+from megatron.core.fusions import triton_support
 from megatron.core.transformer.norms import RMSNorm, build_norm
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.test_triton_swiglu import DEVICES  # the interpreter on CPU, the kernels on CUDA
+from tests.unit_tests.test_fused_swiglu import DEVICES  # the interpreter on CPU, the kernels on CUDA
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The fused loss's Triton kernel (triton_cross_entropy): the same losses, log-sum-exp and logits
+"""The fused loss's Triton kernel (fused_cross_entropy): the same losses, log-sum-exp and logits
 gradient as the plain tensor math it replaces, and through linear_cross_entropy the same loss and
 gradients as torch.compile's kernel. On a GPU the CUDA cases run the compiled kernel; on CPU, where
 Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron.core.tensor_parallel import linear_cross_entropy as lce
-from megatron.core.tensor_parallel import triton_cross_entropy as kernel
-from megatron.core import triton_support
+from megatron.core.fusions import fused_cross_entropy as kernel
+from megatron.core.fusions import triton_support
 
 # Where there is a GPU, tests/conftest.py leaves the interpreter off and the CUDA cases run the kernel.
 HAS_TRITON = importlib.util.find_spec("triton") is not None

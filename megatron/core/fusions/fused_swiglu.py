@@ -27,7 +27,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
+from megatron.core.fusions.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
 
 BLOCK = 4096
 """Columns of one row per program."""
@@ -148,6 +148,6 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 def reference_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`reference`'s gradient of `x` as autograd computes it (the same ops and roundings), for code
-    that runs SwiGLU's backward itself (tensor_parallel/float8_mlp.py)."""
+    that runs SwiGLU's backward itself (fp8/float8_mlp.py)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * torch.nn.functional.silu(gate)], dim=-1)

@@ -18,7 +18,7 @@ alone no faster than Inductor's norm, and 3.1 ms slower in the compiled 1.7B ste
 those fusions (docs/performance.md). So the layers use it only with `TransformerConfig.rmsnorm_fusion`
 (off by default).
 
-The ops are `torch.library.triton_op`s with autograd registered, as SwiGLU's (triton_swiglu.py):
+The ops are `torch.library.triton_op`s with autograd registered, as SwiGLU's (fused_swiglu.py):
 torch.compile traces them into the layer's graph and eager code calls them; they are registered on
 first use and the kernels built then, so the package imports without Triton. Where they can run is
 SwiGLU's `available(x)` (CUDA with Triton; CPU under the interpreter where a test allows it).
@@ -31,7 +31,7 @@ import functools
 import torch
 from torch.library import triton_op, wrap_triton
 
-from megatron.core.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
+from megatron.core.fusions.triton_support import HAS_TRITON, LazyOp, interpreting, runs_on
 
 TILE = 4096
 """Elements of one tile of rows (rows x the row width rounded up to a power of two)."""

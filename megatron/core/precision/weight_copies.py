@@ -49,10 +49,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES
-from megatron.core.tensor_parallel.float8_scaling import DelayedScaling, DelayedScalingConfig
+from megatron.core.fp8.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.working_copy import BUFFER, FLOAT8_BUFFERS, Float8Copy, cast_float8
+from megatron.core.precision.working_copy import BUFFER, FLOAT8_BUFFERS, Float8Copy, cast_float8
 
 
 def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Float8Copy:

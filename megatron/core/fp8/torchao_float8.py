@@ -5,7 +5,7 @@ e5m2 for the output gradients, Megatron's meaning); `--fp8-recipe {tensorwise,ro
 torchao's scaling (one dynamic scale per tensor, or per row). Weights stay fp32 masters;
 only the GEMMs run in fp8. Attention stays in bf16; the output layer too, unless
 `--fp8-output-layer` puts its logits and input-gradient GEMMs in float8 (the chunked loss's own
-casts, tensor_parallel/float8_matmul.py).
+casts, fp8/float8_matmul.py).
 
 torchao converts `nn.Linear` modules, so single-rank tensor-parallel linears are first replaced
 by `nn.Linear` modules that share their parameters (the same computation at tp=1): parameter

@@ -1,4 +1,4 @@
-"""SwiGLU's Triton kernels (triton_swiglu): the same output and input gradient as the tensor math, in the
+"""SwiGLU's Triton kernels (fused_swiglu): the same output and input gradient as the tensor math, in the
 MLP when the fusion is on, traced whole by torch.compile. On a GPU the CUDA cases run the compiled kernels;
 on CPU, where Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.core import triton_support
-from megatron.core.transformer import triton_swiglu as kernel
+from megatron.core.fusions import triton_support
+from megatron.core.fusions import fused_swiglu as kernel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -160,7 +160,7 @@ def test_the_flag_turns_the_fusion_off():
 def test_a_cpu_model_never_registers_the_ops():
     """Registering the ops imports Triton and part of Inductor (about 2 s of every process's start, a CLI
     check or a generation included): a CPU process that builds the fused MLP and runs it must not."""
-    code = ("import sys, torch; from tests.unit_tests.test_triton_swiglu import mlp; "
+    code = ("import sys, torch; from tests.unit_tests.test_fused_swiglu import mlp; "
             "mlp(True, 'cpu')(torch.randn(2, 1, 32)).sum().backward(); "
             "print(sorted(m for m in ('torch._inductor', 'triton') if m in sys.modules))")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

@@ -4,7 +4,7 @@ float8 from the weights' float8 copies (`--cache-low-precision-weights` under `-
 Layer by layer (float8_matmul.float8_linear each side of the activation) the activation is written in
 16 bits by SwiGLU and read back by fc2's cast, and SwiGLU's input gradient is written in 16 bits by its
 backward and read back by fc1's cast. Here, where the scales are given (delayed scaling, once ready) and
-Triton runs, SwiGLU and those casts are one kernel each way (triton_float8_swiglu.py) and neither 16-bit
+Triton runs, SwiGLU and those casts are one kernel each way (fused_float8_swiglu.py) and neither 16-bit
 tensor exists. Elsewhere (the tensorwise recipe, delayed scaling's first iteration, no Triton) the same
 function runs SwiGLU and the casts one after the other, as the layers would. Values, gradients and the
 recorded amaxes are the layer-by-layer path's (tests/unit_tests/test_float8_mlp.py).
@@ -20,26 +20,26 @@ from typing import Optional
 
 import torch
 
-from megatron.core.tensor_parallel import triton_float8_swiglu
-from megatron.core.tensor_parallel.float8_matmul import (FORWARD_DTYPE, backward_gemms, cast_both_layouts,
+from megatron.core.fusions import fused_float8_swiglu
+from megatron.core.fp8.float8_matmul import (FORWARD_DTYPE, backward_gemms, cast_both_layouts,
                                                          delayed_arguments, float8_ready, forward_gemm,
                                                          raise_amax)
 from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.working_copy import Float8Copy, training_copy
-from megatron.core.transformer import triton_swiglu
+from megatron.core.precision.working_copy import Float8Copy, training_copy
+from megatron.core.fusions import fused_swiglu
 
 
 def _kernels_run(h: torch.Tensor, scale: Optional[torch.Tensor], fused: bool) -> bool:
-    return scale is not None and fused and triton_float8_swiglu.available(h)
+    return scale is not None and fused and fused_float8_swiglu.available(h)
 
 
 def _swiglu_cast(h: torch.Tensor, scale: Optional[torch.Tensor], fused: bool):
     """fc2's cast input from fc1's output: (values, values transposed, inverse scale, amax)."""
     if _kernels_run(h, scale, fused):
-        rows, columns, amax = triton_float8_swiglu.swiglu_cast(h, scale, FORWARD_DTYPE)
+        rows, columns, amax = fused_float8_swiglu.swiglu_cast(h, scale, FORWARD_DTYPE)
         return rows, columns, scale.reciprocal(), amax
-    activation = triton_swiglu.swiglu(h) if fused and triton_swiglu.available(h) else triton_swiglu.reference(h)
+    activation = fused_swiglu.swiglu(h) if fused and fused_swiglu.available(h) else fused_swiglu.reference(h)
     return cast_both_layouts(activation, FORWARD_DTYPE, scale)
 
 
@@ -47,10 +47,10 @@ def _swiglu_backward_cast(grad: torch.Tensor, h: torch.Tensor, dtype: torch.dtyp
                           fused: bool):
     """fc1's cast output gradient from the activation's gradient and fc1's output."""
     if _kernels_run(h, scale, fused):
-        rows, columns, amax = triton_float8_swiglu.swiglu_backward_cast(grad, h, scale, dtype)
+        rows, columns, amax = fused_float8_swiglu.swiglu_backward_cast(grad, h, scale, dtype)
         return rows, columns, scale.reciprocal(), amax
-    kernel = fused and triton_swiglu.available(h)
-    backward = triton_swiglu.swiglu_backward if kernel else triton_swiglu.reference_backward
+    kernel = fused and fused_swiglu.available(h)
+    backward = fused_swiglu.swiglu_backward if kernel else fused_swiglu.reference_backward
     return cast_both_layouts(backward(grad, h), dtype, scale)
 
 
@@ -133,7 +133,7 @@ def swiglu_mlp(hidden: torch.Tensor, fc1, fc2, config) -> Optional[torch.Tensor]
     (scales1, amax_leaf1), (scales2, amax_leaf2) = delayed_arguments(copy1.delayed), delayed_arguments(copy2.delayed)
     output, x_amax, a_amax = _Float8SwiGLUMLP.apply(
         x, fc1.weight, fc2.weight, *copy1[:3], *copy2[:3], dtype, copy1.gradient_dtype,
-        triton_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2,
+        fused_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2,
         grad_to_add_into(fc1.weight), grad_to_add_into(fc2.weight))
     for copy, amax in ((copy1, x_amax), (copy2, a_amax)):
         if copy.delayed is not None:

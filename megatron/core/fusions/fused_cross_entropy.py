@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.triton_support import runs_on
+from megatron.core.fusions.triton_support import runs_on
 
 BLOCK = 4096
 """Columns per step of a row's loops: 19 steps over Qwen3's 151,936-entry vocabulary."""
@@ -42,7 +42,7 @@ def _kernels():
     """(the one-rank fused kernel, the row statistics and the gradient of the tensor-parallel pair, the
     scaling of the gradients made in forward),
     imported on first use (triton.jit reads TRITON_INTERPRET then, at the kernels' import)."""
-    from megatron.core.tensor_parallel import triton_cross_entropy_kernels as kernels
+    from megatron.core.fusions import fused_cross_entropy_kernels as kernels
 
     return kernels.softmax_loss_gradient, kernels.row_statistics, kernels.logits_gradient, kernels.scale_unless_one
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of triton_cross_entropy.py (imported on first use, where Triton is installed).
+"""The Triton kernels of fused_cross_entropy.py (imported on first use, where Triton is installed).
 
 They live at module level so that the kernels can call the two shared row loops as ordinary
 jitted functions (Triton looks the callees up among the module's globals).

@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, DelayedScales, to_float8
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, DelayedScales, to_float8
 
 __all__ = ["BUFFER", "FLOAT8_BUFFERS", "Float8Copy", "cast_float8", "training_copy"]
 

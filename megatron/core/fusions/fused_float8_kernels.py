@@ -1,6 +1,6 @@
 """The Triton kernels of the float8 casts (imported on first use, where Triton is installed): the cast by a
-given scale (triton_float8_cast.py) and SwiGLU fused with the casts on either side of it
-(triton_float8_swiglu.py). Each program reads a [BLOCK_M, BLOCK_K] tile of a [M, K] input and writes
+given scale (fused_float8_cast.py) and SwiGLU fused with the casts on either side of it
+(fused_float8_swiglu.py). Each program reads a [BLOCK_M, BLOCK_K] tile of a [M, K] input and writes
 the tile's float8 values in both layouts and the tile's amax.
 
 At module level so that the kernels can call `store_both` and `tile_amax` as ordinary jitted functions
@@ -53,7 +53,7 @@ def swiglu(h_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr, M, K, LARGEST: tl.
     at = h_ptr + m.to(tl.int64)[:, None] * 2 * K + k[None, :]
     gate = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(at + K, mask=mask, other=0.0).to(tl.float32)
-    value = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)  # triton_swiglu's value and rounding
+    value = (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty)  # fused_swiglu's value and rounding
     tl.atomic_max(amax_ptr, tile_amax(value))
     store_both(value, rows_ptr, columns_ptr, m, k, K, M, mask, tl.load(scale_ptr), LARGEST)
 
@@ -68,7 +68,7 @@ def swiglu_backward(grad_ptr, h_ptr, scale_ptr, rows_ptr, columns_ptr, amax_ptr,
     gate = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(at + K, mask=mask, other=0.0).to(tl.float32)
     sigmoid = tl.sigmoid(gate)
-    d_up = (grad * gate * sigmoid).to(grad_ptr.dtype.element_ty)  # triton_swiglu's backward and rounding
+    d_up = (grad * gate * sigmoid).to(grad_ptr.dtype.element_ty)  # fused_swiglu's backward and rounding
     d_gate = (grad * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(grad_ptr.dtype.element_ty)
     tl.atomic_max(amax_ptr, tl.maximum(tile_amax(d_gate), tile_amax(d_up)))
     scale = tl.load(scale_ptr)

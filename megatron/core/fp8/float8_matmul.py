@@ -1,7 +1,7 @@
 """Float8 GEMMs for the chunked output layer (`--fp8-output-layer`): tensorwise-scaled e4m3 / e5m2
 operands through `torch._scaled_mm`.
 
-The decoder's linears train in fp8 through torchao (transformer/fp8.py); the output layer is not
+The decoder's linears train in fp8 through torchao (fp8/torchao_float8.py); the output layer is not
 an `nn.Linear` there but the chunked loss of linear_cross_entropy.py, so its GEMMs are cast here.
 Two of its three GEMMs run in fp8: the logits (chunk of hidden states x weight^T) and the input
 gradient (logits gradient x weight). The weight gradient stays in the compute dtype, accumulated in
@@ -26,7 +26,7 @@ GEMM in fp32). The forward saves the input's float8 transposed copy for the weig
 an element instead of the compute dtype's 2, and no second cast in the backward). A cast by the tensor's
 own amax is tensor math that the compiled layer fuses (a Triton kernel was no faster there: the amax
 before the cast is the cost); a cast by a given scale (delayed scaling) is one Triton kernel that writes
-both layouts and takes the amax (triton_float8_cast.py), where compiled tensor math took two passes.
+both layouts and takes the amax (fused_float8_cast.py), where compiled tensor math took two passes.
 As the bf16 layers' (fp32_weight_grad.py), the weight gradient of a micro-batch after a step's first is
 added into `.grad` by its GEMM where the schedule allows it (`grad_into`): `_scaled_mm` has no beta, so
 that GEMM is cuBLASLt's own, called with beta = 1 (cublaslt.py). A SwiGLU MLP of two such layers runs as one function
@@ -41,8 +41,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron.core.tensor_parallel import triton_float8_cast
-from megatron.core.tensor_parallel.cublaslt import scaled_mm_add_
+from megatron.core.fusions import fused_float8_cast
+from megatron.core.fusions.cublaslt import scaled_mm_add_
 
 FORWARD_DTYPE = torch.float8_e4m3fn
 GRADIENT_DTYPES = {"hybrid": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
@@ -165,12 +165,12 @@ class DelayedScales(NamedTuple):
 def cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor]):
     """A float8 layer's cast of a 2-D tensor: (values [M, K], the values transposed [K, M] contiguous,
     inverse scale, amax), scaled by its own amax or by a given `scale` (delayed scaling: in one pass,
-    where the Triton kernel runs, triton_float8_cast.py)."""
+    where the Triton kernel runs, fused_float8_cast.py)."""
     if scale is None:
         values, inverse, amax = float8_with_amax(tensor, dtype)
         return values, values.t().contiguous(), inverse, amax
-    if triton_float8_cast.available(tensor):
-        rows, columns, amax = triton_float8_cast.cast_both_layouts(tensor, scale, dtype)
+    if fused_float8_cast.available(tensor):
+        rows, columns, amax = fused_float8_cast.cast_both_layouts(tensor, scale, dtype)
         return rows, columns, scale.reciprocal(), amax
     return scaled_cast_both_layouts(tensor, dtype, scale)
 

@@ -1,7 +1,7 @@
 """Delayed scaling for the float8 layers (`--fp8-recipe delayed`, Megatron's recipe under Transformer
 Engine): a layer casts its input and its output gradient with scales taken from earlier iterations'
 amaxes instead of this tensor's own, so the cast needs no reduction before it and the amax it records
-is read in the same pass (one Triton kernel on CUDA: triton_float8_cast.py).
+is read in the same pass (one Triton kernel on CUDA: fused_float8_cast.py).
 
 State, per float8 layer (`working_copy.Float8Copy`, so only with `--cache-low-precision-weights`), two
 columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.tensor_parallel import triton_float8_cast, triton_float8_swiglu
-from megatron.core.tensor_parallel.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, raise_amax
+from megatron.core.fusions import fused_float8_cast, fused_float8_swiglu
+from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, raise_amax
 from megatron.core.tensor_parallel.utils import group_size
 
 ALGORITHMS = ("most_recent", "max")
@@ -79,8 +79,8 @@ class DelayedScaling:
         self.current = torch.zeros(count, 2, device=device)
         self.history = torch.zeros(count, config.history_len, 2, device=device)
         self.scales = torch.ones(count, 2, device=device)
-        triton_float8_cast.register_for(self.current)  # the one-pass casts, before a compiled layer traces them
-        triton_float8_swiglu.register_for(self.current)
+        fused_float8_cast.register_for(self.current)  # the one-pass casts, before a compiled layer traces them
+        fused_float8_swiglu.register_for(self.current)
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
         for index, module in enumerate(modules):

@@ -5,18 +5,18 @@ by fc2's cast, and SwiGLU's input gradient only by fc1's cast. So each kernel he
 pass over a tile and writes no 16-bit tensor:
 
 * forward: fc1's output `h [M, 2f]` (each row [gate; up]) -> `silu(gate) * up` rounded to h's dtype,
-  then scaled, saturated and rounded to float8 as `triton_float8_cast` does: the values [M, f] and the
+  then scaled, saturated and rounded to float8 as `fused_float8_cast` does: the values [M, f] and the
   same transposed [f, M] (fc2's weight-gradient layout), and the amax of the rounded activation;
 * backward: the activation's gradient `g [M, f]` and `h` -> SwiGLU's input gradient [M, 2f] rounded to
   g's dtype, cast the same way into [M, 2f] and [2f, M] (fc1's two backward GEMMs), with its amax.
 
-Every value is the one the unfused kernels give (triton_swiglu.py, then triton_float8_cast.py): the same
+Every value is the one the unfused kernels give (fused_swiglu.py, then fused_float8_cast.py): the same
 fp32 arithmetic, one rounding to 16 bits, then the cast. What the fusion saves is the 16-bit tensor's
 write and read: 4 bytes an element of the activation in the forward, 8 in the backward (at the
 `7b-shape`, 8,192 tokens x 14,336, 1.4 GB a layer and micro-batch).
 
-The kernels live beside the cast's in triton_float8_kernels.py (one tile store for all three) and launch
-through `triton_float8_cast.launch`. Both ops are `torch.library.triton_op`s returning fresh tensors,
+The kernels live beside the cast's in fused_float8_kernels.py (one tile store for all three) and launch
+through `fused_float8_cast.launch`. Both ops are `torch.library.triton_op`s returning fresh tensors,
 traced into compiled layers like the cast.
 `available(h)` says where they run (CUDA with Triton; CPU under the interpreter where a test allows it).
 """
@@ -27,8 +27,8 @@ from typing import Tuple
 
 import torch
 
-from megatron.core.tensor_parallel.triton_float8_cast import launch
-from megatron.core.triton_support import LazyOp, runs_on
+from megatron.core.fusions.fused_float8_cast import launch
+from megatron.core.fusions.triton_support import LazyOp, runs_on
 
 
 def available(x: torch.Tensor) -> bool:
