@@ -58,7 +58,7 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--difflm-compile-loss", action="store_true",
                    help="With --difflm-masked-only-loss: each chunk's softmax, loss and logits gradient fused, "
                         "on CUDA as a Triton kernel (0.93 ms a 4,096-token chunk at Qwen3-1.7B on an H200, against "
-                        "a dozen eager passes; docs/performance.md), elsewhere torch.compile's; under tensor "
+                        "a dozen eager passes; docs/performance_history.md), elsewhere torch.compile's; under tensor "
                         "parallelism two Triton kernels with one all-gather between (eager passes without Triton).")
     g.add_argument("--difflm-eval-mc-samples", type=int, default=1,
                    help="Corruption draws per validation row (K): each draw is fixed across evaluations and "

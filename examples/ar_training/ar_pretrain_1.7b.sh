@@ -2,7 +2,7 @@
 # 1.7B autoregressive LM, the same shape as examples/dlm_training/dlm_pretrain_1.7b.sh, causal. The
 # output layer and cross-entropy run in chunks without fp32 logits, compiled (--difflm-masked-only-loss
 # --difflm-compile-loss: in vanilla mode every loss position), as in the DLM script: 470 TFLOP/s on one
-# H200 against 435 without them (docs/performance.md). Adam's moments in bf16 (Megatron's precision-aware
+# H200 against 435 without them (docs/performance_history.md). Adam's moments in bf16 (Megatron's precision-aware
 # optimizer): 196.5 -> 193.7 ms a step (496 TFLOP/s, 1.82x a Hugging Face step) and 6.5 GiB less memory.
 # bf16 working copies of the weights, written by the compiled optimizer step
 # (--cache-low-precision-weights): -1.5 ms a step, measured side by side.

@@ -2,7 +2,7 @@
 # 1.7B masked diffusion LM (Qwen3-1.7B shape): 28 layers, hidden 2048, 16 heads / 8 kv heads,
 # head dim 128, SwiGLU 6144, RMSNorm 1e-6, QK-norm, RoPE base 1e6, tied embeddings, seq 4096.
 # --compile-optimizer-step: AdamW compiled per parameter, the clip folded in: 513.5 -> 519.5 TFLOP/s on one
-# H200 (docs/performance.md); its first step compiles (about a minute).
+# H200 (docs/performance_history.md); its first step compiles (about a minute).
 # Adam's moments in bf16 (Megatron's precision-aware optimizer): 526.5 -> 535.2 TFLOP/s, 6.4 GiB less peak
 # memory, the loss within 0.01% of fp32 moments over 150 CPU steps (docs/performance.md).
 # bf16 working copies of the weights (--cache-low-precision-weights), cast once an optimizer step rather than

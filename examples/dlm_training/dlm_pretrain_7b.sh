@@ -8,11 +8,11 @@
 # buffers and the output layer's chunks. (An estimate; measured runs go to docs/performance.md.)
 # The fused loss (--difflm-compile-loss) also runs under TP (two Triton kernels and an all-gather per
 # chunk); not yet measured on several GPUs, so add it through EXTRA_ARGS.
-# --compile-optimizer-step: 551.4 -> 571.7 TFLOP/s at this shape on one H200 (docs/performance.md); Adam's
+# --compile-optimizer-step: 551.4 -> 571.7 TFLOP/s at this shape on one H200 (docs/performance_history.md); Adam's
 # moments in bf16 (precision-aware optimizer, works with ZeRO-1): 594.7 -> 601.0 and 4 bytes a parameter less.
 # bf16 working copies of the weights (--cache-low-precision-weights), cast once an optimizer step: at 4
 # micro-batches a step on one H200 804.4 -> 791.6 ms; under --fp8-format they are float8 copies, 641.3 -> 609.5 ms
-# against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance.md). They also run under this
+# against torchao's float8 linears (fp8 1.30x our bf16 there; docs/performance_history.md). They also run under this
 # layout's TP=2 (checked on gloo, not yet timed on several GPUs). fp8: EXTRA_ARGS="--fp8-format hybrid
 # --fp8-recipe delayed" (Megatron's recipe; its casts are one Triton pass, SwiGLU's fused into them: 1.292x our
 # bf16 on an H100 against tensorwise's 1.24x, its 200-step loss curve within 0.5% of bf16's).

@@ -102,7 +102,7 @@ finetune() {
     publish "$3.new" "$3"
 }
 
-# Both models TRAIN_ITERS (600); the DLM then DLM_EXTRA_ITERS (1200) more, as measured in docs/performance.md.
+# Both models TRAIN_ITERS (600); the DLM then DLM_EXTRA_ITERS (1200) more, as measured in docs/performance_history.md.
 train() {
     finetune ar "$WORK/init_ar" "$WORK/ar" "${TRAIN_ITERS:-600}"
     finetune dlm "$WORK/init_dlm" "$WORK/dlm_first" "${TRAIN_ITERS:-600}"

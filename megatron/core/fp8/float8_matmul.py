@@ -75,7 +75,7 @@ def raise_amax(slot: torch.Tensor, amax: torch.Tensor) -> None:
 
 def amax_scale(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The scale of `tensor`'s amax. Rows first: compiled, one reduction over all of a [8192, 14336]
-    tensor ran at 0.5 TB/s on an H200 (docs/performance.md); the rows' maxima, then theirs, are the same
+    tensor ran at 0.5 TB/s on an H200 (docs/performance_history.md); the rows' maxima, then theirs, are the same
     value."""
     return scale_of(tensor_amax(tensor), dtype)
 

@@ -5,7 +5,7 @@ adds a float8 product into an fp32 tensor inside the GEMM.
 weight gradient for a micro-batch after a step's first left its GEMM as a fresh fp32 tensor that autograd
 then added to `.grad` in a pass of its own: 16 bytes a parameter moved where the GEMM's epilogue needs 8
 (about 20 ms a `7b-shape` step of 4 micro-batches on an H100; a Triton float8 GEMM that added in its
-epilogue ran at two thirds of cuBLAS's rate, docs/performance.md). Here the GEMM reads `.grad` as its C
+epilogue ran at two thirds of cuBLAS's rate, docs/performance_history.md). Here the GEMM reads `.grad` as its C
 and writes the sum to it as its D.
 
 The library is the libcublasLt that torch's CUDA build already loaded (found in the process's memory

@@ -8,7 +8,7 @@ float8 values again column-major (the weight gradient's layout); and take the ti
 tensor's (one atomic max a tile), which the layer records. Compiled as tensor math the same cast is two
 passes (Inductor writes the transposed copy in a pass of its own): on an H100 fc2's input [8192 x 14336]
 took 0.29 ms that way and 0.17 in this kernel, fc1's output gradient [8192 x 28672] 0.55 and 0.35
-(docs/performance.md). Two earlier kernels that transposed the float8 tile instead, with one fixed tile
+(docs/performance_history.md). Two earlier kernels that transposed the float8 tile instead, with one fixed tile
 shape, were no faster than the tensor math; this one's tile shape is autotuned per width. The kernel is
 in fused_float8_kernels.py with SwiGLU's fused casts (fused_float8_swiglu.py), which `launch` runs too.
 

@@ -2,7 +2,7 @@
 
 torch's fused AdamW reads and writes every fp32 weight, gradient and moment once (28 bytes a
 parameter) but ran at 2.76 TB/s on an H200 against a 4.12 TB/s copy bandwidth
-(`tools/benchmark/step_parts.py`, docs/performance.md). Here the same update is written per
+(`tools/benchmark/step_parts.py`, docs/performance_history.md). Here the same update is written per
 parameter and compiled by torch.compile, which fuses each parameter's chain into one
 memory-bound kernel. The learning rate, weight decay and step counts are device tensors, so a
 scheduler changing them never recompiles.

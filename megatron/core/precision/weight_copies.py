@@ -29,7 +29,7 @@ micro-batch's forward (and transposes it in the backward). The refresh casts eve
 an iteration with the weight's own amax (current scaling: torchao's tensorwise recipe, whatever
 wrote the weight), so a ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values.
 The optimizer does not write them: a write in its update kernel would have to scale by an amax
-from before the update (measured at the 7B width, docs/performance.md: it did not pay). In
+from before the update (measured at the 7B width, docs/performance_history.md: it did not pay). In
 evaluation the weight is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
 gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
 calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor or

@@ -8,7 +8,7 @@ a step at Qwen3-1.7B on an H200 when timed alone, `tools/benchmark/step_parts.py
 weight-gradient GEMM writes fp32 itself (cuBLAS's fp32 output from bf16 inputs, `out_dtype`),
 which also keeps the bits the bf16 rounding dropped. Forward values and the input gradient are
 autocast's. Measured in the compiled step: -1.2 ms at 1.7B, +0.15% at the 7B width
-(docs/performance.md), because the compiler had already folded part of the cast away.
+(docs/performance_history.md), because the compiler had already folded part of the cast away.
 
 Across the micro-batches of a step (Megatron's accumulation into `main_grad`): inside
 `accumulating_into_grad()` a weight whose fp32 `.grad` already holds earlier micro-batches' sum gets
