@@ -8,10 +8,14 @@ expert parallelism, expert data parallelism), sharing the pp dimension:
 world = tp*cp*dp*pp = etp*ep*edp*pp.
 
 Modules take the groups they need explicitly (a `ProcessGroups` value). The Megatron-named
-getters at the bottom are a compatibility shim for code written against Megatron-LM (user
-model providers, forward steps): they read the state set by `initialize_model_parallel`, the
-one process-wide object of the package, and nothing in the package itself calls them
-(tests/distributed/test_parallel_state_getters.py checks them on a tp=2 x dp=2 layout).
+functions at the bottom (`initialize_model_parallel`, `get_tensor_model_parallel_rank`,
+`get_data_parallel_world_size`, `is_pipeline_last_stage`, ...) are a Megatron-compatibility
+shim: they serve code written against Megatron-LM (user model providers, forward steps), read
+the state set by `initialize_model_parallel`, the one process-wide object of the package, and
+nothing in the package itself calls them (tests/distributed/test_parallel_state_getters.py
+checks them on a tp=2 x dp=2 layout). The shim covers the tensor, data, pipeline and context
+dimensions a user's script asks about; the expert and embedding groups are only in
+`ProcessGroups`.
 """
 
 from __future__ import annotations
@@ -196,10 +200,6 @@ class ParallelState:
     def pp_rank(self) -> int:
         return self.coordinate("pp")
 
-    @property
-    def cp_rank(self) -> int:
-        return self.coordinate("cp")
-
     def layout_table(self) -> str:
         """The resolved layout, printed at start-up."""
         rows = [f"  {'world':>6} {'tp':>4} {'cp':>4} {'dp':>4} {'pp':>4} {'ep':>4} {'expert-tp':>10} "
@@ -323,23 +323,3 @@ def get_context_parallel_group():
 
 def get_context_parallel_world_size() -> int:
     return get_parallel_state().cp
-
-
-def get_expert_model_parallel_group():
-    return get_parallel_state().groups.ep
-
-
-def get_expert_tensor_parallel_group():
-    return get_parallel_state().groups.expert_tp
-
-
-def get_expert_tensor_and_model_parallel_group():
-    return get_parallel_state().groups.expert_tp_ep
-
-
-def get_expert_data_parallel_group():
-    return get_parallel_state().groups.expert_dp
-
-
-def get_embedding_group():
-    return get_parallel_state().groups.embedding

@@ -20,8 +20,10 @@ import torch.multiprocessing as mp
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.core.dist_checkpointing.model_state import bind, parameter_pieces
-from megatron.core.distributed.data_parallel import full_gradients, unwrap
-from megatron.core.optimizer.optimizer import optimizer_state_numel
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.optimizer.optimizer import local_optimizers
+from megatron.core.pipeline_parallel.chunks import model_chunks
+from megatron.core.tensor_parallel.utils import local_tensor
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
 from megatron.training.training import build_trainer
@@ -97,6 +99,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def full_gradients(model: torch.nn.Module) -> dict:
+    """Every gradient by parameter name, gathered over the data-parallel shards (FSDP2's
+    `full_tensor`, a collective: every rank calls it); this rank's tp slice stays a slice."""
+    result = {}
+    named = [item for chunk in model_chunks(model) for item in unwrap(chunk).named_parameters()]
+    for name, param in named:
+        if param.grad is not None:
+            grad = param.grad
+            result[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
+    return result
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Elements of the optimizer state tensors this rank holds (its shard under ZeRO-1 or FSDP2)."""
+    states = [state for part in local_optimizers(optimizer) for state in part.state.values()]
+    return sum(local_tensor(value).numel() for state in states for value in state.values()
+               if isinstance(value, torch.Tensor))
+
+
 def _train_and_capture(argv: list, runtime) -> dict:
     args = parse_args(argv, add_difflm_args)
     trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
@@ -117,7 +138,7 @@ def _train_and_capture(argv: list, runtime) -> dict:
     trainer.train()
     return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
             "microbatches": args.num_microbatches, "shards": shards, "named": named,
-            "optimizer_state": optimizer_state_numel(trainer.optimizer)[0],
+            "optimizer_state": optimizer_state_numel(trainer.optimizer),
             "float8_layers": sum(hasattr(module, "weight_fp8") for module in model.modules())}
 
 

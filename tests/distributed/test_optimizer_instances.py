@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.parity import TINY_GQA, assert_same_training, free_port, run, run_many, start_workers
+from tests.distributed.parity import (TINY_GQA, assert_same_training, free_port, full_gradients, run, run_many,
+                                      start_workers)
 
 pytestmark = pytest.mark.distributed
 
@@ -143,7 +144,7 @@ def _precision_worker(rank: int, world: int, port: int, argvs: list, out: str) -
     torch.set_num_threads(1)
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
-    from megatron.core.distributed.data_parallel import full_gradients, unwrap
+    from megatron.core.distributed.data_parallel import unwrap
     from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
     from megatron.training.training import build_trainer

@@ -309,12 +309,15 @@ def test_mask_equality_and_hash():
 
 
 def test_mask_properties():
+    """The two patterns SDPA runs without a mask tensor: plain causal (`is_causal`) and none at all
+    (`is_full`); packed documents or a window make either one a dense pattern."""
     documents = make_documents(24)
-    assert AttentionMask("causal").is_causal and not AttentionMask("causal").needs_dense_mask
+    assert AttentionMask("causal").is_causal and not AttentionMask("causal").is_full
     assert not AttentionMask("causal", document_ids=documents).is_causal
-    assert AttentionMask("no_mask").is_full
-    assert AttentionMask("no_mask", document_ids=documents).needs_dense_mask
-    assert AttentionMask("sliding_window", window=2).needs_dense_mask
+    assert AttentionMask("no_mask").is_full and not AttentionMask("no_mask").is_causal
+    assert not AttentionMask("no_mask", document_ids=documents).is_full
+    window = AttentionMask("sliding_window", window=2)
+    assert not (window.is_full or window.is_causal)
 
 
 # ---------------------------------------------------------------------------- validation

@@ -236,6 +236,23 @@ def test_pipeline_slices_compose_to_the_full_model():
         torch.testing.assert_close(last(None, decoder_input=hidden), full(ids), atol=1e-6, rtol=1e-6)
 
 
+def test_tied_embedding_split_over_stages_is_tagged_for_the_gradient_sum():
+    """Tied embeddings over pipeline stages: the last stage's output weight is a replica of the first
+    stage's word embedding; both are summed over the embedding group, the copy counted once by the norm."""
+    config = tiny_config(num_layers=4)
+    first = GPTModel(config, dlm_config(), pre_process=True, post_process=False, layer_range=(0, 2))
+    last = GPTModel(config, dlm_config(), pre_process=False, post_process=True, layer_range=(2, 4))
+    first_weight, last_weight = first.embedding.word_embeddings.weight, last.embedding.word_embeddings.weight
+    assert last.output_weight_owner().weight is last_weight
+    torch.testing.assert_close(last_weight, first_weight, atol=0, rtol=0)
+    assert first_weight.tied_across_stages and not first_weight.tied_embedding_copy
+    assert last_weight.tied_across_stages and last_weight.tied_embedding_copy
+    untied = GPTModel(tiny_config(num_layers=4, share_embeddings_and_output_weights=False), dlm_config(),
+                      pre_process=True, post_process=False, layer_range=(0, 2))
+    for alone in (build().embedding, untied.embedding):  # nothing to sum over stages
+        assert not hasattr(alone.word_embeddings.weight, "tied_across_stages")
+
+
 def test_sharded_state_dict_covers_the_state_dict():
     model = build()
     sharded = model.sharded_state_dict()

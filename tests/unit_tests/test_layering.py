@@ -7,6 +7,9 @@ megatron/, tools/, custom_args/ and pretrain_*.py:
   by `X._name` on an imported module;
 - megatron/ never imports tools/ (tools are scripts built on megatron, not a library of it).
 
+It also holds the size limits of DESIGN.md (section 6, Style): no function in megatron/ over 60
+lines, no file there over 600, and gpt_model.py, the model a reader starts from, under 300.
+
 An edge goes to the module an import names (`from a.b import c` names a.b.c when that is a
 module, else a.b); a package's __init__ is not added implicitly, so re-exports do not count
 as cycles of their own.
@@ -212,3 +215,48 @@ def test_megatron_never_imports_tools():
     uses = [f"{name} imports {target}" for name, scan in scan_all().items() if name.startswith("megatron")
             for target in sorted(scan.edges) if target.startswith("tools")]
     assert not uses, "\n".join(uses)
+
+
+# ---------------------------------------------------------------- size limits (DESIGN.md, section 6)
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600
+GPT_MODEL = ROOT / "megatron" / "core" / "models" / "difflm" / "gpt_model.py"
+MAX_GPT_MODEL_LINES = 300
+
+
+def long_functions(source, limit):
+    """(name, first line, lines) of every function or method over `limit` lines, decorators and
+    docstring included; a nested function counts on its own and within its parent."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
+            length = node.end_lineno - first + 1
+            if length > limit:
+                found.append((node.name, first, length))
+    return found
+
+
+def test_long_functions_reports_what_is_over_the_limit():
+    body = "\n".join(f"        x{index} = {index}" for index in range(58))
+    source = f"class A:\n    @property\n    def long(self):\n{body}\n\n    def short(self):\n        return 1\n"
+    assert long_functions(source, 59) == [("long", 2, 60)], "the decorator line counts"
+    assert long_functions(source, 60) == []
+    nested = "def outer():\n    def inner():\n" + "\n".join(f"        y{i} = {i}" for i in range(5)) + "\n"
+    assert long_functions(nested, 5) == [("outer", 1, 7), ("inner", 2, 6)]
+
+
+def test_functions_fit_on_a_screen():
+    too_long = [f"{path.relative_to(ROOT)}:{first} {name}: {length} lines"
+                for path in sorted((ROOT / "megatron").rglob("*.py"))
+                for name, first, length in long_functions(path.read_text(), MAX_FUNCTION_LINES)]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(too_long)
+
+
+def test_files_stay_under_their_size_limits():
+    lengths = {path: len(path.read_text().splitlines()) for path in sorted((ROOT / "megatron").rglob("*.py"))}
+    assert lengths[GPT_MODEL] < MAX_GPT_MODEL_LINES, (
+        f"gpt_model.py has {lengths[GPT_MODEL]} lines; move what is not the model's own job to its module "
+        "(embedding.py, output_layer.py, objective.py, batch.py)")
+    too_long = [f"{path.relative_to(ROOT)}: {lines} lines" for path, lines in lengths.items() if lines > MAX_FILE_LINES]
+    assert not too_long, f"files over {MAX_FILE_LINES} lines:\n" + "\n".join(too_long)

@@ -30,6 +30,11 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from megatron.core.pipeline_parallel.compute_clock import bubble_formula  # noqa: E402
+
 LINE = re.compile(r"iteration +(\d+)/.*?tokens per second per GPU: ([0-9.]+).*?lm loss: ([0-9.E+-]+)")
 TFLOPS = re.compile(r"iteration +(\d+)/.*?\(TFLOP/s/GPU\): ([0-9.]+)")
 BUBBLE = re.compile(r"pipeline bubble \(1 - compute / forward-backward\): min [0-9.]+%, mean ([0-9.]+)%")
@@ -68,8 +73,7 @@ class Layout:
         """1F1B's bubble for this layout's micro-batches per replica; None without a pipeline."""
         if self.pp == 1:
             return None
-        microbatches = global_batch // (micro_batch * self.dp)
-        return (self.pp - 1) / (microbatches * self.virtual + self.pp - 1)
+        return bubble_formula(self.pp, global_batch // (micro_batch * self.dp), self.virtual)
 
 
 def parse_layout(name: str) -> Layout:

@@ -321,16 +321,6 @@ def allreduce_pipeline_stage_grads(model: nn.Module, embedding_group=None) -> No
         _allreduce_flat([local_tensor(p.grad) for p in tied], embedding_group)
 
 
-def local_gradients(model: nn.Module) -> List[torch.Tensor]:
-    """This rank's gradient tensors (the local shards under FSDP2)."""
-    grads = []
-    for param in model.parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grads.append(local_tensor(grad))
-    return grads
-
-
 def allreduce_tensor_parallel_partial_grads(model: nn.Module, tp_group) -> None:
     """Sum over tp the gradients of replicated weights that each rank saw only part of (tagged
     `allreduce_over_tp`): under sequence parallelism every weight applied to the sequence-split
@@ -384,17 +374,6 @@ def finalize_gradients(model: nn.Module, loss: "GlobalBatchLoss", tp_group=None,
     allreduce_expert_grads(model, expert_dp_group, expert_tp_group)
     allreduce_tensor_parallel_partial_grads(model, tp_group)
     return loss.gradient_scale(averaging_replicas(model))
-
-
-def full_gradients(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every gradient gathered over the data-parallel shards (for tests and debugging)."""
-    result = {}
-    named = [item for chunk in model_chunks(model) for item in unwrap(chunk).named_parameters()]
-    for name, param in named:
-        if param.grad is not None:
-            grad = param.grad
-            result[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
-    return result
 
 
 def optimizer_sharding_group(strategy: str, group) -> Optional[dist.ProcessGroup]:

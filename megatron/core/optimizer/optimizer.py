@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -269,15 +269,3 @@ def forget_gradient_scale(optimizer: torch.optim.Optimizer) -> None:
     """Drop a scale `scale_gradients` left for the step: call after the step, or instead of a skipped one."""
     for part in {id(part): part for part in [optimizer, *local_optimizers(optimizer)]}.values():
         part.__dict__.pop("grad_scale", None)
-
-
-def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> Tuple[int, int]:
-    """(elements, bytes) of the optimizer state tensors on this rank (for memory accounting)."""
-    numel = nbytes = 0
-    for state in (state for part in local_optimizers(optimizer) for state in part.state.values()):
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                value = local_tensor(value)
-                numel += value.numel()
-                nbytes += value.numel() * value.element_size()
-    return numel, nbytes

@@ -122,11 +122,6 @@ class AttentionMask:
         return self.mask_type == "no_mask" and not self.has_documents
 
     @property
-    def needs_dense_mask(self) -> bool:
-        """True when SDPA can only express this mask as a dense ``[.., s, s]`` tensor."""
-        return not (self.is_full or self.is_causal)
-
-    @property
     def structure_key(self) -> tuple:
         """The parameters that define the pattern (ignoring document ids).
 

@@ -2,9 +2,10 @@
 
 Packed rows carry several documents; `document_ids_from_eod` numbers them and
 `positions_from_documents` restarts the position ids in each, so `get_batch`
-(pretrain_difflm.py) and the model's default positions agree. The id checks fail with a message
-naming the tensor and the flag to fix, in one host sync at most, instead of an index error deep
-inside an embedding lookup. Nothing here depends on the model or the diffusion process.
+(pretrain_difflm.py) and the model's default positions agree. The id checks (`check_model_inputs`:
+a forward's ids against the TransformerConfig's limits) fail with a message naming the tensor and
+the flag to fix, in one host sync at most, instead of an index error deep inside an embedding
+lookup. Nothing here depends on the model or the diffusion process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 VOCAB_FIX = "check the tokenizer, --vocab-size and --make-vocab-size-divisible-by"
 POSITION_FIX = "raise --max-position-embeddings"
@@ -52,6 +55,22 @@ def check_id_ranges(checks: Sequence[IdCheck], sync: bool = True) -> None:
 def check_token_ids(name: str, ids: torch.Tensor, limit: int, fix: str = VOCAB_FIX) -> None:
     """Fail with a clear message instead of an index error deep inside an embedding lookup."""
     check_id_ranges([(name, ids, limit, fix)])
+
+
+def check_model_inputs(config: TransformerConfig, input_ids: Optional[torch.Tensor],
+                       position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                       has_embedding: bool = True) -> None:
+    """Shapes and id ranges of a model forward's inputs, in one host sync at most (see
+    TransformerConfig.check_token_ids), so bad data fails before the decoder runs. A pipeline
+    stage without the embedding (`has_embedding=False`) reads no input ids: only their shape
+    against the labels' is checked there."""
+    if has_embedding and (input_ids is None or input_ids.dim() != 2):
+        raise ValueError("input_ids must be a [batch, seq] tensor of token ids")
+    if labels is not None and input_ids is not None and labels.shape != input_ids.shape:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {tuple(input_ids.shape)}")
+    check_id_ranges([("input_ids", input_ids if has_embedding else None, config.vocab_size, VOCAB_FIX),
+                     ("position_ids", position_ids, config.max_position_embeddings, POSITION_FIX),
+                     ("labels", labels, config.vocab_size, VOCAB_FIX)], sync=config.check_token_ids)
 
 
 def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:

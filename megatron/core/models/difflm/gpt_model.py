@@ -13,13 +13,12 @@ loss weights (see diffusion.py) multiply them directly.
 The corruption is not part of the forward pass: it is a pure function of a seed key that
 the data side applies (objective.py: `loss_inputs`, behind `compute_loss` and
 `difflm_forward_process` here), so every pipeline stage and tensor-parallel rank can derive
-the same mask without communication. The head (logits, vocabulary padding, both loss paths)
-is output_layer.py; id checks and packing metadata are batch.py.
+the same mask without communication. The embedding is embedding.py; the head (logits,
+vocabulary padding, both loss paths) is output_layer.py; id checks and packing metadata are batch.py.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Optional, Tuple, Union
 
 import torch
@@ -28,17 +27,16 @@ from torch import nn
 from megatron.core.inference import generation, likelihood
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
 from megatron.core.models.difflm import block_diffusion, objective
-from megatron.core.models.difflm.batch import (POSITION_FIX, VOCAB_FIX, check_id_ranges, context_parallel_inputs,
-                                               positions_from_documents)
-from megatron.core.models.difflm.output_layer import OutputLayer
+from megatron.core.models.difflm.batch import check_model_inputs, context_parallel_inputs, positions_from_documents
+from megatron.core.models.difflm.embedding import LanguageModelEmbedding
+from megatron.core.models.difflm.output_layer import OutputLayer, untied_output_layer
 from megatron.core.transformer.attention_mask import build_attention_mask
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
-from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, group_size
+from megatron.core.tensor_parallel import group_size
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.precision.working_copy import training_copy
-from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import routers, set_aux_loss_scale
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -46,27 +44,6 @@ from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-class LanguageModelEmbedding(MegatronModule):
-    def __init__(self, config: TransformerConfig, tp_group=None, rng_tracker=None) -> None:
-        super().__init__(config)
-        self.sequence_parallel = config.sequence_parallel and group_size(tp_group) > 1
-        self.rng_tracker = rng_tracker if self.sequence_parallel else None
-        """Under sequence parallelism each tp rank embeds other tokens: their dropout draws the
-        tracker's per-tp-rank stream, as the layers' hidden dropout does (transformer_layer.py)."""
-        self.word_embeddings = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_group=tp_group, init_std=config.init_method_std,
-            init_seed=parameter_seed(-1, "word_embeddings"), params_dtype=config.params_dtype,
-            sequence_parallel=self.sequence_parallel)
-
-    def forward(self, input_ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
-        """[b, s] token ids -> [s, b, h] hidden states ([s/tp, b, h] under sequence parallelism)."""
-        embedded = self.word_embeddings(input_ids.t(), tied).contiguous()
-        if not self.training or self.config.hidden_dropout == 0:
-            return embedded
-        with self.rng_tracker.fork() if self.rng_tracker is not None else nullcontext():
-            return nn.functional.dropout(embedded, p=self.config.hidden_dropout, training=True)
 
 
 class GPTModel(MegatronModule):
@@ -96,15 +73,13 @@ class GPTModel(MegatronModule):
         self.tied_output = config.share_embeddings_and_output_weights
         if pre_process or (post_process and self.tied_output):
             self.embedding = LanguageModelEmbedding(config, self.tp_group, self.rng_tracker)
-            self._tag_tied_embedding()
+            if self.tied_output and not (pre_process and post_process):
+                self.embedding.tag_tied_across_stages(first_stage=pre_process)
         self.rotary_pos_emb = RotaryEmbedding(config)
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
                                               pg=pg)
         if post_process and not self.tied_output:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, config.vocab_size, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-                init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
-                params_dtype=config.params_dtype, fp32_weight_grad=config.gradient_accumulation_fusion)
+            self.output_layer = untied_output_layer(config, self.tp_group, self.sequence_parallel)
         if post_process:
             # Parameter-free: the weight stays above (or in the embedding), so checkpoint keys are Megatron's.
             self.head = OutputLayer(config, self.dlm_config, self.tp_group)
@@ -112,18 +87,6 @@ class GPTModel(MegatronModule):
         """The MoE layers' routers (none for a dense model): each forward sets their loss scale."""
         self._graph_runner: Optional[CUDAGraphRunner] = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
-
-    def _tag_tied_embedding(self) -> None:
-        """Tied embeddings split over pipeline stages: the last stage holds a copy of the word
-        embedding as its output weight, initialised from the same seed and saved under the same
-        checkpoint key (the copies are replicas of one tensor). Both copies are tagged
-        `tied_across_stages`, so their gradients are summed over the embedding group and stay
-        equal; the last stage's is also `tied_embedding_copy`, so the gradient norm counts it once."""
-        if not self.tied_output or (self.pre_process and self.post_process):
-            return
-        weight = self.embedding.word_embeddings.weight
-        weight.tied_across_stages = True
-        weight.tied_embedding_copy = not self.pre_process
 
     def sharded_state_dict(self, prefix: str = ""):
         """As every module's; the vocabulary tensors are marked as padded (the padding depends on tp)."""
@@ -215,15 +178,8 @@ class GPTModel(MegatronModule):
         return self.output_weight_owner().weight
 
     def check_inputs(self, input_ids, position_ids=None, labels=None) -> None:
-        """Shapes and id ranges of a forward's inputs, in one host sync at most (see
-        TransformerConfig.check_token_ids), so bad data fails before the decoder runs."""
-        if self.pre_process and (input_ids is None or input_ids.dim() != 2):
-            raise ValueError("input_ids must be a [batch, seq] tensor of token ids")
-        if labels is not None and input_ids is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {tuple(input_ids.shape)}")
-        check_id_ranges([("input_ids", input_ids if self.pre_process else None, self.config.vocab_size, VOCAB_FIX),
-                         ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX),
-                         ("labels", labels, self.config.vocab_size, VOCAB_FIX)], sync=self.config.check_token_ids)
+        """batch.check_model_inputs under this model's config (a stage without the embedding reads no ids)."""
+        check_model_inputs(self.config, input_ids, position_ids, labels, has_embedding=self.pre_process)
 
     def _run(self, input_ids, position_ids, document_ids, decoder_input, mask: AttentionMask,
              tied: Optional[TiedGradient] = None) -> torch.Tensor:
@@ -280,9 +236,7 @@ class GPTModel(MegatronModule):
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
                              "must both be [batch, q]")
-        check_id_ranges([("input_ids", input_ids, self.config.vocab_size, VOCAB_FIX),
-                         ("position_ids", position_ids, self.config.max_position_embeddings, POSITION_FIX)],
-                        sync=self.config.check_token_ids)
+        check_model_inputs(self.config, input_ids, position_ids)
         key_len = kv_cache.max_length if kv_cache is not None else input_ids.shape[1]
         mask = AttentionMask("explicit", allowed=attention_mask)
         mask.validate(input_ids.shape[1], input_ids.shape[0], key_len)
@@ -324,14 +278,6 @@ class GPTModel(MegatronModule):
                                    **(self._trained_pattern() | options))
 
     # ------------------------------------------------------------------ the objective (objective.py)
-    def maskable_positions(self, input_ids: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """objective.maskable_positions under this model's DLMConfig."""
-        return objective.maskable_positions(input_ids, self.dlm_config, loss_mask)
-
-    def default_corruption_key(self, input_ids: torch.Tensor) -> objective.CorruptionKey:
-        """objective.default_corruption_key under this model's DLMConfig."""
-        return objective.default_corruption_key(input_ids, self.dlm_config)
-
     def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
                                loss_mask: Optional[torch.Tensor] = None,
                                document_ids: Optional[torch.Tensor] = None):

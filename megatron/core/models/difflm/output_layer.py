@@ -20,13 +20,24 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+from megatron.core.tensor_parallel import (ColumnParallelLinear, copy_to_tensor_model_parallel_region,
+                                           gather_from_sequence_parallel_region,
                                            gather_from_tensor_model_parallel_region, group_rank, group_size,
                                            vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
+from megatron.core.transformer.init import parameter_seed
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+
+def untied_output_layer(config: TransformerConfig, tp_group=None, sequence_parallel: bool = False) -> nn.Module:
+    """The output layer's own weight when embeddings are untied: a column-parallel linear holding
+    this rank's [V / tp, h] slice, kept by GPTModel as `output_layer` (Megatron's checkpoint key)."""
+    return ColumnParallelLinear(
+        config.hidden_size, config.vocab_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        init_std=config.init_method_std, init_seed=parameter_seed(-1, "output_layer"),
+        params_dtype=config.params_dtype, fp32_weight_grad=config.gradient_accumulation_fusion)
 
 
 class LossTargets(NamedTuple):
