@@ -96,6 +96,8 @@ BAD_FLAGS = [
     (["--num-experts", "4", "--moe-router-type", "expert_choice", "--model-running-mode", "vanilla"],
      "--moe-router-type expert_choice picks tokens over the whole sequence"),
     (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], "(flag --moe-aux-loss-coeff)"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "12"],
+     "--moe-grouped-gemm needs the expert FFN size per expert-tensor-parallel rank"),
     (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "(flag --moe-expert-capacity-factor)"),
 ]
 
