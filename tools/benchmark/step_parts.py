@@ -288,17 +288,15 @@ def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[st
     if not triton_cross_entropy.available(logits):
         print("loss kernel: Triton does not run here; only torch.compile's row")
         return result
-    work, default = logits.clone(), (triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS)
+    work = logits.clone()
     for config in args.loss_kernels.split(","):
         block, warps = (int(value) for value in config.split("x"))
-        triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = block, warps
 
-        def run():  # each call overwrites its input: start from the same logits every time
+        def run(block=block, warps=warps):  # each call overwrites its input: start from the same logits
             work.copy_(logits)
-            triton_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab)
+            triton_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab, block=block, num_warps=warps)
         copy_ms = measure(lambda: work.copy_(logits))
         result[f"loss kernel, Triton, block {block}, {warps} warps"] = (measure(run) - copy_ms, moved)
-    triton_cross_entropy.BLOCK, triton_cross_entropy.NUM_WARPS = default
     return result
 
 
@@ -322,12 +320,10 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
     if not triton_swiglu.available(x):
         print("swiglu: its Triton kernels do not run here; only torch.compile's row")
         return result
-    default = (triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS)
     for config in args.swiglu_kernels.split(","):
-        triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = (int(value) for value in config.split("x"))
-        label = f"swiglu forward+backward, Triton, block {triton_swiglu.BLOCK}, {triton_swiglu.NUM_WARPS} warps"
-        result[label] = (timed(triton_swiglu.swiglu), moved)
-    triton_swiglu.BLOCK, triton_swiglu.NUM_WARPS = default
+        block, warps = (int(value) for value in config.split("x"))
+        label = f"swiglu forward+backward, Triton, block {block}, {warps} warps"
+        result[label] = (timed(lambda x: triton_swiglu.swiglu(x, block=block, num_warps=warps)), moved)
     return result
 
 
