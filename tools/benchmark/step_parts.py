@@ -120,7 +120,7 @@ def kernel_timer(device: torch.device, warmup: int, repeats: int) -> Callable[[C
     def measure(function: Callable[[], None]) -> float:
         for _ in range(max(warmup, 1)):
             function()
-        profile = kernel_breakdown.profile_steps(lambda batch, index: function(), [None] * repeats, 0, device)
+        profile = kernel_breakdown.profile_steps(lambda index: function(), range(repeats), device)
         return profile["total_ms_per_step"]
 
     return measure
