@@ -4,9 +4,9 @@ them, the transformers OLMoE baseline and the flags that choose between grouped 
 Ours: the trainer with `moe_flags` (those of examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh): every
 layer MoE, token choice, dropless, no shared expert, the softmax over all experts before the top-k
 (`--moe-router-pre-softmax`: OLMoE's norm_topk_prob=False), the load-balancing loss 0.01 and the router
-z-loss 0.001 (OLMoE's recipe). The experts run as one grouped GEMM per projection (torch grouped_mm, on CUDA in bf16;
-the default) or, with `--no-moe-grouped-gemm`, one GEMM per expert; `--compare-grouped-gemm`
-times both. The row notes whether the grouped kernel really ran (`grouped_mm_kernel`: on CPU
+z-loss 0.001 (OLMoE's recipe). The experts run as one grouped GEMM per projection (torch grouped_mm,
+on CUDA in bf16; the default) or, with `--no-moe-grouped-gemm`, one GEMM per expert;
+`--compare-grouped-gemm` times both. The row notes whether the grouped kernel really ran (`grouped_mm_kernel`: on CPU
 both rows take the per-expert path).
 
 HF: `OlmoeForCausalLM` of an `OlmoeConfig` of the same shape with output_router_logits=True and
