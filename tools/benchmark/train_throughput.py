@@ -11,20 +11,21 @@
         --micro-batch-size 2 --steps 10 --warmup 3 --baseline hf --compare-grouped-gemm [--profile DIR]
 
 The benchmark is the trainer: our row is `pretrain_difflm.py` in one process. Its options become
-pretrain_difflm.py's flags (trainer_flags.py; printed with the row and stored in its JSON as
-"pretrain_difflm_flags"): the shape as the launch scripts write it (qwen3-1.7b is
+pretrain_difflm.py's flags (trainer_flags.py): the shape as the launch scripts write it (qwen3-1.7b is
 examples/launch_common.sh's QWEN3_1P7B_SHAPE), `--mock-data`, in DLM mode the objective of
 examples/dlm_training/dlm_pretrain_1.7b.sh (antithetic t, 1/p weights, B*L normalizer) at a fixed
 length, `--bf16` on CUDA (fp32 on CPU), the launch scripts' AdamW, and each lever as the trainer flag
-of its name (trainer_flags.lever_flags). `build_trainer` (megatron/training/training.py) builds the trainer with
-pretrain_difflm's model provider, forward step and datasets; each step is `Trainer.train_step` on the
-mock data, counted in the run's progress as `train()` counts it (`Trainer.account`). The mock
-vocabulary is the shape's: `--vocab-size V-1 --add-mask-token` makes V ids with the mask token last,
-the rows of the transformers model (the scripts' `--vocab-size V --add-mask-token` pads to V + 128).
-Changed with the trainer: `--torch-compile-mode` is gone (the trainer compiles its layers in
-torch.compile's default mode); `--cache-low-precision-weights` applies under bf16 only (CUDA); the
-step synchronises the host once (the loss and grad norm its skip decision reads), as in training;
-`--loss-kernel` is the trainer's `--difflm-loss-kernel`.
+of its name (trainer_flags.lever_flags; `--loss-kernel` is `--difflm-loss-kernel`). `build_trainer`
+(megatron/training/training.py) builds the trainer with pretrain_difflm's model provider, forward step
+and datasets; each step is `Trainer.train_step` on the mock data, counted in the run's progress as
+`train()` counts it (`Trainer.account`). The mock vocabulary is the shape's: `--vocab-size V-1
+--add-mask-token` makes V ids with the mask token last, the rows of the transformers model (the
+scripts' `--vocab-size V --add-mask-token` pads to V + 128).
+Changed with the trainer: each of our rows prints its flags (`our row: python pretrain_difflm.py ...`)
+and stores them in its JSON row as "pretrain_difflm_flags"; it trains on the trainer's mock data,
+not on the baseline's random batches; its step synchronises the host once (the loss and grad norm
+its skip decision reads), as training does; `--torch-compile-mode` is gone (the trainer compiles
+its layers in torch.compile's default mode).
 
 `--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective (DLMConfig.block_diffusion):
 the model reads [x_t ; x_0], 2L tokens under the block_diffusion mask, FLOPs counted so; tokens/s
