@@ -60,6 +60,11 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "on CUDA as a Triton kernel (0.93 ms a 4,096-token chunk at Qwen3-1.7B on an H200, against "
                         "a dozen eager passes; docs/performance_history.md), elsewhere torch.compile's; under tensor "
                         "parallelism two Triton kernels with one all-gather between (eager passes without Triton).")
+    g.add_argument("--difflm-loss-kernel", choices=["triton", "inductor"], default="triton",
+                   help="With --difflm-compile-loss, where Triton runs: the hand-written Triton kernel (triton) or "
+                        "torch.compile's kernel of the same function (inductor; under tensor parallelism the eager "
+                        "passes). Same values up to rounding; tools/benchmark/train_throughput.py --loss-kernel "
+                        "times one against the other.")
     g.add_argument("--difflm-eval-mc-samples", type=int, default=1,
                    help="Corruption draws per validation row (K): each draw is fixed across evaluations and "
                         "independent of the others; the logged validation loss is the K draws' summed token "

@@ -81,6 +81,7 @@ FLAG_NEEDS = (
      lambda a: a.attention_mask_type == "block_causal" or a.difflm_block_diffusion),
     ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
     ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
+    ("difflm_loss_kernel", "--difflm-compile-loss", lambda a: a.difflm_compile_loss),
     ("difflm_varilen_multiple", "--difflm-varilen-prob > 0", lambda a: a.difflm_varilen_prob > 0),
     ("num_query_groups", "--group-query-attention", lambda a: a.group_query_attention),
     ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
@@ -581,4 +582,5 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         varilen_multiple=args.difflm_varilen_multiple,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
         loss_chunk_size=args.difflm_loss_chunk_size, compile_loss=args.difflm_compile_loss,
+        loss_kernel=args.difflm_loss_kernel,
         fp8_output_layer=args.fp8_format if args.fp8_output_layer else None, seed=args.seed)

@@ -275,7 +275,9 @@ class Trainer:
         return StepResult(loss, norm, float(batch_loss.normalizer), verdict.skip, verdict.nan, moe, batch[0],
                           numerics)
 
-    def _account(self, result: StepResult) -> None:
+    def account(self, result: StepResult) -> None:
+        """Count a finished train_step in the run's progress (iteration, samples, tokens, skips), as train()
+        does after each; the next step's corruption and batch size follow from it."""
         state = self.state
         state.iteration += 1
         size = result.global_batch_size or self.config.global_batch_size
@@ -306,7 +308,7 @@ class Trainer:
             self.hooks.step_start(state.iteration)
             result = self.train_step(data_iterator)
             self.history.append(result)
-            self._account(result)
+            self.account(result)
             if self.logger is not None:
                 self.logger.on_step(state, result, self.scheduler.get_lr(), self.grad_scaler.get_scale()
                                     if config.fp16 else 1.0)

@@ -85,6 +85,8 @@ BAD_FLAGS = [
     (["--keep-last-checkpoints", "-2"], "--keep-last-checkpoints -2 must be >= 1"),
     (["--difflm-varilen-multiple", "4"], "--difflm-varilen-multiple has no effect without --difflm-varilen-prob > 0"),
     (["--difflm-loss-chunk-size", "16"], "--difflm-loss-chunk-size has no effect without --difflm-masked-only-loss"),
+    (["--difflm-masked-only-loss", "--difflm-loss-kernel", "inductor"],
+     "--difflm-loss-kernel has no effect without --difflm-compile-loss"),
     (["--num-query-groups", "2"], "--num-query-groups has no effect without --group-query-attention"),
     (["--recompute-method", "block"], "--recompute-method has no effect without --recompute-granularity full"),
     (["--tokenizer-model", "spm.model"], "--tokenizer-model is not read by --tokenizer-type NullTokenizer"),

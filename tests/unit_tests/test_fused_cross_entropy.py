@@ -11,6 +11,7 @@ import torch
 from megatron.core.tensor_parallel import linear_cross_entropy as lce
 from megatron.core.fusions import fused_cross_entropy as kernel
 from megatron.core.fusions import triton_support
+from megatron.core.models.difflm.diffusion import CorruptionKey
 
 # Where there is a GPU, tests/conftest.py leaves the interpreter off and the CUDA cases run the kernel.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -57,7 +58,8 @@ def test_kernel_matches_the_tensor_math(device, padding):
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_linear_cross_entropy_same_as_the_compiled_kernel(device, monkeypatch):
-    """Both fused kernels inside the chunked output layer (bf16 GEMMs over fp32 parameters)."""
+    """Both fused kernels inside the chunked output layer (bf16 GEMMs over fp32 parameters), chosen by
+    linear_cross_entropy's `triton_kernel` (DLMConfig.loss_kernel)."""
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(13, 32, generator=generator).to(device)
     weight = (torch.randn(320, 32, generator=generator) * 0.5).to(device)
@@ -68,18 +70,44 @@ def test_linear_cross_entropy_same_as_the_compiled_kernel(device, monkeypatch):
     monkeypatch.setattr(kernel, "softmax_loss_gradient_", lambda *args: calls.append(1) or real(*args))
     results = {}
     for triton in (True, False):
-        monkeypatch.setattr(lce, "TRITON_KERNEL", triton)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         losses, total = lce.linear_cross_entropy(h, w, targets, loss_weights, unpadded_vocab_size=300,
-                                                 compute_dtype=torch.bfloat16, chunk_size=5, compiled=True)
+                                                 compute_dtype=torch.bfloat16, chunk_size=5, compiled=True,
+                                                 triton_kernel=triton)
         (2.0 * total).backward()
         results[triton] = (losses, total, h.grad, w.grad)
-        assert len(calls) == 3, "three chunks of at most 5 tokens went through the Triton kernel"
+        assert len(calls) == 3, "three chunks of at most 5 tokens went through the Triton kernel, none after"
     for got, want in zip(results[True][:2], results[False][:2]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(results[True][2:], results[False][2:]):
         # the bf16 logits gradients may round apart by one step, and a CPU bf16 GEMM rounds its product
         torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("loss_kernel, triton", [("triton", True), ("inductor", False)])
+def test_the_loss_kernel_of_the_dlm_config_reaches_the_chunked_loss(loss_kernel, triton, monkeypatch):
+    """DLMConfig.loss_kernel (--difflm-loss-kernel) is passed down to linear_cross_entropy as `triton_kernel`."""
+    from megatron.core.models.difflm import output_layer
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+
+    seen, real = [], output_layer.linear_cross_entropy
+    monkeypatch.setattr(output_layer, "linear_cross_entropy",
+                        lambda *a, **k: seen.append(k["triton_kernel"]) or real(*a, **k))
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
+                               attention_backend="math")
+    dlm = DLMConfig(mask_token_id=63, masked_only_loss=True, compile_loss=True, loss_kernel=loss_kernel)
+    model = GPTModel(config, dlm)
+    key = CorruptionKey.for_batch(0, iteration=1, global_batch_size=2, first_sample_index=0, batch_size=2)
+    model.compute_loss(torch.randint(0, 60, (2, 8), generator=torch.Generator().manual_seed(0)), key=key)
+    assert seen == [triton]
+
+
+def test_a_loss_kernel_outside_the_choices_is_refused():
+    from megatron.core.transformer.transformer_config import DLMConfig
+
+    with pytest.raises(ValueError, match="loss_kernel='cuda' is not one of"):
+        DLMConfig(mask_token_id=63, loss_kernel="cuda").validate()
 
 
 def test_bad_logits_are_refused():

@@ -462,6 +462,8 @@ FLAG_FIELDS = [
      lambda a: (a.transformer_config.yarn_beta_slow, a.transformer_config.yarn_correction_range_round_to_int),
      (2.0, False)),
     (["--deterministic-mode"], lambda a: a.deterministic_mode, True),
+    (["--difflm-masked-only-loss", "--difflm-compile-loss", "--difflm-loss-kernel", "inductor"],
+     lambda a: a.dlm_config.loss_kernel, "inductor"),
 ]
 
 

@@ -198,18 +198,24 @@ def test_layer_freq_forms():
 
 
 def test_an_unnormalized_loss_weights_the_balancing_losses_by_the_normalizer():
-    """compute_loss(normalize=False), the loss sum the trainer backpropagates, gives normalizer times the
-    mean loss's gradients, the routers' balancing terms included (their scale is the normalizer)."""
+    """The loss sum the trainer backpropagates (pretrain_difflm.forward_step: loss_normalizer 1, the
+    balancing losses weighted by the micro-batch's normalizer) gives normalizer times the gradients of
+    compute_loss's mean loss, the routers' balancing terms included."""
+    from megatron.core.models.difflm import objective
+
     torch.manual_seed(0)
     model = GPTModel(config(aux_loss_coeff=0.1, z_loss_coeff=0.01), DLMConfig(mask_token_id=63))
     tokens = torch.randint(0, 60, (2, 8))
-    grads = []
-    for normalize in (True, False):
-        model.zero_grad()
-        key = CorruptionKey.for_batch(0, iteration=1, global_batch_size=2, first_sample_index=0, batch_size=2)
-        out = model.compute_loss(tokens, key=key, normalize=normalize)
-        (out.loss if normalize else out.loss_sum).backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-    assert "router" in " ".join(grads[0])
-    for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad * out.normalizer, rtol=1e-5, atol=1e-6, msg=name)
+    key = CorruptionKey.for_batch(0, iteration=1, global_batch_size=2, first_sample_index=0, batch_size=2)
+    mean = model.compute_loss(tokens, key=key)
+    mean.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model_input, weights, normalizer, _ = objective.loss_inputs(tokens, model.dlm_config, key,
+                                                                clamp_normalizer=False)
+    _, loss_sum = model(model_input, labels=tokens, loss_weights=weights, loss_normalizer=1.0,
+                        aux_loss_scale=normalizer)
+    loss_sum.backward()
+    assert "router" in " ".join(grads) and float(normalizer) == float(mean.normalizer) > 1
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name] * normalizer, rtol=1e-5, atol=1e-6, msg=name)

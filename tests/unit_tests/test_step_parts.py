@@ -87,12 +87,15 @@ def test_float8_weight_gradient_rows_time_both_ways_at_each_linear_shape():
         assert total["bytes"] == spec.num_layers * sum(row["bytes"] for row in linears)
 
 
-def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
+def test_loss_kernel_rows_time_both_kernels_on_one_chunk(monkeypatch):
     """The fused loss's rows: torch.compile's kernel and, where Triton is installed (under its interpreter,
-    tests/conftest.py), the Triton kernel at each configuration named (restored afterwards), each moving
-    the logits 3 times."""
+    tests/conftest.py), the Triton kernel launched at each configuration named (passed to it, the module's
+    defaults left alone), each moving the logits 3 times."""
     kernel = step_parts.fused_cross_entropy
     default = (kernel.BLOCK, kernel.NUM_WARPS)
+    launches, real = [], kernel.softmax_loss_gradient_
+    monkeypatch.setattr(kernel, "softmax_loss_gradient_",
+                        lambda *a, **k: launches.append((k["block"], k["num_warps"])) or real(*a, **k))
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
                               "--loss-kernels", "64x4,256x8", "--loss-chunk", "3"])
     vocab = step_parts.shapes.MODELS["tiny"].vocab_size
@@ -101,15 +104,19 @@ def test_loss_kernel_rows_time_both_kernels_on_one_chunk():
     has_triton = importlib.util.find_spec("triton") is not None
     assert names == [f"loss kernel, torch.compile (3 x {vocab})", *(triton_rows if has_triton else [])]
     assert all(result["rows"][name]["bytes"] == 3 * 3 * vocab * 2 for name in names)
+    assert set(launches) == ({(64, 4), (256, 8)} if has_triton else set())
     assert (kernel.BLOCK, kernel.NUM_WARPS) == default
 
 
 def test_swiglu_rows_time_both_implementations(monkeypatch):
     """SwiGLU's rows: torch.compile's kernels and, where the Triton kernels run (under the interpreter on
-    CPU, when a test allows it), each configuration named (restored afterwards), each moving 8 passes."""
+    CPU, when a test allows it), launched at each configuration named (passed to them, the module's defaults
+    left alone), each moving 8 passes."""
     kernel = step_parts.fused_swiglu
     monkeypatch.setattr(triton_support, "interpreter_allowed", True)
     default = (kernel.BLOCK, kernel.NUM_WARPS)
+    launches, real = [], kernel.swiglu
+    monkeypatch.setattr(kernel, "swiglu", lambda x, **k: launches.append((k["block"], k["num_warps"])) or real(x, **k))
     result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1",
                               "--swiglu-kernels", "64x4,128x8", "--swiglu-tokens", "5"])
     ffn = step_parts.shapes.MODELS["tiny"].ffn_hidden_size
@@ -119,6 +126,7 @@ def test_swiglu_rows_time_both_implementations(monkeypatch):
     has_triton = importlib.util.find_spec("triton") is not None
     assert names == [f"swiglu forward+backward, torch.compile (5 x {ffn})", *(triton_rows if has_triton else [])]
     assert all(result["rows"][name]["bytes"] == 8 * 5 * ffn * 2 for name in names)
+    assert set(launches) == ({(64, 4), (128, 8)} if has_triton else set())
     assert (kernel.BLOCK, kernel.NUM_WARPS) == default
 
 

@@ -1,19 +1,23 @@
-"""tools/benchmark/train_throughput.py on CPU: both rows, the FLOPs it reports, the baseline's
-bidirectional attention and LLaDA loss, the fp8/compile seams, the MoE preset (grouped GEMM,
-per-expert loop, transformers' OLMoE and its router loss) and bad flag combinations.
-No speed is asserted."""
+"""tools/benchmark/train_throughput.py on CPU: our row is the trainer (build_trainer of pretrain_difflm.py's
+flags, its train_step), both rows, the FLOPs it reports, the baseline's bidirectional attention and LLaDA
+loss, the fp8/compile seams, the MoE preset (grouped GEMM, per-expert loop, transformers' OLMoE and its
+router loss) and bad flag combinations. No speed is asserted."""
 
+import contextlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.models.difflm.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.flops import training_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +26,30 @@ import train_throughput as tt  # noqa: E402
 
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
 MOE_TINY = ["--model", "olmoe-tiny", "--steps", "2", "--warmup", "1"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def restored_random_state():
+    """build_trainer seeds Python's, numpy's and torch's generators: the tests after these see them as before."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.random.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def our_arm(argv):
+    """Our row of `argv` built (the trainer, in the benchmark's one-process group), closed afterwards."""
+    args = tt.build_parser().parse_args(argv)
+    spec = tt.validate(args)
+    with tt.one_process(CPU) as runtime:
+        arm = tt.build_ours(spec, args, CPU, runtime)
+        try:
+            yield arm
+        finally:
+            arm.close()
 
 
 def expected_flops(config: dict, mode: str, block_size=None, output_positions=None) -> float:
@@ -93,12 +121,10 @@ def test_accumulation_runs_its_micro_batches_before_one_optimizer_step(tmp_path,
     """--accumulation 2: both rows run two micro-batches of --micro-batch-size a step, then one optimizer
     step, and count twice the tokens and FLOPs."""
     pytest.importorskip("transformers")
-    from megatron.core.models.difflm.gpt_model import GPTModel
-
     shapes, optimizer_steps = [], []
-    compute_loss, adamw_step = GPTModel.compute_loss, torch.optim.AdamW.step
-    monkeypatch.setattr(GPTModel, "compute_loss", lambda self, tokens, **kw: shapes.append(tuple(tokens.shape))
-                        or compute_loss(self, tokens, **kw))
+    forward, adamw_step = GPTModel.forward, torch.optim.AdamW.step
+    monkeypatch.setattr(GPTModel, "forward", lambda self, tokens, *a, **kw: shapes.append(tuple(tokens.shape))
+                        or forward(self, tokens, *a, **kw))
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **kw: optimizer_steps.append(1)
                         or adamw_step(self, *a, **kw))
     out = tmp_path / "a.json"
@@ -204,8 +230,12 @@ def test_llada_loss_weights_masked_tokens_by_inverse_p_over_all_tokens():
 def test_named_shapes_have_the_same_parameters_in_both_implementations(name):
     pytest.importorskip("transformers")
     spec = tt.MODELS[name]
+    args = tt.build_parser().parse_args(["--model", name])
+    tt.validate(args)
+    trained = tt.training_args(spec, args, CPU)  # the trainer's parse of our row's flags
+    assert trained.padded_vocab_size == spec.vocab_size and trained.mask_token == tt.mask_token_id(spec)
     with torch.device("meta"):  # shapes only: no memory, no init
-        ours = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
+        ours = GPTModel(trained.transformer_config, trained.dlm_config)
         baseline = tt.hf_model(spec)
     ours_count, baseline_count = (sum(p.numel() for p in model.parameters()) for model in (ours, baseline))
     # OLMoE's QK-norm weights span the whole projection, ours one head (moe_models.py): (a + g - 2) d a layer.
@@ -236,44 +266,39 @@ def test_fp8_output_layer_reaches_the_fp8_row_only(monkeypatch):
     real = output_layer.linear_cross_entropy
     monkeypatch.setattr(output_layer, "linear_cross_entropy",
                         lambda *a, **k: formats.append(k.get("fp8")) or real(*a, **k))
+    from megatron.training import training
+
     devices = []
-    monkeypatch.setattr(tt, "float8_gemms_on_cpu", devices.append)  # a CPU run's float8 GEMMs: torch's kernel
+    monkeypatch.setattr(training, "float8_gemms_on_cpu", devices.append)  # a CPU run's float8 GEMMs: torch's kernel
     result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--masked-only-loss", "--fp8-output-layer"])
     assert devices and all(device.type == "cpu" for device in devices)
     assert ["fp8-output-layer" in row["name"] for row in result["rows"]] == [False, True]
     assert set(formats) == {None, "hybrid"}, "the bf16 row keeps its GEMMs, the fp8 row's output layer is fp8"
 
 
-def test_compile_seam_compiles_every_layer_in_place():
-    spec = tt.MODELS["tiny"]
-    model = tt.GPTModel(tt.transformer_config(spec, torch.device("cpu")), tt.dlm_config(spec, "dlm", 1))
-    names = list(model.state_dict())
-    assert tt.compile_transformer_layers(model) == spec.num_layers
-    assert all(layer._compiled_call_impl is not None for layer in model.decoder.layers.values())
-    assert list(model.state_dict()) == names
+def test_torch_compile_reaches_the_trainers_layers():
+    """--torch-compile is the trainer's: build_trainer compiles every layer in place (names kept)."""
+    with our_arm(TINY) as plain:
+        names = list(plain.model.state_dict())
+    with our_arm([*TINY, "--torch-compile"]) as arm:
+        layers = list(arm.model.decoder.layers.values())
+        assert arm.info["compiled_layers"] == len(layers) == tt.MODELS["tiny"].num_layers
+        assert all(layer._compiled_call_impl is not None for layer in layers)
+        assert list(arm.model.state_dict()) == names
 
 
-def test_compile_mode_and_gradient_fusion_flags_reach_our_model(monkeypatch):
-    """--torch-compile-mode is torch.compile's mode for every layer; --no-gradient-accumulation-fusion
-    reaches the config (its linear layers then take plain autocast's path)."""
-    modes = []
-    monkeypatch.setattr(tt, "compile_transformer_layers", lambda model, **options: modes.append(options) or 0)
-    args = tt.build_parser().parse_args([*TINY, "--torch-compile", "--torch-compile-mode", "reduce-overhead",
-                                         "--no-gradient-accumulation-fusion"])
-    tt.validate(args)
-    model, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
-    assert modes == [{"mode": "reduce-overhead"}] and not model.config.gradient_accumulation_fusion
-    assert not model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
-    args = tt.build_parser().parse_args([*TINY, "--torch-compile"])
-    model, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
-    assert modes[-1] == {} and model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+def test_gradient_fusion_flag_reaches_our_model():
+    """--no-gradient-accumulation-fusion reaches the config (its linear layers then take plain autocast's path)."""
+    with our_arm([*TINY, "--no-gradient-accumulation-fusion"]) as arm:
+        assert not arm.model.config.gradient_accumulation_fusion
+        assert not arm.model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+    with our_arm(TINY) as arm:
+        assert arm.model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
 
 
 def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():
-    args = tt.build_parser().parse_args([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16",
-                                         "--rmsnorm-fusion"])
-    tt.validate(args)
-    model, optimizer, *_ = tt.build_ours(tt.MODELS["tiny"], args, torch.device("cpu"))
+    with our_arm([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16", "--rmsnorm-fusion"]) as arm:
+        model, optimizer = arm.model, arm.optimizer
     assert not model.config.bias_swiglu_fusion and model.config.rmsnorm_fusion
     from megatron.core.transformer.norms import RMSNorm
 
@@ -349,8 +374,6 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
     (["--model", "tiny", "--attention-backend", "cudnn"], "--attention-backend 'cudnn' is not one of"),
     (["--model", "tiny", "--compile-loss"], "--compile-loss needs --masked-only-loss"),
     (["--model", "tiny", "--loss-chunk-size", "0"], "--loss-chunk-size 0 must be at least 1"),
-    (["--model", "tiny", "--torch-compile-mode", "max-autotune"],
-     "--torch-compile-mode max-autotune needs --torch-compile"),
     (["--model", "tiny", "--num-layers", "0"], "--num-layers 0 must be at least 1"),
     (["--model", "tiny", "--profile-top", "0"], "--profile-top 0 must be at least 1"),
     (["--model", "tiny", "--mode", "ar", "--block-diffusion", "16"], "--block-diffusion needs --mode dlm"),
@@ -400,11 +423,8 @@ def test_float8_copies_on_cuda_need_no_torchao(monkeypatch):
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_recompute_reaches_our_model_and_leaves_the_losses_unchanged(recompute):
-    spec = tt.MODELS["tiny"]
-    args = tt.build_parser().parse_args([*TINY, "--recompute", recompute])
-    tt.validate(args)
-    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
-    assert model.config.recompute_granularity == recompute
+    with our_arm([*TINY, "--recompute", recompute]) as arm:
+        assert arm.model.config.recompute_granularity == recompute
     plain = tt.main([*TINY, "--mode", "dlm"])["rows"][0]
     result = tt.main([*TINY, "--mode", "dlm", "--recompute", recompute])
     row = result["rows"][0]
@@ -413,76 +433,58 @@ def test_recompute_reaches_our_model_and_leaves_the_losses_unchanged(recompute):
 
 
 @pytest.mark.parametrize("mode", ["dlm", "ar"])
-def test_benchmark_step_runs_the_objective_training_runs(mode, monkeypatch):
-    """The benchmark's step and pretrain_difflm.forward_step both build the model's input through
-    objective.loss_inputs, and for the same rows and key they get the same corruption and weights:
-    the step timed is the step trained."""
-    from types import SimpleNamespace
-
+def test_our_step_is_the_train_step_of_the_trainer_build_trainer_builds(mode, monkeypatch):
+    """Our row builds one Trainer through build_trainer and each of its steps is that trainer's train_step
+    (1 warm-up, 2 timed); its final loss is the third iteration's loss of pretrain_difflm.py trained by
+    Trainer.train() from the flags the row records."""
     import pretrain_difflm
-    from megatron.core.models.difflm import objective
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import Trainer, build_trainer
 
-    calls = []
-    real = objective.loss_inputs
-
-    def counting(*args, **kwargs):
-        calls.append(real(*args, **kwargs))
-        return calls[-1]
-
-    monkeypatch.setattr(objective, "loss_inputs", counting)
-    spec = tt.MODELS["tiny"]
-    args = tt.build_parser().parse_args([*TINY, "--mode", mode])
-    tt.validate(args)
-    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
-    batch = args.micro_batch_size
-    tokens = tt.random_batches(spec, 1, batch, args.seq_length + 1, args.seed, torch.device("cpu"))[0]
-    index = 3  # a step after the first: its key is not the default one
-    step(tokens[:, :-1], index)
-    assert len(calls) == 1
-    # forward_step on the same rows, placed in the stream where the benchmark's key puts them.
-    train_args = SimpleNamespace(padded_vocab_size=spec.vocab_size, seq_length=args.seq_length,
-                                 dlm_config=model.dlm_config, tokenizer=SimpleNamespace(eod=tt.mask_token_id(spec) - 1),
-                                 eod_mask_loss=False, reset_attention_mask=False, reset_position_ids=False, sft=False)
-    ctx = SimpleNamespace(iteration=index, first_sample_index=index * batch, global_batch_size=batch,
-                          microbatch=0, training=True, stream=0, loss_scale=None)  # no fp16 loss scale
-    sample = {"tokens": tokens, "index": torch.arange(batch) + index * batch}
-    pretrain_difflm.forward_step(iter([sample]), model, ctx, train_args)
-    assert len(calls) == 2
-    if mode == "dlm":
-        timed, trained = calls
-        assert timed.corruption.masked_positions.any()
-        assert torch.equal(timed.model_input, trained.model_input) and torch.equal(timed.weights, trained.weights)
-        assert torch.equal(timed.normalizer, trained.normalizer)  # B*L: the clamp of compute_loss changes nothing
+    built, stepped, train_step = [], [], Trainer.train_step
+    monkeypatch.setattr(tt, "build_trainer", lambda *a, **k: built.append(build_trainer(*a, **k)) or built[-1])
+    monkeypatch.setattr(Trainer, "train_step", lambda self, data: stepped.append(self) or train_step(self, data))
+    row = tt.main([*TINY, "--mode", mode])["rows"][0]
+    assert len(built) == 1 and stepped == [built[0]] * 3 and built[0].state.iteration == 3
+    assert math.isfinite(row["final_loss"]) and row["final_loss"] > 0
+    monkeypatch.undo()
+    flags = row["pretrain_difflm_flags"].split()
+    assert "--mock-data" in flags and ("vanilla" in flags) == (mode == "ar")
+    with tt.one_process(CPU) as runtime:
+        trainer = build_trainer(parse_args(flags, add_difflm_args, world_size=1), runtime,
+                                pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                                pretrain_difflm.forward_step)
+        trainer.train()
+        trainer.logger.close()
+    assert len(trainer.history) == 3
+    assert row["final_loss"] == pytest.approx(trainer.history[-1].loss, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["dlm", "ar"])
-def test_benchmark_step_backpropagates_the_loss_sum_as_the_trainer(mode, monkeypatch):
-    """Each micro-batch's loss sum is backpropagated (a unit gradient into the chunked loss, whose
-    scaling kernel then returns at once) and 1 / the step's normalizer is applied once for the step:
-    the gradients the optimizer steps with are those of the mean loss over both micro-batches (no
-    clipping, so scale shows)."""
-    from megatron.core.tensor_parallel import linear_cross_entropy as lce
+def test_the_qwen3_shape_and_objective_are_the_launch_scripts(tmp_path):
+    """qwen3-1.7b in DLM mode with the 1.7B script's levers builds the model config and objective of
+    examples/dlm_training/dlm_pretrain_1.7b.sh (but the vocabulary padding and the varying length)."""
+    import dataclasses
 
-    scaled, original = [], lce._scale_
-    monkeypatch.setattr(lce, "_scale_", lambda *args: scaled.append(args[-1].item()) or original(*args))
-    monkeypatch.setattr(tt, "CLIP_GRAD", 0.0)
-    spec, device = tt.MODELS["tiny"], torch.device("cpu")
-    args = tt.build_parser().parse_args([*TINY, "--mode", mode, "--masked-only-loss", "--accumulation", "2"])
-    tt.validate(args)
-    model, optimizer, step, _ = tt.build_ours(spec, args, device)
-    seen = []
-    monkeypatch.setattr(optimizer, "step", lambda: seen.extend(p.grad.clone() for p in model.parameters()))
-    tokens = tt.random_batches(spec, 1, 2 * args.micro_batch_size, args.seq_length, args.seed, device)[0]
-    step(tokens, 3)
-    assert scaled == [1.0, 1.0] and len(seen) == len(list(model.parameters()))
-    outs = [model.compute_loss(micro, key=tt.diffusion.CorruptionKey.for_batch(
-        args.seed, iteration=3, global_batch_size=len(tokens), first_sample_index=3 * len(tokens)
-        + part * args.micro_batch_size, batch_size=args.micro_batch_size, device=device) if mode == "dlm" else None)
-        for part, micro in enumerate(tokens.split(args.micro_batch_size))]
-    mean = sum(out.loss_sum for out in outs) / sum(out.normalizer for out in outs)
-    names, params = zip(*model.named_parameters())
-    for name, grad, reference in zip(names, seen, torch.autograd.grad(mean, params)):
-        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-7, msg=name)
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+    from tests.launch_flags import recorded_flags
+
+    script = parse_args(recorded_flags("examples/dlm_training/dlm_pretrain_1.7b.sh", tmp_path,
+                                       {"GPUS_PER_NODE": "1", "TENSORBOARD_DIR": str(tmp_path / "tb")}),
+                        add_difflm_args, world_size=1)
+    args = tt.build_parser().parse_args(["--model", "qwen3-1.7b", "--masked-only-loss", "--compile-loss",
+                                         "--torch-compile", "--compile-optimizer-step", "--cache-low-precision-weights",
+                                         "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--device", "cuda"])
+    ours = tt.training_args(tt.validate(args), args, torch.device("cuda"))  # CUDA: --bf16, as the script
+    vocabulary = {"vocab_size": 0, "unpadded_vocab_size": 0}
+    assert dataclasses.replace(ours.transformer_config, **vocabulary) == dataclasses.replace(
+        script.transformer_config, **vocabulary)
+    assert dataclasses.replace(ours.dlm_config, mask_token_id=0) == dataclasses.replace(
+        script.dlm_config, mask_token_id=0, varilen_prob=0.0)
+    for flag in ("torch_compile", "compile_optimizer_step", "cache_low_precision_weights", "exp_avg_dtype",
+                 "exp_avg_sq_dtype", "lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad", "seed"):
+        assert getattr(ours, flag) == getattr(script, flag), flag
 
 
 # ---------------------------------------------------------------------- the MoE preset
@@ -567,22 +569,19 @@ def test_llada_loss_adds_the_aux_loss_of_the_outputs():
 
 def test_moe_scopes_bracket_forward_and_backward_of_every_moe_layer():
     spec = tt.MODELS["olmoe-tiny"]
-    args = tt.build_parser().parse_args(MOE_TINY)
-    tt.validate(args)
-    model, _, step, _ = tt.build_ours(spec, args, torch.device("cpu"))
-    tokens = tt.random_batches(spec, 1, 2, 32, 0, torch.device("cpu"))[0]
     breakdown = tt.kernel_breakdown
-    with torch.profiler.profile() as profiler, breakdown.moe_scopes(model) as layers:
-        step(tokens, 0)
+    with our_arm(MOE_TINY) as arm, torch.profiler.profile() as profiler, breakdown.moe_scopes(arm.model) as layers:
+        model = arm.model
+        arm.step(0)
     events = profiler.events()
     names = [event.name for event in events]
     assert layers == spec.num_layers == names.count("moe_layer") == names.count("moe_layer_backward")
     combine_backward = [event for event in events if event.name.endswith("BmmBackward0")]  # the combine
-    assert combine_backward and all(breakdown.classify(event.name, breakdown._callers(event.cpu_parent)) == "moe"
+    assert combine_backward and all(breakdown.classify(event.name, breakdown.callers(event.cpu_parent)) == "moe"
                                     for event in combine_backward)
     assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
-    with breakdown.moe_scopes(tt.GPTModel(tt.transformer_config(tt.MODELS["tiny"], torch.device("cpu")),
-                                          tt.dlm_config(tt.MODELS["tiny"], "dlm", 1))) as dense_layers:
+    dense = GPTModel(tt.transformer_config(tt.MODELS["tiny"], CPU), DLMConfig(model_running_mode="vanilla"))
+    with breakdown.moe_scopes(dense) as dense_layers:
         assert dense_layers == 0
 
 

@@ -25,7 +25,7 @@ import os
 import tempfile
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch.autograd import DeviceType
@@ -65,7 +65,7 @@ def classify(name: str, callers: Iterable[str] = ()) -> str:
     return "other"
 
 
-def _callers(event) -> List[str]:
+def callers(event) -> List[str]:
     """Names of `event` and the ops around it, innermost first."""
     names, parent = [], event
     while parent is not None:
@@ -113,7 +113,7 @@ def breakdown(events, on_cuda: bool, steps: int, trace: Optional[dict] = None, t
         kernels = {category: defaultdict(float) for category in CATEGORIES}
         for event in events:
             if event.device_type == DeviceType.CPU and not event.is_async:
-                category = classify(event.name, _callers(event.cpu_parent))
+                category = classify(event.name, callers(event.cpu_parent))
                 totals[category] += event.self_cpu_time_total
                 kernels[category][event.name] += event.self_cpu_time_total
     total = sum(totals.values())
@@ -183,19 +183,18 @@ def moe_scopes(model: torch.nn.Module) -> Iterator[int]:
             handle.remove()
 
 
-def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor],
-                  first_index: int, device: torch.device, trace_path: Optional[str] = None,
-                  top: int = TOP_KERNELS) -> dict:
-    """Run `step` on `batches` under torch.profiler (after warm-up); the breakdown (with each category's
-    `top` longest kernels), and a Chrome trace."""
+def profile_steps(step: Callable[[int], object], indices: Sequence[int], device: torch.device,
+                  trace_path: Optional[str] = None, top: int = TOP_KERNELS) -> dict:
+    """Run `step(index)` for each of `indices` under torch.profiler (after warm-up); the breakdown (with
+    each category's `top` longest kernels), and a Chrome trace."""
     on_cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=activities) as profiler:
-        for offset, batch in enumerate(batches):
-            step(batch, first_index + offset)
+        for index in indices:
+            step(index)
         if on_cuda:
             torch.cuda.synchronize(device)
     trace = None
@@ -207,10 +206,10 @@ def profile_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: Li
                 trace = json.load(handle)
     elif trace_path:
         profiler.export_chrome_trace(trace_path)
-    result = breakdown(profiler.events(), on_cuda, len(batches), trace, top)
+    result = breakdown(profiler.events(), on_cuda, len(indices), trace, top)
     result["trace"] = trace_path
     if trace is not None:  # the GPU's idle intervals: the step time no kernel accounts for
-        result["gaps"] = trace_gaps.summarize(trace["traceEvents"], steps=len(batches))
+        result["gaps"] = trace_gaps.summarize(trace["traceEvents"], steps=len(indices))
     return result
 
 

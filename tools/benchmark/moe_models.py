@@ -1,12 +1,12 @@
-"""The mixture-of-experts side of train_throughput.py: the MoE shapes, our MoEConfig of them, the
-transformers OLMoE baseline and the flags that choose between grouped GEMM and per-expert loop.
+"""The mixture-of-experts side of train_throughput.py: the MoE shapes, pretrain_difflm.py's MoE flags of
+them, the transformers OLMoE baseline and the flags that choose between grouped GEMM and per-expert loop.
 
-Ours: `TransformerConfig(moe=MoEConfig(...))` with every layer MoE, token choice, dropless, no
-shared expert, the softmax over all experts before the top-k (`router_pre_softmax`: OLMoE's
-norm_topk_prob=False), the load-balancing loss 0.01 and the router z-loss 0.001 (OLMoE's
-recipe). The experts run as one grouped GEMM per projection (torch grouped_mm, on CUDA in bf16;
-the default) or, with `--no-moe-grouped-gemm`, one GEMM per expert; `--compare-grouped-gemm`
-times both. The row notes whether the grouped kernel really ran (`grouped_mm_kernel`: on CPU
+Ours: the trainer with `moe_flags` (those of examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh): every
+layer MoE, token choice, dropless, no shared expert, the softmax over all experts before the top-k
+(`--moe-router-pre-softmax`: OLMoE's norm_topk_prob=False), the load-balancing loss 0.01 and the router
+z-loss 0.001 (OLMoE's recipe). The experts run as one grouped GEMM per projection (torch grouped_mm,
+on CUDA in bf16; the default) or, with `--no-moe-grouped-gemm`, one GEMM per expert;
+`--compare-grouped-gemm` times both. The row notes whether the grouped kernel really ran (`grouped_mm_kernel`: on CPU
 both rows take the per-expert path).
 
 HF: `OlmoeForCausalLM` of an `OlmoeConfig` of the same shape with output_router_logits=True and
@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from megatron.core.transformer.moe.config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,16 @@ OLMOE_1B_7B = MoESpec(num_experts=64, topk=8, expert_ffn_hidden_size=1024)
 OLMOE_TINY = MoESpec(num_experts=8, topk=2, expert_ffn_hidden_size=32)
 
 
-def moe_config(moe: MoESpec, grouped_gemm: bool) -> MoEConfig:
-    """Our MoEConfig of the spec (token choice, dropless, single-process dispatch)."""
-    return MoEConfig(num_experts=moe.num_experts, router_topk=moe.topk, ffn_hidden_size=moe.expert_ffn_hidden_size,
-                     layer_freq=1, router_score_function="softmax", router_pre_softmax=moe.pre_softmax,
-                     router_load_balancing_type="aux_loss", aux_loss_coeff=moe.aux_loss_coeff,
-                     z_loss_coeff=moe.z_loss_coeff, grouped_gemm=grouped_gemm)
+def moe_flags(moe: Optional[MoESpec]) -> List[str]:
+    """pretrain_difflm.py's MoE flags of the spec, as examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh writes
+    them (token choice, dropless, single-process dispatch); none for a dense shape. The experts' GEMMs are
+    train_throughput's lever (--moe-grouped-gemm)."""
+    if moe is None:
+        return []
+    flags = ["--num-experts", moe.num_experts, "--moe-router-topk", moe.topk, "--moe-ffn-hidden-size",
+             moe.expert_ffn_hidden_size, "--moe-router-load-balancing-type", "aux_loss",
+             "--moe-aux-loss-coeff", moe.aux_loss_coeff, "--moe-z-loss-coeff", moe.z_loss_coeff]
+    return [str(flag) for flag in flags] + (["--moe-router-pre-softmax"] if moe.pre_softmax else [])
 
 
 def grouped_mm_kernel_runs(grouped_gemm: bool, device: torch.device, bf16: bool) -> bool:

@@ -121,7 +121,7 @@ def kernel_timer(device: torch.device, warmup: int, repeats: int) -> Callable[[C
     def measure(function: Callable[[], None]) -> float:
         for _ in range(max(warmup, 1)):
             function()
-        profile = kernel_breakdown.profile_steps(lambda batch, index: function(), [None] * repeats, 0, device)
+        profile = kernel_breakdown.profile_steps(lambda index: function(), range(repeats), device)
         return profile["total_ms_per_step"]
 
     return measure
@@ -289,17 +289,15 @@ def loss_kernel_rows(vocab: int, args, device: torch.device, measure) -> Dict[st
     if not fused_cross_entropy.available(logits):
         print("loss kernel: Triton does not run here; only torch.compile's row")
         return result
-    work, default = logits.clone(), (fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS)
+    work = logits.clone()
     for config in args.loss_kernels.split(","):
         block, warps = (int(value) for value in config.split("x"))
-        fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS = block, warps
 
-        def run():  # each call overwrites its input: start from the same logits every time
+        def run(block=block, warps=warps):  # each call overwrites its input: start from the same logits
             work.copy_(logits)
-            fused_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab)
+            fused_cross_entropy.softmax_loss_gradient_(work, targets, scale, vocab, block=block, num_warps=warps)
         copy_ms = measure(lambda: work.copy_(logits))
         result[f"loss kernel, Triton, block {block}, {warps} warps"] = (measure(run) - copy_ms, moved)
-    fused_cross_entropy.BLOCK, fused_cross_entropy.NUM_WARPS = default
     return result
 
 
@@ -323,12 +321,10 @@ def swiglu_rows(ffn: int, args, device: torch.device, measure) -> Dict[str, tupl
     if not fused_swiglu.available(x):
         print("swiglu: its Triton kernels do not run here; only torch.compile's row")
         return result
-    default = (fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS)
     for config in args.swiglu_kernels.split(","):
-        fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS = (int(value) for value in config.split("x"))
-        label = f"swiglu forward+backward, Triton, block {fused_swiglu.BLOCK}, {fused_swiglu.NUM_WARPS} warps"
-        result[label] = (timed(fused_swiglu.swiglu), moved)
-    fused_swiglu.BLOCK, fused_swiglu.NUM_WARPS = default
+        block, warps = (int(value) for value in config.split("x"))
+        label = f"swiglu forward+backward, Triton, block {block}, {warps} warps"
+        result[label] = (timed(lambda x: fused_swiglu.swiglu(x, block=block, num_warps=warps)), moved)
     return result
 
 

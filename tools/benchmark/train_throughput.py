@@ -10,28 +10,38 @@
     python tools/benchmark/train_throughput.py --model olmoe-1b-7b --num-layers 8 --mode dlm --seq-length 4096 \
         --micro-batch-size 2 --steps 10 --warmup 3 --baseline hf --compare-grouped-gemm [--profile DIR]
 
-Our row is the real thing on one device: `GPTModel` from `TransformerConfig`/`DLMConfig` (bf16
-autocast over fp32 master weights on CUDA, fp32 on CPU), our AdamW (fused on GPU), and the
-trainer's step on seeded random tokens (`training_step`: `compute_loss` builds the input, weights
-and normalizer with `objective.loss_inputs`, as pretrain_difflm.forward_step does, each loss sum is
-backpropagated, the normalizer folded into the clip and the step). The levers are
-pretrain_difflm.py's flags (`--masked-only-loss`, `--torch-compile`, ...).
+The benchmark is the trainer: our row is `pretrain_difflm.py` in one process. Its options become
+pretrain_difflm.py's flags (trainer_flags.py): the shape as the launch scripts write it (qwen3-1.7b is
+examples/launch_common.sh's QWEN3_1P7B_SHAPE), `--mock-data`, in DLM mode the objective of
+examples/dlm_training/dlm_pretrain_1.7b.sh (antithetic t, 1/p weights, B*L normalizer) at a fixed
+length, `--bf16` on CUDA (fp32 on CPU), the launch scripts' AdamW, and each lever as the trainer flag
+of its name (trainer_flags.lever_flags; `--loss-kernel` is `--difflm-loss-kernel`). `build_trainer`
+(megatron/training/training.py) builds the trainer with pretrain_difflm's model provider, forward step
+and datasets; each step is `Trainer.train_step` on the mock data, counted in the run's progress as
+`train()` counts it (`Trainer.account`). The mock vocabulary is the shape's: `--vocab-size V-1
+--add-mask-token` makes V ids with the mask token last, the rows of the transformers model (the
+scripts' `--vocab-size V --add-mask-token` pads to V + 128).
+Changed with the trainer: each of our rows prints its flags (`our row: python pretrain_difflm.py ...`)
+and stores them in its JSON row as "pretrain_difflm_flags"; it trains on the trainer's mock data,
+not on the baseline's random batches; its step synchronises the host once (the loss and grad norm
+its skip decision reads), as training does; `--torch-compile-mode` is gone (the trainer compiles
+its layers in torch.compile's default mode).
 
 `--block-diffusion B` (DLM mode, no baseline) trains BD3-LM's objective (DLMConfig.block_diffusion):
 the model reads [x_t ; x_0], 2L tokens under the block_diffusion mask, FLOPs counted so; tokens/s
 counts the L tokens of x_0.
 
 `--baseline hf` builds the equivalent transformers model (Qwen3ForCausalLM or LlamaForCausalLM,
-random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager) and runs the step a
-user would write: in DLM mode LLaDA's recipe (mask at rate p = (1 - eps) t + eps, cross-entropy
-on the masked tokens weighted 1/p, divided by B*L) with bidirectional attention, which is
-checked before timing; in AR mode the model's own shifted loss.
+random init, SDPA, fp32 weights under bf16 autocast, fused AdamW, eager; hf_baseline.py) and runs
+the step a user would write on seeded random tokens: in DLM mode LLaDA's recipe (mask at rate
+p = (1 - eps) t + eps, cross-entropy on the masked tokens weighted 1/p, divided by B*L) with
+bidirectional attention, which is checked before timing; in AR mode the model's own shifted loss.
 
-The MoE shapes (olmoe-1b-7b, olmoe-tiny; moe_models.py): ours is `TransformerConfig(moe=MoEConfig(...))`,
-its experts one grouped GEMM per projection (`--no-moe-grouped-gemm`: one GEMM per expert;
-`--compare-grouped-gemm`: both rows); the baseline is OlmoeForCausalLM with its router balancing
-loss; moe_models.py says where the rows differ (QK-norm over the whole projection in OLMoE, per
-head in ours; z-loss; the balancing loss's scale).
+The MoE shapes (olmoe-1b-7b, olmoe-tiny; moe_models.py): ours is the trainer with
+examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh's MoE flags, its experts one grouped GEMM per
+projection (`--no-moe-grouped-gemm`: one GEMM per expert; `--compare-grouped-gemm`: both rows); the
+baseline is OlmoeForCausalLM with its router balancing loss; moe_models.py says where the rows differ
+(QK-norm over the whole projection in OLMoE, per head in ours; z-loss; the balancing loss's scale).
 
 Each row is counted with the FLOPs formula of megatron/training/flops.py for the work it executes
 (the one the console MFU uses; MoE layers by their active parameters): bidirectional attention
@@ -40,7 +50,7 @@ masked positions only (E[p] of them), the HF row's at every position. MFU is aga
 of the card (H200: 989 TFLOP/s bf16, 1979 fp8); none on CPU. Step times are the median of the timed
 steps (CUDA events on GPU, wall clock on CPU), after --warmup steps. The table gives each row's
 tokens/s over the HF row's. `--accumulation N`: each step runs N micro-batches (forward and
-backward), then one optimizer step, as a global batch does.
+backward), then one optimizer step (--global-batch-size N x --micro-batch-size).
 `--profile DIR` then profiles 3 more steps of each row: where the time went (kernel_breakdown.py),
 stored in the row's "profile", and a Chrome trace per row in DIR.
 """
@@ -48,16 +58,20 @@ stored in the row's "profile", and a Chrome trace per row in DIR.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -66,26 +80,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_breakdown  # noqa: E402
 import moe_models  # noqa: E402
 import trace_gaps  # noqa: E402
+from trainer_flags import (PROFILED_STEPS, shape_flags, total_steps, training_args,  # noqa: E402, F401
+                           training_flags)
 from throughput_table import device_name, format_row, print_table, ratios, write_json  # noqa: E402, F401
 from hf_baseline import (BETAS, CLIP_GRAD, DLM_EPS, LR, WEIGHT_DECAY, transformers_version,  # noqa: E402, F401
                          build_hf, hf_model, leaks_future, llada_loss, make_bidirectional, mask_token_id)
 
-from megatron.core.models.difflm import diffusion  # noqa: E402
-from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
-from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,  # noqa: E402
-                                              forget_gradient_scale)
-from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
-from megatron.core.fp8.float8_scaling import DelayedScalingConfig  # noqa: E402
-from megatron.core.precision.weight_copies import attach_weight_copies  # noqa: E402
-from megatron.core.fp8.torchao_float8 import (  # noqa: E402
-    FP8_FORMATS, FP8_RECIPES, enable_fp8_training, float8_gemms_on_cpu)
-from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
-from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
+import pretrain_difflm  # noqa: E402
+from custom_args.difflm import add_difflm_args  # noqa: E402
+from megatron.core.distributed.data_parallel import unwrap  # noqa: E402
+from megatron.core.parallel_state import destroy_model_parallel, model_parallel_is_initialized  # noqa: E402
+from megatron.core.fp8.torchao_float8 import FP8_FORMATS, FP8_RECIPES  # noqa: E402
+from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, LOSS_KERNELS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training import flops  # noqa: E402
-from megatron.training.precision_args import MOMENT_DTYPES, moment_dtypes  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.initialize import Runtime, initialize_distributed  # noqa: E402
+from megatron.training.precision_args import MOMENT_DTYPES  # noqa: E402
+from megatron.training.training import Trainer, build_trainer  # noqa: E402
 
-PROFILED_STEPS = 3
 
 
 class UsageError(Exception):
@@ -136,44 +149,15 @@ MODELS: Dict[str, ModelSpec] = {
                             norm_epsilon=1e-5, moe=moe_models.OLMOE_TINY)}
 
 
-# ---------------------------------------------------------------------- configuration
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
-
-
-def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto",
-                       recompute: str = "none", grouped_gemm: Optional[bool] = True, **fusions) -> TransformerConfig:
-    """Our config of the shape; bf16 autocast over fp32 weights on CUDA, plain fp32 elsewhere. The
-    batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
-    `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
-    --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config).
-    `fusions`: TransformerConfig's fusion switches (gradient_accumulation_fusion, bias_swiglu_fusion,
-    rmsnorm_fusion; the config's defaults otherwise)."""
-    full = recompute == "full"
-    moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
-    return TransformerConfig(
-        recompute_granularity=None if recompute == "none" else recompute,
-        recompute_method="uniform" if full else None, recompute_num_layers=1 if full else None,
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups, kv_channels=spec.kv_channels, ffn_hidden_size=spec.ffn_hidden_size,
-        vocab_size=spec.vocab_size, max_position_embeddings=spec.max_positions, normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_epsilon, qk_layernorm=spec.qk_layernorm, gated_linear_unit=True,
-        activation="silu", rotary_base=spec.rotary_base, share_embeddings_and_output_weights=spec.tied_embeddings,
-        params_dtype=torch.float32, bf16=device.type == "cuda", attention_backend=attention_backend,
-        check_token_ids=False, moe=moe, **fusions)
-
-
-def dlm_config(spec: ModelSpec, mode: str, seed: int, masked_only_loss: bool = False,
-               compile_loss: bool = False, block_diffusion: Optional[int] = None) -> DLMConfig:
-    """The 1.7B launch script's objective (antithetic t, 1/p weights, B*L normalizer), fixed length;
-    with `block_diffusion` B, BD3-LM's (t per block of B, [x_t ; x_0] under its mask)."""
-    if mode == "ar":
-        return DLMConfig(model_running_mode="vanilla", seed=seed, masked_only_loss=masked_only_loss,
-                         compile_loss=compile_loss)
-    return DLMConfig(model_running_mode="difflm-noshift", attention_mask_type="no_mask",
-                     mask_token_id=mask_token_id(spec), eps=DLM_EPS, t_sampling="antithetic",
-                     loss_weight="inverse_p", loss_normalizer="tokens", seed=seed,
-                     masked_only_loss=masked_only_loss, compile_loss=compile_loss,
-                     block_diffusion=block_diffusion is not None, block_size=block_diffusion)
+def transformer_config(spec: ModelSpec, device: torch.device, attention_backend: str = "auto") -> TransformerConfig:
+    """The shape's TransformerConfig as pretrain_difflm.py builds it from `shape_flags` (bf16 on CUDA), for the
+    benchmarks that build the model without the trainer (generation, evaluation, step_parts); every position
+    the shape allows, and no id check that syncs the host (as the trainer's model_provider)."""
+    flags = shape_flags(spec, spec.default_seq_length, spec.max_positions) + moe_models.moe_flags(spec.moe)
+    flags += ["--moe-grouped-gemm"] if spec.moe is not None else []
+    flags += (["--bf16"] if device.type == "cuda" else []) + ["--attention-backend", attention_backend]
+    flags += ["--train-iters", "1"]  # the parser wants a run; the model never sees it
+    return parse_args(flags, add_difflm_args, world_size=1).transformer_config.replace(check_token_ids=False)
 
 
 def attention_mask_type(mode: str, block_diffusion: Optional[int] = None) -> str:
@@ -191,81 +175,80 @@ def flops_per_step(config: TransformerConfig, dlm: DLMConfig, seq_length: int, m
 
 def random_batches(spec: ModelSpec, count: int, micro_batch_size: int, seq_length: int, seed: int,
                    device: torch.device) -> List[torch.Tensor]:
-    """`count` seeded [b, s] batches of ids below the mask token, made on the device before timing."""
+    """`count` seeded [b, s] batches of ids below the mask token, made on the device before timing (the
+    baseline's; our row reads the trainer's mock data)."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, mask_token_id(spec), (micro_batch_size, seq_length), generator=generator).to(device)
             for _ in range(count)]
 
 
-# ---------------------------------------------------------------------- our step
-def _compile_mode(args: argparse.Namespace) -> dict:
-    """torch.compile's mode for the layers: none (its default), or the one --torch-compile-mode names."""
-    return {} if args.torch_compile_mode == "default" else {"mode": args.torch_compile_mode}
+# ---------------------------------------------------------------------- the rows
+@dataclass
+class Arm:
+    """One implementation, built: its model and optimizer, its step (step index) -> loss, and notes for its row."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[[int], object]
+    info: dict
+    close: Callable[[], None] = lambda: None
 
 
-def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
-    """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
-    config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
-                                gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                                bias_swiglu_fusion=args.bias_swiglu_fusion, rmsnorm_fusion=args.rmsnorm_fusion)
-    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
-    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size,
-                              fp8_output_layer=args.fp8_format if args.fp8 and args.fp8_output_layer else None)
-    linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
-    torch.manual_seed(args.seed)
-    with torch.device(device):  # like build_trainer: no host-side init of billions of weights
-        model = GPTModel(config, dlm)
-    model = model.to(device).train()
-    # float8 copies: the layers' own float8 GEMMs instead of torchao's (the copies need bf16 compute)
-    float8_copies = args.fp8 and args.cache_low_precision_weights and config.bf16
-    if args.fp8:
-        float8_gemms_on_cpu(device)
-    info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe)
-            if args.fp8 and not float8_copies else 0,
-            "compiled_layers": compile_transformer_layers(model, **_compile_mode(args)) if args.torch_compile else 0,
-            "masked_only_loss": args.masked_only_loss}
-    if spec.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
-        info.update(moe_grouped_gemm=args.moe_grouped_gemm,
-                    grouped_mm_kernel=moe_models.grouped_mm_kernel_runs(args.moe_grouped_gemm, device, config.bf16))
-    optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
-                                                       adam_beta2=BETAS[1], clip_grad=CLIP_GRAD,
-                                                       compiled_step=args.compile_optimizer_step,
-                                                       **moment_dtypes(args)))
-    delayed = DelayedScalingConfig() if args.fp8 and args.fp8_recipe == "delayed" else None
-    copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None,
-                                   delayed) if args.cache_low_precision_weights and config.bf16 else None)
-    info["weight_copies"] = 0 if copies is None else len(copies.pairs)
-    if float8_copies:
-        info["fp8_linears"] = copies.float8_layers
-
-    return model, optimizer, training_step(model, optimizer, copies, args, dlm.is_diffusion, device), info
+@contextlib.contextmanager
+def one_process(device: torch.device) -> Iterator[Runtime]:
+    """The one-process group build_trainer runs in (as pretrain() starts it, on `device`); the group and the
+    parallel layout are torn down afterwards where they were made here."""
+    created, had_layout = not dist.is_initialized(), model_parallel_is_initialized()
+    group = initialize_distributed("gloo" if device.type == "cpu" else None)
+    try:
+        yield Runtime(group.rank, group.world_size, group.local_rank, device)
+    finally:
+        if not had_layout:
+            destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
 
 
-def training_step(model, optimizer, copies, args: argparse.Namespace, diffusion_mode: bool, device: torch.device):
-    """The trainer's step: --accumulation micro-batches, each backpropagating its loss sum, then one
-    optimizer step with 1 / the step's normalizer folded into the clip and the fused AdamW
-    (loss_normalization.py). (tokens, step index) -> the detached loss."""
-    def step(tokens: torch.Tensor, index: int) -> torch.Tensor:
-        if copies is not None:  # as the trainer does before each iteration
-            copies.refresh()
-        micro_batches, batch = tokens.split(args.micro_batch_size), args.micro_batch_size
-        loss_sum = normalizer = 0.0
-        for part, micro in enumerate(micro_batches):  # a new corruption every step, as in training
-            key = diffusion.CorruptionKey.for_batch(
-                args.seed, iteration=index, global_batch_size=batch * len(micro_batches),
-                first_sample_index=(index * len(micro_batches) + part) * batch, batch_size=batch, device=device)
-            with fp32_weight_grad.accumulating_into_grad():  # as the schedule in one process
-                out = model.compute_loss(micro, key=key if diffusion_mode else None, normalize=False)
-                out.loss_sum.backward()
-            loss_sum, normalizer = loss_sum + out.loss_sum.detach(), normalizer + out.normalizer
-        clip_grad_norm(model.parameters(), CLIP_GRAD, scale=1.0 / normalizer, optimizer=optimizer)
-        optimizer.step()
-        if copies is not None:
-            copies.end_iteration()  # delayed scaling's update, as the trainer's
-        forget_gradient_scale(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        return loss_sum / normalizer
-    return step
+def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device, runtime: Runtime) -> Arm:
+    """pretrain_difflm.py's trainer of `training_flags`: each step is Trainer.train_step on its mock data,
+    then counted in the run's progress as train() counts it."""
+    flags = training_flags(spec, args, device)
+    print("our row: python pretrain_difflm.py " + " ".join(flags), flush=True)
+    trainer = build_trainer(parse_args(flags, add_difflm_args, world_size=1), runtime,
+                            pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                            pretrain_difflm.forward_step)
+    trainer.model.train()
+    data = trainer.hooks.data(trainer.train_loader(trainer.state.consumed_train_samples))
+
+    def step(index: int) -> float:
+        result = trainer.train_step(data)
+        trainer.account(result)
+        return result.loss
+
+    model = unwrap(trainer.model)
+    info = {**our_notes(trainer, model, args, device), "pretrain_difflm_flags": " ".join(flags)}
+    return Arm(model, trainer.optimizer, step, info, close=trainer.logger.close)
+
+
+def our_notes(trainer: Trainer, model: nn.Module, args: argparse.Namespace, device: torch.device) -> dict:
+    """What the trainer built: float8 and compiled layers, working copies, the experts' GEMMs."""
+    copies = trainer.weight_copies
+    float8 = sum(type(module).__name__ == "Float8Linear" for module in model.modules())  # torchao's (fp8.py)
+    info = {"fp8_linears": float8 + (copies.float8_layers if copies is not None else 0),
+            "compiled_layers": sum(layer._compiled_call_impl is not None for layer in model.decoder.layers.values()),
+            "masked_only_loss": args.masked_only_loss, "weight_copies": 0 if copies is None else len(copies.pairs)}
+    if model.config.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
+        info.update(moe_grouped_gemm=args.moe_grouped_gemm, grouped_mm_kernel=moe_models.grouped_mm_kernel_runs(
+            args.moe_grouped_gemm, device, model.config.bf16))
+    return info
+
+
+def build_baseline(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> Arm:
+    """The transformers model's step (hf_baseline.py) on seeded random batches made before timing."""
+    model, optimizer, step, info = build_hf(spec, args, device)
+    batches = random_batches(spec, total_steps(args), args.micro_batch_size * args.accumulation, args.seq_length,
+                             args.seed, device)
+    return Arm(model, optimizer, lambda index: step(batches[index], index), info)
 
 
 # ---------------------------------------------------------------------- timing and reporting
@@ -282,55 +265,54 @@ def _milliseconds(start, end) -> float:
     return start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
 
 
-def time_steps(step: Callable[[torch.Tensor, int], torch.Tensor], batches: List[torch.Tensor], warmup: int,
+def time_steps(step: Callable[[int], object], count: int, warmup: int,
                device: torch.device) -> tuple[List[float], float]:
-    """Milliseconds of every step after the first `warmup`, and the last loss.
+    """Milliseconds of steps `warmup` to `count` - 1 (after the first `warmup`), and the last loss.
 
-    No synchronisation between timed steps (the host runs ahead as in training); CUDA events
-    are read once at the end."""
+    No synchronisation between timed steps beyond the step's own (the trainer reads its loss and grad
+    norm once a step, as in training); CUDA events are read once at the end."""
     for index in range(warmup):
-        step(batches[index], index)
+        step(index)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     marks, loss = [], None
-    for index in range(warmup, len(batches)):
+    for index in range(warmup, count):
         start = _mark(device)
-        loss = step(batches[index], index)
+        loss = step(index)
         marks.append((start, _mark(device)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return [_milliseconds(start, end) for start, end in marks], float(loss)
 
 
-def measure(name: str, build: Callable, spec: ModelSpec, args: argparse.Namespace, device: torch.device,
+def measure(name: str, build: Callable[[], Arm], args: argparse.Namespace, device: torch.device,
             flops_per_iteration: float, precision: str) -> dict:
     """Build one implementation, time its steps and return its row (the model is freed on return)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, optimizer, step, info = build(spec, args, device)
+    arm = build()
     timed = args.warmup + args.steps
-    batches = random_batches(spec, timed + (PROFILED_STEPS if args.profile else 0),
-                             args.micro_batch_size * args.accumulation, args.seq_length, args.seed, device)
-    times, loss = time_steps(step, batches[:timed], args.warmup, device)
+    times, loss = time_steps(arm.step, timed, args.warmup, device)
     median_ms = statistics.median(times)
     tokens = args.micro_batch_size * args.accumulation * args.seq_length
     peak = flops.peak_tflops(device_name(device), precision) if device.type == "cuda" else None
     metrics = flops.throughput_metrics(flops_per_iteration, tokens, median_ms / 1e3, world_size=1, peak=peak)
-    row = {"name": name, "precision": precision, "parameters": sum(p.numel() for p in model.parameters()),
+    row = {"name": name, "precision": precision, "parameters": sum(p.numel() for p in arm.model.parameters()),
            "step_ms": times, "median_step_ms": median_ms, **metrics, "peak_tflops": peak,
            "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None),
-           "final_loss": loss, **info}
+           "final_loss": loss, **arm.info}
     print(f"measured: {format_row(row)}", flush=True)  # each row as it comes, in case a later one fails
     if args.profile:  # after the timing, which the profiler would slow down
         os.makedirs(args.profile, exist_ok=True)
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in name) + ".trace.json")
-        with kernel_breakdown.moe_scopes(model):  # MoE layers' ops, forward and backward, as "moe"
-            row["profile"] = kernel_breakdown.profile_steps(step, batches[timed:], timed, device, trace,
+        with kernel_breakdown.moe_scopes(arm.model):  # MoE layers' ops, forward and backward, as "moe"
+            row["profile"] = kernel_breakdown.profile_steps(arm.step, range(timed, total_steps(args)), device, trace,
                                                             args.profile_top)
         print(kernel_breakdown.format_table(name, row["profile"]), flush=True)
         if "gaps" in row["profile"]:
             print(trace_gaps.format_summary(row["profile"]["gaps"]), flush=True)
-    del model, optimizer, step, batches
+    arm.close()
+    del arm
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -354,18 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", choices=("none", "hf"), default="none",
                         help="hf: also time the equivalent transformers model in this process.")
     _add_precision_arguments(parser)
-    parser.add_argument("--torch-compile", action="store_true", help="torch.compile each of our transformer layers.")
-    parser.add_argument("--torch-compile-mode", default="default", choices=COMPILE_MODES,
-                        help="With --torch-compile: torch.compile's mode for the layers (max-autotune-no-cudagraphs "
-                             "tunes Triton GEMMs against cuBLAS: minutes of compile; reduce-overhead: CUDA graphs).")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="torch.compile each of our transformer layers (the trainer's --torch-compile).")
     parser.add_argument("--masked-only-loss", action=argparse.BooleanOptionalAction, default=False,
                         help="Our output layer and cross-entropy at the loss positions only, in chunks.")
     parser.add_argument("--compile-loss", action="store_true",
                         help="With --masked-only-loss: the chunk's softmax and gradient as one compiled function "
                              "(DLMConfig.compile_loss).")
-    parser.add_argument("--loss-kernel", choices=("triton", "inductor"), default="triton",
+    parser.add_argument("--loss-kernel", choices=LOSS_KERNELS, default="triton",
                         help="With --compile-loss: the hand-written Triton kernel (the default, where Triton "
-                             "runs) or torch.compile's kernel of the same function.")
+                             "runs) or torch.compile's kernel of the same function (--difflm-loss-kernel).")
     parser.add_argument("--loss-chunk-size", type=int, default=DLMConfig.loss_chunk_size,
                         help="With --masked-only-loss: tokens per output-layer chunk (--difflm-loss-chunk-size).")
     parser.add_argument("--compile-optimizer-step", action="store_true",
@@ -432,8 +412,6 @@ def validate(args: argparse.Namespace) -> ModelSpec:
         raise UsageError("--compile-loss needs --masked-only-loss")
     if args.loss_chunk_size < 1:
         raise UsageError(f"--loss-chunk-size {args.loss_chunk_size} must be at least 1")
-    if args.torch_compile_mode != "default" and not args.torch_compile:
-        raise UsageError(f"--torch-compile-mode {args.torch_compile_mode} needs --torch-compile")
     for error in (_block_diffusion_error(args), moe_models.flag_error(args, spec)):
         if error:
             raise UsageError(error)
@@ -470,51 +448,55 @@ def _block_diffusion_error(args: argparse.Namespace) -> Optional[str]:
             if block is not None and args.baseline == "hf" else None)
 
 
+def row_name(args: argparse.Namespace, fp8: bool, grouped: Optional[bool]) -> str:
+    """Our row's name: MegaDLMs and the levers it runs with."""
+    levers = [(fp8, " fp8"), (fp8 and args.fp8_recipe != "tensorwise", f" {args.fp8_recipe}"),
+              (fp8 and args.fp8_output_layer, " fp8-output-layer"),
+              (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
+              (args.compile_loss, " compiled-loss"),
+              (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),
+              (args.loss_chunk_size != DLMConfig.loss_chunk_size, f" chunk-{args.loss_chunk_size}"),
+              (args.compile_optimizer_step, " compiled-optimizer"),
+              (args.recompute != "none", f" recompute-{args.recompute}"),
+              (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
+              (not args.bias_swiglu_fusion, " no-swiglu-fusion"), (args.rmsnorm_fusion, " rmsnorm-fusion"),
+              (args.cache_low_precision_weights, " weight-copies"),
+              (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
+              (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),
+              (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
+              (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
+    return "MegaDLMs" + "".join(label for on, label in levers if on)
+
+
 def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: List[str]) -> dict:
     """Time our step (and the baseline's) and collect everything the table and JSON show."""
     grouped_variants = moe_models.grouped_variants(args, spec)
-    config = transformer_config(spec, device, args.attention_backend, grouped_gemm=grouped_variants[0])
-    dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, block_diffusion=args.block_diffusion)
+    variants = [argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
+                for fp8 in ([False, True] if args.fp8 else [False]) for grouped in grouped_variants]
+    first = training_args(spec, variants[0], device)
+    config, dlm = first.transformer_config, first.dlm_config
     step_flops = args.accumulation * flops_per_step(config, dlm, args.seq_length, args.micro_batch_size)
     # Hugging Face's step takes the logits of every position, whatever our row's loss path.
     hf_flops = args.accumulation * flops_per_step(config, dataclasses.replace(dlm, masked_only_loss=False),
                                                   args.seq_length, args.micro_batch_size)
     precision = "bf16" if device.type == "cuda" else "fp32"
-    rows = []
     # With --fp8 our step runs without and with fp8, and with --compare-grouped-gemm with both expert
     # paths, so one command prints them all next to the baseline.
-    for fp8 in ([False, True] if args.fp8 else [False]):
-        for grouped in grouped_variants:
-            variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
-            levers = [(fp8, " fp8"), (fp8 and args.fp8_recipe != "tensorwise", f" {args.fp8_recipe}"),
-                      (fp8 and args.fp8_output_layer, " fp8-output-layer"),
-                      (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
-                      (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
-                      (args.compile_loss, " compiled-loss"),
-                      (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),
-                      (args.loss_chunk_size != DLMConfig.loss_chunk_size, f" chunk-{args.loss_chunk_size}"),
-                      (args.compile_optimizer_step, " compiled-optimizer"),
-                      (args.recompute != "none", f" recompute-{args.recompute}"),
-                      (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
-                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"), (args.rmsnorm_fusion, " rmsnorm-fusion"),
-                      (args.cache_low_precision_weights, " weight-copies"),
-                      (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
-                      (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),
-                      (grouped is True, " grouped-gemm"), (grouped is False, " per-expert-loop"),
-                      (args.block_diffusion is not None, f" block-diffusion-{args.block_diffusion}")]
-            rows.append(measure("MegaDLMs" + "".join(label for on, label in levers if on),
-                                build_ours, spec, variant, device, step_flops, "fp8" if fp8 else precision))
+    with one_process(device) as runtime:
+        rows = [measure(row_name(variant, variant.fp8, variant.moe_grouped_gemm),
+                        functools.partial(build_ours, spec, variant, device, runtime), variant, device, step_flops,
+                        "fp8" if variant.fp8 else precision) for variant in variants]
     if args.baseline == "hf":
-        rows.append(measure("HF transformers", build_hf, spec, args, device, hf_flops, precision))
+        rows.append(measure("HF transformers", functools.partial(build_baseline, spec, args, device), args, device,
+                            hf_flops, precision))
     return {
         "config": {"model": args.model, **dataclasses.asdict(spec), "mode": args.mode,
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size, "steps": args.steps,
                    "accumulation": args.accumulation, "warmup": args.warmup, "baseline": args.baseline, "fp8": args.fp8,
-                   "torch_compile": args.torch_compile, "torch_compile_mode": args.torch_compile_mode,
-                   "masked_only_loss": args.masked_only_loss, "compile_loss": args.compile_loss,
-                   "loss_kernel": args.loss_kernel, "loss_chunk_size": args.loss_chunk_size,
-                   "compile_optimizer_step": args.compile_optimizer_step, "recompute": args.recompute,
-                   "profile": args.profile, "attention_backend": args.attention_backend,
+                   "torch_compile": args.torch_compile, "masked_only_loss": args.masked_only_loss,
+                   "compile_loss": args.compile_loss, "loss_kernel": args.loss_kernel,
+                   "loss_chunk_size": args.loss_chunk_size, "compile_optimizer_step": args.compile_optimizer_step,
+                   "recompute": args.recompute, "profile": args.profile, "attention_backend": args.attention_backend,
                    "moe_grouped_gemm": args.moe_grouped_gemm, "compare_grouped_gemm": args.compare_grouped_gemm,
                    "hf_experts_implementation": args.hf_experts_implementation,
                    "block_diffusion": args.block_diffusion, "seed": args.seed},

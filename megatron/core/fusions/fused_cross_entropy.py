@@ -21,6 +21,8 @@ or on CPU under Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron.core.fusions.triton_support import runs_on
@@ -55,9 +57,11 @@ def _check_logits(logits: torch.Tensor, valid_columns: int, least: int) -> None:
         raise ValueError(f"valid_columns={valid_columns} must lie in [{least}, {logits.shape[1]}]")
 
 
-def softmax_loss_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, valid_columns: int):
+def softmax_loss_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, valid_columns: int,
+                           block: Optional[int] = None, num_warps: Optional[int] = None):
     """(losses [c] fp32, log-sum-exp [c] fp32, logits overwritten by their gradient). `targets`
-    must lie below `valid_columns` (>= 1); `scale` is fp32."""
+    must lie below `valid_columns` (>= 1); `scale` is fp32. `block` and `num_warps`: the launch
+    configuration (default BLOCK and NUM_WARPS; tools/benchmark/step_parts.py times others)."""
     _check_logits(logits, valid_columns, least=1)
     rows = logits.shape[0]
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -65,7 +69,7 @@ def softmax_loss_gradient_(logits: torch.Tensor, targets: torch.Tensor, scale: t
     if rows:
         _kernels()[0][(rows,)](
             logits, logits.stride(0), targets.contiguous(), scale.float().contiguous(), losses, lse,
-            logits.shape[1], valid_columns, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            logits.shape[1], valid_columns, BLOCK=block or BLOCK, num_warps=num_warps or NUM_WARPS)
     return losses, lse, logits
 
 

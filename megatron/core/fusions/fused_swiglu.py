@@ -23,6 +23,7 @@ math everywhere else. Tests run them on CPU under Triton's interpreter (`triton_
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -74,8 +75,8 @@ def _kernels(interpreting: bool):
     return forward, backward
 
 
-def _grid(x: torch.Tensor, width: int):
-    return (x.numel() // (2 * width), -(-width // BLOCK))
+def _grid(x: torch.Tensor, width: int, block: int):
+    return (x.numel() // (2 * width), -(-width // block))
 
 
 def _register():
@@ -83,28 +84,29 @@ def _register():
     Triton, so this runs only where Triton is installed."""
 
     @triton_op("megadlms::swiglu", mutates_args=())
-    def swiglu_op(x: torch.Tensor) -> torch.Tensor:
+    def swiglu_op(x: torch.Tensor, block: int, num_warps: int) -> torch.Tensor:
         width = x.shape[-1] // 2
         out = x.new_empty(x.shape[:-1] + (width,))
         if out.numel():
             kernel = _kernels(interpreting())[0]
-            wrap_triton(kernel)[_grid(x, width)](x, out, width, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            wrap_triton(kernel)[_grid(x, width, block)](x, out, width, BLOCK=block, num_warps=num_warps)
         return out
 
     @triton_op("megadlms::swiglu_backward", mutates_args=())
-    def swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def swiglu_backward_op(grad: torch.Tensor, x: torch.Tensor, block: int, num_warps: int) -> torch.Tensor:
         width = x.shape[-1] // 2
         dx = torch.empty_like(x)
         if dx.numel():
             kernel = _kernels(interpreting())[1]
-            wrap_triton(kernel)[_grid(x, width)](grad, x, dx, width, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            wrap_triton(kernel)[_grid(x, width, block)](grad, x, dx, width, BLOCK=block, num_warps=num_warps)
         return dx
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
+        ctx.launch = inputs[1:]  # the forward's block and warps serve its backward
 
     def backward(ctx, grad):
-        return swiglu_backward_op(grad.contiguous(), ctx.saved_tensors[0])
+        return swiglu_backward_op(grad.contiguous(), ctx.saved_tensors[0], *ctx.launch), None, None
 
     swiglu_op.register_autograd(backward, setup_context=setup_context)
     return swiglu_op, swiglu_backward_op
@@ -126,18 +128,21 @@ def register_for(config) -> None:
         _ops()
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for `x [..., 2f]` = [gate; up], through the Triton kernels (see `available`)."""
+def swiglu(x: torch.Tensor, block: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+    """silu(gate) * up for `x [..., 2f]` = [gate; up], through the Triton kernels (see `available`).
+    `block` and `num_warps`: both kernels' launch configuration (default BLOCK and NUM_WARPS;
+    tools/benchmark/step_parts.py times others)."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu needs an even last dimension ([gate; up]), got {tuple(x.shape)}")
     if not HAS_TRITON:
         raise RuntimeError("SwiGLU's Triton kernels need Triton (pip install triton); check available(x) first")
-    return _ops()[0](x.contiguous())
+    return _ops()[0](x.contiguous(), block or BLOCK, num_warps or NUM_WARPS)
 
 
-def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(grad: torch.Tensor, x: torch.Tensor, block: Optional[int] = None,
+                    num_warps: Optional[int] = None) -> torch.Tensor:
     """`swiglu`'s input gradient for its output's gradient `grad [..., f]`, through the backward kernel."""
-    return _ops()[1](grad.contiguous(), x.contiguous())
+    return _ops()[1](grad.contiguous(), x.contiguous(), block or BLOCK, num_warps or NUM_WARPS)
 
 
 def reference(x: torch.Tensor) -> torch.Tensor:

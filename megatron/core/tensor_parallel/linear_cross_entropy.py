@@ -48,6 +48,9 @@ class _Layout:
     (where Triton does not run there, the eager passes)."""
     fp8: Optional[str] = None
     """`hybrid` or `e4m3`: the logits and input-gradient GEMMs in float8 (float8_matmul.py)."""
+    triton_kernel: bool = True
+    """With `compiled`: the hand-written Triton kernels where they can run (False: torch.compile's kernel
+    on one rank, the eager passes over tensor-parallel ranks; DLMConfig.loss_kernel)."""
 
 
 def _chunks(count: int, chunk_size: int):
@@ -128,17 +131,12 @@ def compiled_softmax_loss_gradient():
     return torch.compile(_softmax_loss_gradient, dynamic=True)
 
 
-TRITON_KERNEL = True
-"""The fused loss uses the hand-written Triton kernel where it can run (False: always torch.compile's;
-the training benchmark's `--loss-kernel inductor` sets it to time one against the other)."""
-
-
 def _fuses(layout: _Layout, chunk: torch.Tensor) -> bool:
     """Whether this chunk's loss runs fused (`_Layout.compiled`): always on one rank; over tensor-parallel
     ranks where Triton's kernels run on it."""
     if not layout.compiled:
         return False
-    return group_size(layout.group) == 1 or (TRITON_KERNEL and fused_cross_entropy.available(chunk))
+    return group_size(layout.group) == 1 or (layout.triton_kernel and fused_cross_entropy.available(chunk))
 
 
 def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
@@ -146,7 +144,7 @@ def _fused_softmax_loss_gradient(logits, targets, scale, layout: _Layout):
     written over them) where it can run, else torch.compile's; over tensor-parallel ranks Triton's pair."""
     if group_size(layout.group) > 1:
         return _vocab_parallel_fused(logits, targets, scale, layout)
-    if TRITON_KERNEL and fused_cross_entropy.available(logits):
+    if layout.triton_kernel and fused_cross_entropy.available(logits):
         return fused_cross_entropy.softmax_loss_gradient_(logits, targets, scale, layout.valid_rows)
     return compiled_softmax_loss_gradient()(logits, targets, scale, layout.valid_rows)
 
@@ -301,7 +299,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                          unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
                          chunk_size: int = 4096, compiled: bool = False, fp8: Optional[str] = None,
-                         weight_low: Optional[torch.Tensor] = None,
+                         weight_low: Optional[torch.Tensor] = None, triton_kernel: bool = True,
                          tied: Optional[TiedGradient] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
 
@@ -312,7 +310,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     `targets` are global ids, already checked to lie in the vocabulary. `loss_weights` [n] are
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
     the softmax in fp32. `compiled`: each chunk's softmax and logits gradient run fused (see
-    `_Layout.compiled`). `fp8` (`hybrid` or `e4m3`): the logits and input-gradient GEMMs in float8
+    `_Layout.compiled`; `triton_kernel`: through the Triton kernels where they run, see
+    `_Layout.triton_kernel`). `fp8` (`hybrid` or `e4m3`): the logits and input-gradient GEMMs in float8
     (float8_matmul.py). `weight_low`: the weight's working copy in `compute_dtype`
     (`--cache-low-precision-weights`), read instead of casting `weight`; the gradient still reaches
     `weight`. `tied`: where `weight` is also the word embedding looked up in this forward, the weight's
@@ -329,7 +328,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     valid_rows = local if unpadded_vocab_size is None else max(0, min(local, unpadded_vocab_size - vocab_start))
     if fp8 is not None and fp8 not in float8_matmul.GRADIENT_DTYPES:
         raise ValueError(f"fp8={fp8!r}: choose from {sorted(float8_matmul.GRADIENT_DTYPES)}")
-    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled, fp8)
+    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled, fp8,
+                     triton_kernel)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad,
                                      weight_low, tied)

@@ -36,6 +36,7 @@ MASK_TYPE_ALIASES = {"causal_bottom_right": "causal", "sliding_window_causal": "
 T_SAMPLINGS = ("uniform", "antithetic")
 LOSS_WEIGHTS = ("inverse_p", "inverse_empirical", "none")
 LOSS_NORMALIZERS = ("tokens", "masked", "sequence")
+LOSS_KERNELS = ("triton", "inductor")
 
 
 def _check_choice(owner: str, name: str, value, choices) -> None:
@@ -368,6 +369,11 @@ class DLMConfig:
     """With `masked_only_loss`: each chunk's softmax, loss and logits gradient run fused (a Triton
     kernel on CUDA, torch.compile's elsewhere; two Triton kernels and an all-gather under tensor
     parallelism) instead of a dozen eager passes over fp32 copies. Same values up to float rounding."""
+    loss_kernel: str = "triton"
+    """With `compile_loss`, which kernel fuses a chunk where Triton runs: triton (the hand-written kernel,
+    fusions/fused_cross_entropy.py) or inductor (torch.compile's kernel of the same function on
+    one rank; the eager passes under tensor parallelism). Same values up to float rounding; a choice of
+    speed, timed one against the other by tools/benchmark/train_throughput.py --loss-kernel."""
     fp8_output_layer: Optional[str] = None
     """`hybrid` or `e4m3` (`--fp8-output-layer` with `--fp8-format`): with `masked_only_loss`, the
     output layer's logits and input-gradient GEMMs in float8 (fp8/float8_matmul.py)."""
@@ -406,6 +412,7 @@ class DLMConfig:
         if self.varilen_prob > 0 and seq_length is not None and self.varilen_multiple > seq_length:
             raise ValueError(f"{owner}.varilen_multiple={self.varilen_multiple} exceeds seq_length={seq_length}: "
                              "no shorter length would be a multiple of it; lower it")
+        _check_choice(owner, "loss_kernel", self.loss_kernel, LOSS_KERNELS)
         if self.compile_loss and not self.masked_only_loss:
             raise ValueError(f"{owner}.compile_loss needs masked_only_loss (--difflm-masked-only-loss)")
         if self.fp8_output_layer is not None:

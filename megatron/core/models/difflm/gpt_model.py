@@ -287,6 +287,6 @@ class GPTModel(MegatronModule):
     def compute_loss(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
                      loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                      document_ids: Optional[torch.Tensor] = None,
-                     position_ids: Optional[torch.Tensor] = None, normalize: bool = True) -> objective.LossOutput:
+                     position_ids: Optional[torch.Tensor] = None) -> objective.LossOutput:
         """Loss of a clean batch in the model's running mode, corruption included (objective.compute_loss)."""
-        return objective.compute_loss(self, input_ids, key, loss_mask, labels, document_ids, position_ids, normalize)
+        return objective.compute_loss(self, input_ids, key, loss_mask, labels, document_ids, position_ids)

@@ -2,9 +2,10 @@
 
 `loss_inputs` is the one path from a clean batch and its corruption key to (the ids the model
 sees, the loss weight of every label position, the normalizer). pretrain_difflm.forward_step
-trains with it; `compute_loss` (GPTModel.compute_loss: the examples, the training benchmark
-tools/benchmark/train_throughput.py) and tools/weights_conversion/verify_correctness_dlm.py
-score with it, so what they time or check is what training optimises. In the DLM modes it
+trains with it (and so does the training benchmark, tools/benchmark/train_throughput.py, which
+times the trainer's step); `compute_loss` (GPTModel.compute_loss: the examples) and
+tools/weights_conversion/verify_correctness_dlm.py score with it, so what they check is what
+training optimises. In the DLM modes it
 corrupts the batch (diffusion.corrupt, keyed by where each row sits in its stream) and weights
 the masked positions (diffusion.loss_weights); in vanilla the weights are the loss mask.
 
@@ -173,14 +174,12 @@ def difflm_forward_process(model: ScoredModel, input_ids: torch.Tensor, key: Opt
 def compute_loss(model: ScoredModel, input_ids: torch.Tensor, key: Optional[CorruptionKey] = None,
                  loss_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                  document_ids: Optional[torch.Tensor] = None,
-                 position_ids: Optional[torch.Tensor] = None, normalize: bool = True) -> LossOutput:
+                 position_ids: Optional[torch.Tensor] = None) -> LossOutput:
     """Loss of a clean batch in the model's running mode, corruption included.
 
     DLM modes corrupt `input_ids` with `key` and weight the loss as the DLMConfig says.
     The vanilla mode predicts `labels` (default: the next token of `input_ids`, the last
-    position having no target) wherever `loss_mask` is set. `normalize=False`: the model returns
-    the weighted sum itself (normalizer 1), as the training loop backpropagates it: backpropagate
-    `loss_sum` and fold 1 / normalizer into the step (loss_normalization.py).
+    position having no target) wherever `loss_mask` is set.
     """
     dlm = model.dlm_config
     if dlm.is_diffusion:
@@ -191,13 +190,10 @@ def compute_loss(model: ScoredModel, input_ids: torch.Tensor, key: Optional[Corr
         labels, loss_mask = next_token_labels(input_ids, loss_mask)
     model_input, weights, normalizer, corruption = loss_inputs(input_ids, dlm, key, loss_mask, document_ids,
                                                                clamp_normalizer=True)
-    divisor = normalizer if normalize else 1.0
-    set_aux_loss_scale(model.routers, None if normalize else normalizer)  # MoE balancing: the loss's weight
+    set_aux_loss_scale(model.routers, None)  # MoE balancing: the mean loss's own weight
     if dlm.is_diffusion:
-        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, divisor,
+        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, normalizer,
                                                document_ids, checked=True)
     else:
-        per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, divisor, document_ids)
-    if normalize:
-        return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
-    return LossOutput(loss / normalizer, loss, normalizer, per_token, corruption)
+        per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, normalizer, document_ids)
+    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
