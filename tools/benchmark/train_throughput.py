@@ -77,8 +77,7 @@ from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer,
 from megatron.core.tensor_parallel import fp32_weight_grad, linear_cross_entropy  # noqa: E402
 from megatron.core.fp8.float8_scaling import DelayedScalingConfig  # noqa: E402
 from megatron.core.precision.weight_copies import attach_weight_copies  # noqa: E402
-from megatron.core.fp8.torchao_float8 import (  # noqa: E402
-    FP8_FORMATS, FP8_RECIPES, enable_fp8_training, float8_gemms_on_cpu)
+from megatron.core.fp8.float8_matmul import GRADIENT_DTYPES, float8_gemms_on_cpu  # noqa: E402
 from megatron.core.transformer.compilation import compile_transformer_layers  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
@@ -146,8 +145,8 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
     batches are valid by construction, so (as in pretrain_difflm.py) no id check syncs the host.
     `recompute`: none, selective (core attention) or full (every layer, --recompute-method uniform
     --recompute-num-layers 1). `grouped_gemm`: MoE shapes' experts (moe_models.moe_config).
-    `fusions`: TransformerConfig's fusion switches (gradient_accumulation_fusion, bias_swiglu_fusion,
-    rmsnorm_fusion; the config's defaults otherwise)."""
+    `fusions`: TransformerConfig's fusion switches (gradient_accumulation_fusion, bias_swiglu_fusion;
+    the config's defaults otherwise)."""
     full = recompute == "full"
     moe = moe_models.moe_config(spec.moe, bool(grouped_gemm)) if spec.moe is not None else None
     return TransformerConfig(
@@ -207,21 +206,19 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
     """GPTModel, our optimizer, the step (batch, step index) -> detached loss, and notes for the row."""
     config = transformer_config(spec, device, args.attention_backend, args.recompute, args.moe_grouped_gemm,
                                 gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                                bias_swiglu_fusion=args.bias_swiglu_fusion, rmsnorm_fusion=args.rmsnorm_fusion)
+                                bias_swiglu_fusion=args.bias_swiglu_fusion)
     dlm = dlm_config(spec, args.mode, args.seed, args.masked_only_loss, args.compile_loss, args.block_diffusion)
-    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size,
-                              fp8_output_layer=args.fp8_format if args.fp8 and args.fp8_output_layer else None)
+    dlm = dataclasses.replace(dlm, loss_chunk_size=args.loss_chunk_size)
     linear_cross_entropy.TRITON_KERNEL = args.loss_kernel == "triton"
     torch.manual_seed(args.seed)
     with torch.device(device):  # like build_trainer: no host-side init of billions of weights
         model = GPTModel(config, dlm)
     model = model.to(device).train()
-    # float8 copies: the layers' own float8 GEMMs instead of torchao's (the copies need bf16 compute)
-    float8_copies = args.fp8 and args.cache_low_precision_weights and config.bf16
+    # fp8: the layers' own float8 GEMMs from float8 copies of their weights (which need bf16 compute)
+    float8_copies = args.fp8 and config.bf16
     if args.fp8:
         float8_gemms_on_cpu(device)
-    info = {"fp8_linears": enable_fp8_training(model, args.fp8_format, args.fp8_recipe)
-            if args.fp8 and not float8_copies else 0,
+    info = {"fp8_linears": 0,
             "compiled_layers": compile_transformer_layers(model, **_compile_mode(args)) if args.torch_compile else 0,
             "masked_only_loss": args.masked_only_loss}
     if spec.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
@@ -233,7 +230,8 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device):
                                                        **moment_dtypes(args)))
     delayed = DelayedScalingConfig() if args.fp8 and args.fp8_recipe == "delayed" else None
     copies = (attach_weight_copies(model, optimizer, config.compute_dtype, args.fp8_format if args.fp8 else None,
-                                   delayed) if args.cache_low_precision_weights and config.bf16 else None)
+                                   delayed) if (args.cache_low_precision_weights or float8_copies) and config.bf16
+              else None)
     info["weight_copies"] = 0 if copies is None else len(copies.pairs)
     if float8_copies:
         info["fp8_linears"] = copies.float8_layers
@@ -386,7 +384,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "not written in fp32 by their GEMM.")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
-    parser.add_argument("--rmsnorm-fusion", action="store_true", help="Our RMSNorms through their Triton kernels.")
     parser.add_argument("--cache-low-precision-weights", action="store_true",
                         help="Our linear layers read bf16 working copies of their weights, written by the compiled "
                              "optimizer step (or refreshed before each step), instead of casting them each forward.")
@@ -399,13 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """The fp8 rows, and the storage of our AdamW's moments."""
-    parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradients' type.")
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES + ("delayed",), default="tensorwise",
-                        help="With --fp8: scaling (delayed: Megatron's defaults, with --cache-low-precision-weights).")
-    parser.add_argument("--fp8-output-layer", action="store_true",
-                        help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
-                             "gradient) in float8 too.")
+    parser.add_argument("--fp8", action="store_true",
+                        help="float8 training of our decoder's linears from float8 copies of their weights "
+                             "(bf16: CUDA only).")
+    parser.add_argument("--fp8-format", choices=tuple(GRADIENT_DTYPES), default="hybrid",
+                        help="With --fp8: gradients' type.")
+    parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed"), default="tensorwise",
+                        help="With --fp8: scaling (delayed: Megatron's defaults).")
     for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
         parser.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
                             help=f"Storage of our AdamW's {moment} moment (Megatron's precision-aware optimizer; "
@@ -445,17 +442,9 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if args.baseline == "hf" and transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
-    if args.fp8 and not (args.cache_low_precision_weights and _device(args).type == "cuda"):  # copies: no torchao
-        try:
-            import torchao.float8  # noqa: F401
-        except ImportError:
-            raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
-    if args.fp8 and args.fp8_recipe == "delayed" and not (args.cache_low_precision_weights and
-                                                          _device(args).type == "cuda"):
-        raise UsageError("--fp8-recipe delayed runs in the float8 copies' layers, which need "
-                         "--cache-low-precision-weights and bf16 (a CUDA device here)")
-    if args.fp8_output_layer and not (args.fp8 and args.masked_only_loss):
-        raise UsageError("--fp8-output-layer needs --fp8 and --masked-only-loss (the chunked output layer)")
+    if args.fp8 and _device(args).type != "cuda":
+        raise UsageError("--fp8 runs our float8 layers under bf16, which this benchmark computes on CUDA only; "
+                         "drop --fp8 or run on a GPU")
     return spec
 
 
@@ -487,7 +476,6 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
         for grouped in grouped_variants:
             variant = argparse.Namespace(**{**vars(args), "fp8": fp8, "moe_grouped_gemm": grouped})
             levers = [(fp8, " fp8"), (fp8 and args.fp8_recipe != "tensorwise", f" {args.fp8_recipe}"),
-                      (fp8 and args.fp8_output_layer, " fp8-output-layer"),
                       (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
                       (args.torch_compile_mode != "default", f" {args.torch_compile_mode}"),
                       (args.compile_loss, " compiled-loss"),
@@ -496,7 +484,7 @@ def run(args: argparse.Namespace, spec: ModelSpec, device: torch.device, argv: L
                       (args.compile_optimizer_step, " compiled-optimizer"),
                       (args.recompute != "none", f" recompute-{args.recompute}"),
                       (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
-                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"), (args.rmsnorm_fusion, " rmsnorm-fusion"),
+                      (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
                       (args.cache_low_precision_weights, " weight-copies"),
                       (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
                       (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),
