@@ -76,8 +76,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--tiktoken-pattern", "only Megatron's TikTokenizer reads it, and no tokenizer here does",
              {"default": None}),
     NoEffect("--fp8-interval", _FP8_DELAYED, {"type": int, "default": None}),
-    NoEffect("--fp8-param-gather", "weights are kept and all-gathered in their master dtype here; torchao casts "
-             "them to fp8 per GEMM"),
+    NoEffect("--fp8-param-gather", "weights are kept and all-gathered in their master dtype here; each rank casts "
+             "its float8 working copies once an iteration"),
     NoEffect("--cut-off-varlen-to-seqlen", "always so: documents packed into a row never attend across rows"),
     NoEffect("--tp-comm-overlap", "it needs Transformer Engine's userbuffers; tensor-parallel collectives are "
              "plain NCCL calls here"),
