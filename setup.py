@@ -27,10 +27,10 @@ setup(
         # lm-eval's [hf] extra brings accelerate, which lm-eval's own `hf` model (a test reference) needs.
         # triton: the Triton kernels' tests (fused loss, SwiGLU) run them under Triton's interpreter on CPU.
         "dev": ["pytest", "pytest-timeout", "triton>=3.5; platform_system == 'Linux'", "transformers>=4.56", "gguf",
-                "torchao", "ruff", "lm-eval[hf]>=0.4.5,<0.5"],
+                "ruff", "lm-eval[hf]>=0.4.5,<0.5"],
         "hf": ["transformers", "gguf"],  # gguf: tools/weights_conversion/gguf_to_hf.py
         # Optional kernels; the package imports and runs without them.
-        "kernels": ["liger-kernel", "torchao"],
+        "kernels": ["liger-kernel"],
         "wandb": ["wandb"],
     },
 )

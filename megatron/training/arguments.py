@@ -18,10 +18,11 @@ import torch
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.compat_args import (MEGATRON_ATTENTION_BACKENDS, add_compat_args, print_notes,
-                                           resolve_compat_args, unknown_flag_error)
+                                           removed_flag_error, resolve_compat_args, unknown_flag_error)
 from megatron.training.logging_args import LOGGING_FLAG_NEEDS, add_logging_args, validate_logging_args
 from megatron.training.moe_args import add_moe_args, moe_config_from_args, validate_moe_args
-from megatron.training.precision_args import PRECISION_FLAG_NOTES, add_precision_args, validate_precision_args
+from megatron.training.precision_args import (PRECISION_FLAG_NEEDS, PRECISION_FLAG_NOTES, add_precision_args,
+                                              validate_precision_args)
 from megatron.training.rerun_args import RERUN_FLAG_NEEDS, add_rerun_args, validate_rerun_args
 from megatron.training.sft_args import SFT_FLAG_NEEDS, add_sft_args, validate_sft_args
 from megatron.training.lm_eval_args import LM_EVAL_FLAG_NEEDS, add_lm_eval_args, validate_lm_eval_args
@@ -89,12 +90,9 @@ FLAG_NEEDS = (
     ("fp8_recipe", "--fp8-format", lambda a: a.fp8_format is not None),
     ("exp_avg_dtype", "--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer),
     ("exp_avg_sq_dtype", "--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer),
-    ("fp8_output_layer", "--fp8-format", lambda a: a.fp8_format is not None),
     ("cache_low_precision_weights", "--bf16 or --fp16", lambda a: a.bf16 or a.fp16),
     ("cache_low_precision_weights", "gradient-accumulation fusion (drop --no-gradient-accumulation-fusion)",
      lambda a: a.gradient_accumulation_fusion),
-    ("fp8_output_layer", "--difflm-masked-only-loss (the chunked output layer)",
-     lambda a: getattr(a, "difflm_masked_only_loss", False)),
     ("lr_wsd_decay_style", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("lr_wsd_decay_iters", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("wandb_exp_name", "--wandb-project", lambda a: a.wandb_project is not None),
@@ -103,7 +101,7 @@ FLAG_NEEDS = (
      lambda a: a.pipeline_model_parallel_size > 1),
     ("account_for_loss_in_pipeline_split", "--pipeline-model-parallel-size > 1",
      lambda a: a.pipeline_model_parallel_size > 1),
-) + ROPE_FLAG_NEEDS + CHECKPOINT_FLAG_NEEDS + DATA_PARALLEL_FLAG_NEEDS + LOGGING_FLAG_NEEDS
+) + PRECISION_FLAG_NEEDS + ROPE_FLAG_NEEDS + CHECKPOINT_FLAG_NEEDS + DATA_PARALLEL_FLAG_NEEDS + LOGGING_FLAG_NEEDS
 FLAG_NEEDS += schedule_args.SCHEDULE_FLAG_NEEDS
 FLAG_NEEDS += RERUN_FLAG_NEEDS + SFT_FLAG_NEEDS
 FLAG_NEEDS += LM_EVAL_FLAG_NEEDS
@@ -366,6 +364,9 @@ def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[E
     """Parse and validate; any problem exits with one line and code 2 (argparse's convention).
     Flags accepted for compatibility that change nothing print one note each (compat_args.py)."""
     parser = build_parser(extra_args_provider)
+    removed = removed_flag_error(sys.argv[1:] if argv is None else argv)
+    if removed:  # a lever of ours that is gone: one line, what to pass instead
+        parser.exit(2, f"{parser.prog}: error: {removed}\n")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # one line: the closest flag we accept, or why a Megatron feature is refused
         parser.exit(2, f"{parser.prog}: error: {unknown_flag_error(unknown, parser._option_string_actions)}\n")
@@ -485,8 +486,8 @@ def validate_args(args: argparse.Namespace, given: Collection[str] = frozenset()
     notes = _flag_notes(args, given) + validate_sft_args(args, given)
     validate_checkpoint_flags(args, given)
     validate_rope_args(args)
+    notes += validate_precision_args(args, given)  # before the layouts: --fp8-format turns the weight copies on
     validate_parallel(args)
-    validate_precision_args(args)
     validate_data_parallel_args(args)
     validate_lm_eval_args(args, given)  # before the TrainingConfig: it settles the draws
     _validate_batch_and_schedule(args)
@@ -556,7 +557,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         params_dtype=torch.float32, bf16=args.bf16, fp16=args.fp16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion, bias_swiglu_fusion=args.bias_swiglu_fusion,
-        rmsnorm_fusion=args.rmsnorm_fusion,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
         sliding_window=args.sliding_window,
@@ -582,5 +582,4 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         varilen_multiple=args.difflm_varilen_multiple,
         per_document_t=args.difflm_per_document_t, masked_only_loss=args.difflm_masked_only_loss,
         loss_chunk_size=args.difflm_loss_chunk_size, compile_loss=args.difflm_compile_loss,
-        loss_kernel=args.difflm_loss_kernel,
-        fp8_output_layer=args.fp8_format if args.fp8_output_layer else None, seed=args.seed)
+        loss_kernel=args.difflm_loss_kernel, seed=args.seed)

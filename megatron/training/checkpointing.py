@@ -242,8 +242,11 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
         raise InputError(f"--load {root}: no {TRACKER}; point it at a --save directory")
     source = iteration_dir(root, iteration)
     metadata = read_checkpoint_metadata(source)
+    # Only the fields these configs still have (an older release's checkpoint may hold a removed lever's).
     known = {field.name for field in dataclasses.fields(TransformerConfig)}
     saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
+    known_dlm = {field.name for field in dataclasses.fields(DLMConfig)}
+    dlm = {key: value for key, value in metadata["dlm_config"].items() if key in known_dlm}
     vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
     single = dict(params_dtype=torch.float32, bf16=device.type == "cuda", fp16=False, tensor_model_parallel_size=1,
                   pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
@@ -252,7 +255,7 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     if attention_backend is not None:
         single["attention_backend"] = attention_backend
     with torch.device(device):  # no host-side init of billions of weights
-        model = GPTModel(TransformerConfig(**{**saved, **single}), DLMConfig(**metadata["dlm_config"]))
+        model = GPTModel(TransformerConfig(**{**saved, **single}), DLMConfig(**dlm))
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
         warnings.simplefilter("ignore")
         _serialization().load(model.sharded_state_dict(prefix="model."), source)

@@ -11,6 +11,8 @@ Three kinds live here (docs/megatron_compatibility.md lists every flag we accept
   each one given prints one line at start saying why it changes nothing; never ignored silently.
 - **Refused**: a Megatron feature we do not have. The error names the flag and the reason;
   every other unknown flag gets the closest flag we accept.
+- **Removed**: a flag of ours (or one value of a flag) that is gone, a lever that measured as a loss.
+  The error says so and what to pass instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import difflib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.tokenizer import TOKENIZER_ALIASES
 
@@ -74,8 +76,8 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--tiktoken-pattern", "only Megatron's TikTokenizer reads it, and no tokenizer here does",
              {"default": None}),
     NoEffect("--fp8-interval", _FP8_DELAYED, {"type": int, "default": None}),
-    NoEffect("--fp8-param-gather", "weights are kept and all-gathered in their master dtype here; torchao casts "
-             "them to fp8 per GEMM"),
+    NoEffect("--fp8-param-gather", "weights are kept and all-gathered in their master dtype here; each rank casts "
+             "its float8 working copies once an iteration"),
     NoEffect("--cut-off-varlen-to-seqlen", "always so: documents packed into a row never attend across rows"),
     NoEffect("--tp-comm-overlap", "it needs Transformer Engine's userbuffers; tensor-parallel collectives are "
              "plain NCCL calls here"),
@@ -236,6 +238,42 @@ REFUSED_PREFIXES: Tuple[Tuple[str, str], ...] = (
     ("--straggler-", "the straggler detector is not integrated"),
     ("--kitchen-", "Megatron's kitchen quantization is not integrated"),
 )
+
+
+@dataclass(frozen=True)
+class Removed:
+    """`flag` (only with `value`, when one is given) was removed: refused, with why and what to pass instead."""
+
+    flag: str
+    reason: str
+    value: Optional[str] = None
+
+    @property
+    def shown(self) -> str:
+        return self.flag if self.value is None else f"{self.flag} {self.value}"
+
+
+_MEASURED = "docs/performance.md, \"Levers measured and left off\""
+REMOVED: Tuple[Removed, ...] = (
+    Removed("--rmsnorm-fusion", f"its Triton kernels measured slower than torch.compile's norm kernels "
+                                f"({_MEASURED}); drop the flag"),
+    Removed("--fp8-output-layer", f"the output layer's float8 GEMMs measured slower than its bf16 ones ({_MEASURED}); "
+                                  "drop the flag"),
+    Removed("--fp8-recipe", f"per-row float8 scaling measured slower than bf16 ({_MEASURED}); use --fp8-recipe "
+                            "tensorwise or delayed", value="rowwise"),
+)
+
+
+def removed_flag_error(argv: Sequence[str]) -> Optional[str]:
+    """The one-line error for the first removed flag (or removed value, as `--flag value` or `--flag=value`)
+    in `argv`, or None. Checked before parsing: a removed value is not among its flag's choices."""
+    for index, word in enumerate(argv):
+        flag, equals, inline = word.partition("=")
+        value = inline if equals else (argv[index + 1] if index + 1 < len(argv) else None)
+        for entry in REMOVED:
+            if flag == entry.flag and entry.value in (None, value):
+                return f"{entry.shown} was removed: {entry.reason}"
+    return None
 
 
 def add_compat_args(parser: argparse.ArgumentParser) -> None:

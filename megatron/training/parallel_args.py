@@ -34,26 +34,6 @@ def validate_parallel(args: argparse.Namespace) -> None:
     if weight_copies and args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
         raise ValueError("--cache-low-precision-weights does not apply under FSDP2 (--data-parallel-sharding-strategy "
                          f"{args.data_parallel_sharding_strategy} gathers the weights in bf16 itself); drop it")
-    if args.fp8_format:
-        from megatron.core.fp8.torchao_float8 import float8_config
-        from megatron.training.precision_args import delayed_scaling
-
-        if args.tensor_model_parallel_size != 1 and not weight_copies:
-            raise ValueError("--fp8-format under tensor parallelism runs in the float8 layers of the weights' "
-                             "working copies (torchao converts single-rank nn.Linear only): add "
-                             "--cache-low-precision-weights")
-        if weight_copies and args.fp8_recipe == "rowwise":
-            raise ValueError("--cache-low-precision-weights under --fp8-format keeps tensorwise-scaled float8 copies; "
-                             "--fp8-recipe rowwise scales per row: use --fp8-recipe tensorwise or delayed, or drop "
-                             "--cache-low-precision-weights")
-        if args.fp8_recipe == "delayed":
-            if not weight_copies:
-                raise ValueError("--fp8-recipe delayed runs in the float8 layers of the weights' working copies "
-                                 "(torchao has no delayed scaling): add --cache-low-precision-weights")
-            delayed_scaling(args)  # raises on a bad history length or margin
-        elif not weight_copies:
-            float8_config(args.fp8_format, args.fp8_recipe)  # raises when torchao is missing
-
 
 
 def validate_parallel_shapes(args: argparse.Namespace) -> None:

@@ -37,7 +37,7 @@ from megatron.core.precision.weight_copies import WeightCopies, attach_weight_co
 from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
                                               forget_gradient_scale)
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
-from megatron.core.fp8.torchao_float8 import enable_fp8_training, float8_gemms_on_cpu
+from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
@@ -435,13 +435,12 @@ def dataset_sizes(config: TrainingConfig) -> List[int]:
 
 
 def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelState,
-                model_provider: Callable) -> Tuple[nn.Module, int]:
+                model_provider: Callable) -> nn.Module:
     """This rank's model, initialised on the device: its pipeline stage, or under interleaving its
-    chunks (ModelChunks), built with one shared ParallelContext; and how many linear layers
-    train in fp8."""
+    chunks (ModelChunks), built with one shared ParallelContext."""
     pg = ParallelContext.build(layout.groups, args.sequence_parallel)
     virtual = args.virtual_pipeline_model_parallel_size or 1
-    chunks, fp8_layers = [], 0
+    chunks = []
     for vp_stage in range(virtual):
         kwargs = {}
         if layout.pp > 1:
@@ -451,14 +450,10 @@ def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelStat
         with torch.device(runtime.device):  # no host-side init of billions of weights
             chunk = model_provider(args, pre_process=first, post_process=last, pg=pg, **kwargs)
         chunk = chunk.to(runtime.device)
-        # Module swaps first, then the compiler sees (and fuses) the fp8 casts. With float8 weight
-        # copies the layers stay and run their own float8 GEMMs (attach_weight_copies, below).
-        if args.fp8_format and not args.cache_low_precision_weights:
-            fp8_layers += enable_fp8_training(chunk, args.fp8_format, args.fp8_recipe)
         if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
             compile_transformer_layers(chunk, **training_compile_options(args.dlm_config))
         chunks.append(chunk)
-    return (chunks[0] if virtual == 1 else ModelChunks(chunks)), fp8_layers
+    return chunks[0] if virtual == 1 else ModelChunks(chunks)
 
 
 def wrap_replicas(args: argparse.Namespace, model: nn.Module, runtime: Runtime, layout: ParallelState,
@@ -485,7 +480,7 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
                                        args.context_parallel_size, args.expert_model_parallel_size,
                                        args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size,
                                        args.num_distributed_optimizer_instances)
-    model, fp8_layers = build_model(args, runtime, layout, model_provider)
+    model = build_model(args, runtime, layout, model_provider)
     # The weights came from args.seed on every stage (the same under any layout); dropout draws
     # from the stage's own seed, as in Megatron, or every stage would repeat the first one's masks.
     set_random_seeds(stage_seed(args.seed, layout.pp_rank))
@@ -494,18 +489,16 @@ def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_d
     logger.log_start(model, layout)
     model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
     copies = None
-    if args.cache_low_precision_weights:
+    if args.cache_low_precision_weights:  # always under --fp8-format (precision_args.validate_fp8)
         copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format,
                                       delayed_scaling(args), (replica_group(layout.groups), layout.groups.tp))
-        fp8_layers += copies.float8_layers
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
                      + (f", {copies.float8_layers} of them in float8" if args.fp8_format else
                         f" in {str(copies.dtype).replace('torch.', '')}"))
     if args.fp8_format:
         float8_gemms_on_cpu(runtime.device)
-        logger.print(f"> fp8: {fp8_layers} linear layers train in float8 ({args.fp8_format}, {args.fp8_recipe})"
-                     + ("; the output layer's logits and input-gradient GEMMs too (tensorwise)"
-                        if args.fp8_output_layer else ""))
+        logger.print(f"> fp8: {copies.float8_layers} linear layers train in float8 ({args.fp8_format}, "
+                     f"{args.fp8_recipe})")
         logger.count_fp8_peak()
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.

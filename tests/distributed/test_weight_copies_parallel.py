@@ -37,14 +37,13 @@ def test_copies_train_the_same_losses_under_zero1_and_tensor_parallelism(tmp_pat
         assert with_copies["losses"] == without["losses"], (layout, config, mode)
 
 
-FLOAT8_CASES = [("llama", "dlm"), ("megatron", "ar")]  # each against torchao: test_float8_weight_copies.py
+FLOAT8_CASES = [("llama", "dlm"), ("megatron", "ar")]  # each against bf16: test_float8_weight_copies.py
 
 
 def test_float8_copies_train_under_zero1_as_replicated(tmp_path):
     """Under --fp8-format the copies are float8, cast by every rank's refresh with each weight's own amax:
     ZeRO-1 (each rank steps its shard, the rest arrives by broadcast) trains the losses of the replicated
     run to the bit. A rank that kept a broadcast shard's old copy would not."""
-    pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
     argvs = []
     for config, mode in FLOAT8_CASES:
         base = (SHAPE + CONFIGS[config] + MODES[mode] + ["--compile-optimizer-step", "--bf16", "--lr", "1e-2",
@@ -67,7 +66,6 @@ def test_delayed_scaling_under_pipeline_parallelism_trains_as_one_process(tmp_pa
     their backwards, so the running amaxes move between a layer's forward and its backward): each stage
     records and scales its own layers as one process does, losses and gradients, in the Llama style (DLM)
     and Megatron's default configuration (AR); and delayed scaling ran (after step 1 it is not tensorwise)."""
-    pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
     from tests.distributed.parity import assert_same_training
 
     float8 = ["--bf16", "--lr", "1e-2", "--fp8-format", "hybrid", "--cache-low-precision-weights",
@@ -84,7 +82,7 @@ def test_delayed_scaling_under_pipeline_parallelism_trains_as_one_process(tmp_pa
 
 CP2 = ["--context-parallel-size", "2"]
 SPLIT_FLOAT8_CASES = [  # (layout, config, mode, extra flags): each against one process
-    (TP2_SP, "llama", "dlm", MASKED_ONLY + ["--fp8-output-layer"]),  # the vocabulary-parallel output layer too
+    (TP2_SP, "llama", "dlm", MASKED_ONLY),  # the vocabulary-parallel output layer reading its bf16 copy
     (TP2_SP, "megatron", "ar", []),
     (TP2_SP, "megatron", "dlm", ["--fp8-recipe", "delayed"]),
     (TP2_SP, "llama", "ar", ["--fp8-recipe", "delayed"]),  # the fused float8 MLP (float8_mlp.py), delayed
@@ -100,8 +98,7 @@ def test_float8_copies_under_tensor_sequence_and_context_parallelism_track_one_p
     process's within float8's rounding only: every step's loss within 2.5e-3 relative of the one-process
     fp8 run (a shard cast or scaled wrongly, or a rank's stale copy, moves it by more), with every decoder
     linear of both ranks in float8."""
-    pytest.importorskip("torchao.float8", reason="the fp8 flags' parser checks torchao")
-    float8 = ["--bf16", "--lr", "1e-2", "--fp8-format", "hybrid", "--cache-low-precision-weights"]
+    float8 = ["--bf16", "--lr", "1e-2", "--fp8-format", "hybrid"]  # the flag alone turns the copies on
     bases = [SHAPE + CONFIGS[config] + MODES[mode] + extra + float8 for _, config, mode, extra in SPLIT_FLOAT8_CASES]
     single = run_many(1, bases, tmp_path, "one_rank")
     parallel = run_many(2, [base + layout for base, (layout, *_) in zip(bases, SPLIT_FLOAT8_CASES)], tmp_path, "split")

@@ -172,7 +172,7 @@ class Run:
     compiled_layers: int = 0
     """Transformer layers torch.compile wraps (--torch-compile)."""
     float8_layers: int = 0
-    """Linear layers that train in float8 (torchao's, or float8 weight copies)."""
+    """Linear layers that train in float8 (from float8 weight copies)."""
 
 
 @contextlib.contextmanager
@@ -230,8 +230,7 @@ def train(flags: List[str], replay: Optional[Run] = None) -> Run:
         trainer.optimizer.step = recording_step
         model = unwrap(trainer.model)
         run.compiled_layers = sum(layer._compiled_call_impl is not None for layer in model.decoder.layers.values())
-        run.float8_layers = sum(type(module).__name__ == "Float8Linear" for module in model.modules())
-        run.float8_layers += trainer.weight_copies.float8_layers if trainer.weight_copies is not None else 0
+        run.float8_layers = trainer.weight_copies.float8_layers if trainer.weight_copies is not None else 0
         trainer.train()
         trainer.logger.close()
     run.losses = [result.loss for result in trainer.history]

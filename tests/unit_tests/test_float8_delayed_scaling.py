@@ -207,25 +207,21 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, m
     assert bool(calls) == kernel and any("float8_cast_both_layouts" in code for code in graphs) == kernel
 
 
-def test_the_flags_need_the_float8_copies(capsys):
-    message = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], capsys)
-    assert "--fp8-recipe delayed runs in the float8 layers of the weights' working copies" in message
-    assert "--cache-low-precision-weights" in message
+def test_a_bad_history_length_is_one_line(capsys):
     message = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
-                                  "--cache-low-precision-weights", "--fp8-amax-history-len", "0"], capsys)
+                                  "--fp8-amax-history-len", "0"], capsys)
     assert message.endswith("--fp8-amax-history-len 0: must be at least 1")
 
 
 def test_the_command_line_trains_with_delayed_scaling():
     run = run_cli(*TINY, "--bf16", "--train-iters", "4", "--log-interval", "1", "--lr", "1e-2", "--micro-batch-size",
-                  "2", "--global-batch-size", "4", "--fp8-format", "hybrid", "--cache-low-precision-weights",
-                  "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
+                  "2", "--global-batch-size", "4", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                  "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
     assert run.returncode == 0, run.stderr[-2000:]
     assert re.search(r"> fp8: \d+ linear layers train in float8 \(hybrid, delayed\)", run.stdout)
     losses = [float(v) for v in re.findall(r"lm loss: ([0-9.E+-]+)", run.stdout)]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
-    noted = run_cli(*TINY, "--bf16", "--train-iters", "1", "--fp8-format", "hybrid", "--cache-low-precision-weights",
-                    "--fp8-amax-history-len", "1024")
+    noted = run_cli(*TINY, "--bf16", "--train-iters", "1", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024")
     assert noted.returncode == 0 and "--fp8-amax-history-len has no effect without --fp8-recipe delayed" in noted.stderr
 
 

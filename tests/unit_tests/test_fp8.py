@@ -1,86 +1,129 @@
-"""FP8 training through torchao's float8: the module swap, the formats, the flags."""
+"""--fp8-format from the command line: one fp8 backend, the float8 layers of the weights' working copies
+(fp8/float8_matmul.py, precision/weight_copies.py). The flag alone turns the copies on (with a note),
+FSDP2 and fp32 compute are refused, the default recipe is said to differ from Megatron's, and the
+levers removed for measuring as losses are refused in one line each. Each test fails if its part broke:
+a model built by the trainer whose linears are not float8 layers (or do not run float8 GEMMs), a
+missing or extra note, a refusal that is not one line naming the flag and what to pass instead."""
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from megatron.core.models.difflm.gpt_model import GPTModel
-from megatron.core.fp8.torchao_float8 import swap_parallel_linears
-from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from tests.distributed.test_pretrain_cli import LOSS
+from custom_args.difflm import add_difflm_args
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
+from megatron.core.precision.working_copy import Float8Copy, training_copy
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.training.arguments import parse_args
+from tests.unit_tests.test_bad_inputs_training import TINY, error_line, parse_error
+from tests.unit_tests.test_training import make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+COPIES_NOTE = "note: --fp8-format turns on --cache-low-precision-weights"
+RECIPE_NOTE = "note: --fp8-recipe is tensorwise by default here, delayed in Megatron-LM"
 
 
-def tiny_model(hidden=64):
-    torch.manual_seed(0)
-    config = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=4 * hidden, vocab_size=128, qk_layernorm=True)
-    return GPTModel(config, DLMConfig(mask_token_id=127))
+def notes(capsys) -> list:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
 
 
-def test_parallel_linears_swap_to_nn_linear_exactly():
-    """torchao converts nn.Linear: the swapped modules share the parameters and compute the same."""
-    model = tiny_model().eval()
-    names = [name for name, _ in model.named_parameters()]
-    tokens = torch.randint(0, 127, (2, 16), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        reference = model(tokens)
-    assert swap_parallel_linears(model.decoder) == 4 * 2  # qkv, proj, fc1, fc2 per layer
-    assert sum(isinstance(m, torch.nn.Linear) for m in model.decoder.modules()) == 8
-    assert [name for name, _ in model.named_parameters()] == names
-    with torch.no_grad():
-        assert torch.equal(model(tokens), reference)
+@pytest.fixture
+def global_state():
+    """build_trainer seeds every generator and a CPU float8 run turns oneDNN off: both restored after."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.backends.mkldnn.enabled
+    yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    torch.backends.mkldnn.enabled = states[3]
 
 
-def test_formats_choose_the_gradient_element_type():
-    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
-    from megatron.core.fp8.torchao_float8 import float8_config
-
-    assert float8_config("hybrid").cast_config_grad_output.target_dtype == torch.float8_e5m2
-    assert float8_config("e4m3").cast_config_grad_output.target_dtype == torch.float8_e4m3fn
-    assert float8_config("e4m3", "rowwise").cast_config_weight.target_dtype == torch.float8_e4m3fn
-    with pytest.raises(ValueError, match="choose a format from"):
-        float8_config("e5m2")
-
-
-def test_fp8_training_converts_the_decoder_and_trains():
-    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
-    env = dict(os.environ, NPROC="1", TRAIN_ITERS="12", MOCK_DATA="1", OMP_NUM_THREADS="2",
-               TENSORBOARD_DIR="/tmp/fp8-test-tb", CHECK_ARGS="0")  # the flags' check: test_launch_scripts.py
-    result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--fp8-format", "hybrid",
-                             "--difflm-masked-only-loss", "--fp8-output-layer"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)  # ~10 s
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert ("> fp8: 16 linear layers train in float8 (hybrid, tensorwise); the output layer's logits and "
-            "input-gradient GEMMs too (tensorwise)") in result.stdout  # 4 layers x 4
-    losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
-    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
-    assert sum(losses[-3:]) < sum(losses[:3]), losses
+def test_fp8_format_alone_trains_the_linears_as_float8_layers(runtime, global_state, monkeypatch):
+    """No --cache-low-precision-weights: every decoder linear holds a float8 copy of its weight and one
+    iteration's GEMMs run in float8 (torch._scaled_mm), through the trainer as pretrain_difflm.py builds it."""
+    gemms = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: gemms.append(a[0].dtype) or scaled_mm(*a, **k))
+    trainer = make_trainer(runtime, "--bf16", "--fp8-format", "e4m3", "--train-iters", "1")
+    model = unwrap(trainer.model)
+    linears = [m for m in model.decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert linears and trainer.weight_copies is not None
+    assert trainer.weight_copies.float8_layers == len(linears)
+    assert all(isinstance(training_copy(linear), Float8Copy) for linear in linears)
+    assert {linear.float8_gradient_dtype for linear in linears} == {torch.float8_e4m3fn}  # e4m3 gradients too
+    trainer.train()
+    assert len(gemms) >= 3 * len(linears)  # each layer's output, input gradient and weight gradient
+    assert set(gemms) == {torch.float8_e4m3fn}
 
 
-def test_torchao_fp8_with_tensor_parallelism_is_refused_before_any_work():
-    command = [sys.executable, "pretrain_difflm.py", "--num-layers", "2", "--hidden-size", "64",
-               "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-               "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
-               "--mock-data", "--vocab-size", "128", "--add-mask-token", "--tensor-model-parallel-size", "2",
-               "--fp8-format", "hybrid"]
-    result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, WORLD_SIZE="2"), capture_output=True, text=True,
-                            timeout=120)
+def test_fp8_format_turns_the_copies_on_with_one_note(capsys):
+    args = parse_args(TINY + ["--bf16", "--fp8-format", "hybrid"], add_difflm_args, world_size=1)
+    lines = notes(capsys)
+    assert args.cache_low_precision_weights and sum(line.startswith(COPIES_NOTE) for line in lines) == 1
+    explicit = parse_args(TINY + ["--bf16", "--fp8-format", "hybrid", "--cache-low-precision-weights"],
+                          add_difflm_args, world_size=1)
+    assert explicit.cache_low_precision_weights and not any(line.startswith(COPIES_NOTE) for line in notes(capsys))
+    plain = parse_args(TINY + ["--bf16"], add_difflm_args, world_size=1)
+    assert not plain.cache_low_precision_weights and notes(capsys) == []
+
+
+def test_the_recipe_default_is_tensorwise_and_says_megatrons_is_delayed(capsys):
+    args = parse_args(TINY + ["--bf16", "--fp8-format", "hybrid"], add_difflm_args, world_size=1)
+    assert args.fp8_recipe == "tensorwise" and any(line.startswith(RECIPE_NOTE) for line in notes(capsys))
+    delayed = parse_args(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], add_difflm_args,
+                         world_size=1)
+    assert delayed.fp8_recipe == "delayed" and delayed.cache_low_precision_weights  # no flag of the copies needed
+    assert not any(line.startswith(RECIPE_NOTE) for line in notes(capsys))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--fp8-format trains from float8 working copies of the weights, which FSDP2"),
+    (["--use-torch-fsdp2"], "(--data-parallel-sharding-strategy optim_grads_params) cannot keep"),
+])
+def test_fp8_under_fsdp2_is_one_line(extra, message, capsys):
+    line = parse_error(TINY + ["--bf16", "--fp8-format", "hybrid"] + extra, capsys)
+    assert message in line and line.endswith("use --data-parallel-sharding-strategy optim (ZeRO-1) or drop "
+                                             "--fp8-format")
+
+
+@pytest.mark.parametrize("extra, needed", [([], "--bf16 or --fp16"),
+                                           (["--bf16", "--no-gradient-accumulation-fusion"],
+                                            "gradient-accumulation fusion")])
+def test_fp8_where_the_float8_layers_would_not_run_is_one_line(extra, needed, capsys):
+    line = parse_error(TINY + ["--fp8-format", "e4m3"] + extra, capsys)
+    assert f"--fp8-format has no effect without {needed}" in line
+
+
+@pytest.mark.parametrize("argv, shown, fix", [
+    (["--rmsnorm-fusion"], "--rmsnorm-fusion", "drop the flag"),
+    (["--fp8-output-layer"], "--fp8-output-layer", "drop the flag"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], "--fp8-recipe rowwise",
+     "use --fp8-recipe tensorwise or delayed"),
+    (["--fp8-recipe=rowwise"], "--fp8-recipe rowwise", "use --fp8-recipe tensorwise or delayed"),
+])
+def test_a_removed_lever_is_refused_in_one_line(argv, shown, fix, capsys):
+    line = parse_error(TINY + argv, capsys)
+    assert f"{shown} was removed: " in line and "docs/performance.md" in line and line.endswith(fix)
+
+
+def test_a_removed_lever_stops_the_check_args_run():
+    """The launch scripts' check: the removed flag read from the command line itself, before any work."""
+    result = subprocess.run([sys.executable, "pretrain_difflm.py", "--check-args", *TINY, "--rmsnorm-fusion"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--fp8-format under tensor parallelism runs in the float8 layers" in result.stderr
-    assert result.stderr.strip().endswith("add --cache-low-precision-weights")  # the path that runs under TP
+    assert "--rmsnorm-fusion was removed" in error_line(result.stderr)
 
 
 def test_float8_gemms_on_cpu_leave_onednn_only_for_cpu_runs():
     """oneDNN's float8 matmul is a reference loop on CPUs with AMX tiles (the quickstart's fp8 run took
     over 10 minutes there): CPU runs turn it off for torch's own kernel, CUDA runs leave it alone."""
-    from megatron.core.fp8.torchao_float8 import float8_gemms_on_cpu
-
     enabled = torch.backends.mkldnn.enabled
     try:
         torch.backends.mkldnn.enabled = True
@@ -96,3 +139,18 @@ def test_float8_gemms_on_cpu_leave_onednn_only_for_cpu_runs():
         torch.testing.assert_close(product, widened)
     finally:
         torch.backends.mkldnn.enabled = enabled
+
+
+def test_fp8_training_on_the_quickstart_learns():
+    """12 steps of the quickstart's model with --bf16 --fp8-format hybrid: finite losses that fall."""
+    from tests.distributed.test_pretrain_cli import LOSS
+
+    env = dict(os.environ, NPROC="1", TRAIN_ITERS="12", MOCK_DATA="1", OMP_NUM_THREADS="2",
+               TENSORBOARD_DIR="/tmp/fp8-test-tb", CHECK_ARGS="0")  # the flags' check: test_launch_scripts.py
+    result = subprocess.run(["bash", "examples/quickstart.sh", "--eval-iters", "0", "--bf16", "--fp8-format", "hybrid"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "> fp8: 16 linear layers train in float8 (hybrid, tensorwise)" in result.stdout  # 4 layers x 4
+    losses = [float(loss) for _, loss in LOSS.findall(result.stdout)]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) < sum(losses[:3]), losses

@@ -14,7 +14,7 @@ from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.norms import LayerNorm, RMSNorm
 from megatron.training.arguments import build_parser, parse_args
-from megatron.training.compat_args import ALIASES, NO_EFFECT
+from megatron.training.compat_args import ALIASES, NO_EFFECT, REMOVED
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,6 +165,15 @@ def test_an_alias_contradicting_its_flag_is_one_error(capsys):
     argv = [a for a in TINY if a not in ("--attention-backend", "math")]
     line = parse_error(argv + ["--attention-backend", "math", "--core-attn-implementation", "FlexAttention"], capsys)
     assert "--core-attn-implementation FlexAttention means --attention-backend flex" in line
+
+
+def test_every_removed_lever_is_in_the_doc_and_refused_in_one_line(capsys):
+    text = DOC.read_text()
+    known = build_parser(add_difflm_args)._option_string_actions
+    for entry in REMOVED:
+        assert f"| {entry.shown} |" in text, entry.shown
+        assert entry.value is not None or entry.flag not in known, entry.flag  # a removed flag has left the parser
+        assert f"{entry.shown} was removed: " in parse_error(TINY + entry.shown.split(), capsys)
 
 
 def test_every_alias_and_no_effect_flag_is_in_the_parser():

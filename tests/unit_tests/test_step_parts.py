@@ -146,24 +146,6 @@ def test_bad_repeats_is_a_usage_error(capsys):
     assert exit_info.value.code == 2 and "--repeats" in capsys.readouterr().err
 
 
-def test_rmsnorm_rows_time_both_implementations_at_both_shapes(monkeypatch):
-    """RMSNorm's rows: torch.compile's kernels and, where the Triton kernels run (the interpreter on CPU,
-    when a test allows it), the hidden and the per-head shape, each moving 5 passes of its bf16 input."""
-    monkeypatch.setattr(triton_support, "interpreter_allowed", True)
-    result = step_parts.main(["--model", "tiny", "--warmup", "0", "--repeats", "1", "--rmsnorm-tokens", "6"])
-    spec = step_parts.shapes.MODELS["tiny"]
-    names = [name for name in result["rows"] if name.startswith("rmsnorm")]
-    kinds = ["torch.compile", "Triton"] if importlib.util.find_spec("triton") is not None else ["torch.compile"]
-    shapes = {"hidden": f"6 x {spec.hidden_size}",
-              "query heads": f"6 x {spec.num_attention_heads} x {spec.kv_channels}"}
-    assert names == [f"rmsnorm forward+backward, {kind} ({label}, {shape})"
-                     for label, shape in shapes.items() for kind in kinds]
-    widths = {"hidden": spec.hidden_size, "query heads": spec.num_attention_heads * spec.kv_channels}
-    for name in names:
-        label = "hidden" if "(hidden" in name else "query heads"
-        assert result["rows"][name]["bytes"] == 5 * 6 * widths[label] * 2
-
-
 def test_float8_cast_rows_cast_each_decoder_shape(monkeypatch):
     """Each row runs the layers' amax or cast at the shape a decoder layer gives it (the amax rows: the
     layers' scale, both ways the same; the casts: the values, transposed copy and scale float8_linear

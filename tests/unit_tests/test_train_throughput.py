@@ -246,7 +246,7 @@ def test_named_shapes_have_the_same_parameters_in_both_implementations(name):
 
 
 def test_fp8_prints_our_bf16_and_fp8_rows_next_to_the_baseline():
-    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
+    """--fp8: a second row of ours whose decoder linears train in float8 (bf16 compute; eager on a CPU)."""
     result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--baseline", "hf"])
     ours, fp8, baseline = result["rows"]
     assert ours["fp8_linears"] == 0 and fp8["precision"] == "fp8"
@@ -256,24 +256,6 @@ def test_fp8_prints_our_bf16_and_fp8_rows_next_to_the_baseline():
         fp8["tokens_per_sec_per_gpu"] / ours["tokens_per_sec_per_gpu"], rel=1e-12)
     assert result["ratio"]["tokens_per_sec_per_gpu"] == pytest.approx(
         ours["tokens_per_sec_per_gpu"] / baseline["tokens_per_sec_per_gpu"], rel=1e-12)
-
-
-def test_fp8_output_layer_reaches_the_fp8_row_only(monkeypatch):
-    pytest.importorskip("torchao.float8", reason="torchao is an optional extra (installed by .[dev])")
-    from megatron.core.models.difflm import output_layer
-
-    formats = []
-    real = output_layer.linear_cross_entropy
-    monkeypatch.setattr(output_layer, "linear_cross_entropy",
-                        lambda *a, **k: formats.append(k.get("fp8")) or real(*a, **k))
-    from megatron.training import training
-
-    devices = []
-    monkeypatch.setattr(training, "float8_gemms_on_cpu", devices.append)  # a CPU run's float8 GEMMs: torch's kernel
-    result = tt.main([*TINY, "--mode", "dlm", "--fp8", "--masked-only-loss", "--fp8-output-layer"])
-    assert devices and all(device.type == "cpu" for device in devices)
-    assert ["fp8-output-layer" in row["name"] for row in result["rows"]] == [False, True]
-    assert set(formats) == {None, "hybrid"}, "the bf16 row keeps its GEMMs, the fp8 row's output layer is fp8"
 
 
 def test_torch_compile_reaches_the_trainers_layers():
@@ -297,14 +279,9 @@ def test_gradient_fusion_flag_reaches_our_model():
 
 
 def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():
-    with our_arm([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16", "--rmsnorm-fusion"]) as arm:
+    with our_arm([*TINY, "--no-bias-swiglu-fusion", "--exp-avg-sq-dtype", "bf16"]) as arm:
         model, optimizer = arm.model, arm.optimizer
-    assert not model.config.bias_swiglu_fusion and model.config.rmsnorm_fusion
-    from megatron.core.transformer.norms import RMSNorm
-
-    norms = [module for module in model.modules() if isinstance(module, RMSNorm)]
-    per_layer = 4 if tt.MODELS["tiny"].qk_layernorm else 2  # the query and key norms too
-    assert len(norms) == per_layer * model.config.num_layers + 1 and all(norm.fusion for norm in norms)
+    assert not model.config.bias_swiglu_fusion
     assert optimizer.moment_dtypes == {"exp_avg": torch.float32, "exp_avg_sq": torch.bfloat16}
 
 
@@ -384,9 +361,6 @@ def test_kernels_are_grouped_by_name_then_by_the_ops_that_launched_them(kernel, 
      "--compare-grouped-gemm times both our variants"),
     (["--model", "olmoe-tiny", "--hf-experts-implementation", "eager"],
      "--hf-experts-implementation needs --baseline hf"),
-    (["--model", "tiny", "--fp8-output-layer", "--masked-only-loss"], "--fp8-output-layer needs --fp8 and"),
-    (["--model", "tiny", "--fp8", "--fp8-recipe", "delayed", "--device", "cpu"],
-     "--fp8-recipe delayed runs in the float8 copies' layers"),
 ])
 def test_bad_flags_give_one_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -398,27 +372,13 @@ def test_bad_flags_give_one_clear_error(argv, message, capsys):
 
 @pytest.mark.parametrize("module, flag, message", [
     ("transformers", ["--baseline", "hf"], "--baseline hf needs the transformers package: pip install transformers"),
-    ("torchao", ["--fp8"], "--fp8 needs torchao's float8 training: pip install torchao"),
 ])
 def test_missing_optional_package_is_named(module, flag, message, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
-    monkeypatch.setitem(sys.modules, f"{module}.float8", None)
     with pytest.raises(SystemExit) as exit_info:
         tt.main(["--model", "tiny", *flag])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"train_throughput.py: error: {message}"
-
-
-def test_float8_copies_on_cuda_need_no_torchao(monkeypatch):
-    """With --cache-low-precision-weights the CUDA run's layers cast and multiply in float8 themselves."""
-    monkeypatch.setitem(sys.modules, "torchao", None)
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    args = tt.build_parser().parse_args(["--model", "tiny", "--fp8", "--cache-low-precision-weights",
-                                         "--device", "cuda"])
-    assert tt.validate(args) is tt.MODELS["tiny"]
-    args.device = "cpu"  # fp32 compute there: torchao's float8 linears
-    with pytest.raises(tt.UsageError, match="--fp8 needs torchao"):
-        tt.validate(args)
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])

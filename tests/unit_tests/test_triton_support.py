@@ -1,6 +1,6 @@
 """triton_support.LazyOp: the kernels' ops registered once, on first use, and read (never registered)
 by compiled code. Fails if a second call registers again, if the first call does not register, or if
-torch.compile cannot trace the call in one graph (SwiGLU, RMSNorm and the float8 cast sit inside
+torch.compile cannot trace the call in one graph (SwiGLU and the float8 casts sit inside
 compiled layers)."""
 
 import torch

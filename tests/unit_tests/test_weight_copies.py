@@ -36,14 +36,10 @@ def build(style: str, mode: str = "difflm-noshift", tied: bool = False, masked_o
                                attention_mask_type="causal" if mode == "vanilla" else "no_mask")).train()
 
 
-def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, fp8_format=None, prepare=None,
-          **shape):
+def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, fp8_format=None, **shape):
     """Losses, final weights and, with copies, how many copies each step's refresh found stale.
-    `fp8_format`: float8 copies; `prepare`: a change to the model before the optimizer is built;
-    `shape`: `build`'s tied and masked_only."""
+    `fp8_format`: float8 copies; `shape`: `build`'s tied and masked_only."""
     model = build(style, mode, **shape)
-    if prepare is not None:
-        prepare(model)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, compiled_step=compiled))
     weight_copies = attach_weight_copies(model, optimizer, torch.bfloat16, fp8_format) if copies else None
     losses, stale = [], []

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Usage: bash tools/benchmark/fp8_loss_curve.sh   (OUT=dir for the logs; TRAIN_ITERS, WARMUP; FP8_FLAGS)
 # bf16 vs fp8 loss curves on the bundled corpus, one GPU (CPU float8 GEMMs take minutes a step), 200 steps. The fp8 arm's
-# flags: FP8_FLAGS (default: torchao's float8 linears, hybrid; e.g. FP8_FLAGS="--fp8-format hybrid
-# --cache-low-precision-weights --fp8-recipe delayed" for the float8 copies' layers under delayed scaling).
+# flags: FP8_FLAGS (default: --fp8-format hybrid, the float8 copies' layers with tensorwise scaling; e.g.
+# FP8_FLAGS="--fp8-format hybrid --fp8-recipe delayed" for delayed scaling).
 set -e
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' > /tmp/bin/torchrun && chmod +x /tmp/bin/torchrun
 export PATH=/tmp/bin:$PATH NPROC=1 TRAIN_ITERS=${TRAIN_ITERS:-200}

@@ -22,18 +22,13 @@ Rows (each the median of `--repeats` after `--warmup`, CUDA events; wall clock o
   output [--swiglu-tokens, 2 x ffn]: torch.compile's kernels and the Triton kernels at each
   BLOCKxWARPS named, against the 8 passes both need (forward: read gate and up, write the output;
   backward: read gate, up and the output gradient, write both gradients).
-* RMSNorm (`--rmsnorm-tokens`): a norm's forward and backward over bf16 activations, the hidden
-  norm [tokens, h] and the query norm [tokens, heads, head dim]: torch.compile's kernels and the
-  Triton kernels (fused_rmsnorm.py, where they run), against the 5 passes both need (forward: read
-  the input, write the output; backward: read the input and the gradient, write the input's gradient).
-  On CUDA these rows are kernel time from the profiler: one call's GPU work (tens of microseconds)
-  is shorter than its Python and autograd overhead, which the events would time instead;
 * float8 casts (`--float8-cast-tokens`): the float8 layers' cast of an activation or gradient (its amax,
   the scaled cast, the transposed copy the weight gradient reads) compiled as in a compiled layer, at each
   shape a decoder layer has, and its amax alone two ways (the rows' maxima first, as the layers take it, and
   one reduction over every element), and delayed scaling's cast (the scale given, the amax recorded) as
   tensor math and through the one-pass Triton kernel where it runs, against one pass over it (read 2 bytes
-  an element, write 1 twice); on CUDA the profiler's kernel time, as for RMSNorm; with them, where Triton
+  an element, write 1 twice); on CUDA the profiler's kernel time (one call's GPU work, tens of microseconds,
+  is shorter than its Python and autograd overhead, which the events would time instead); with them, where Triton
   runs, SwiGLU and fc2's input cast, then SwiGLU's backward and fc1's output-gradient cast, each as the
   two kernels the layers would run and as the float8 MLP's one (fused_float8_swiglu.py);
 * float8 weight gradient (`--float8-weight-gradient-tokens`): a float8 layer's weight gradient over that many
@@ -73,8 +68,7 @@ from megatron.core.fusions import fused_cross_entropy  # noqa: E402
 from megatron.core.models.difflm.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer.compiled_adamw import CompiledAdamW  # noqa: E402
 from megatron.core.optimizer.optimizer import param_groups  # noqa: E402
-from megatron.core.fusions import fused_rmsnorm, fused_swiglu  # noqa: E402
-from megatron.core.transformer.norms import RMSNorm  # noqa: E402
+from megatron.core.fusions import fused_swiglu  # noqa: E402
 from megatron.core.transformer.transformer_config import DLMConfig  # noqa: E402
 
 
@@ -170,9 +164,6 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
         result.update(loss_kernel_rows(shapes.MODELS[args.model].vocab_size, args, device, measure))
     if args.swiglu_kernels:
         result.update(swiglu_rows(shapes.MODELS[args.model].ffn_hidden_size, args, device, measure))
-    if args.rmsnorm_tokens:
-        result.update(rmsnorm_rows(shapes.MODELS[args.model], args.rmsnorm_tokens, device,
-                                   kernel_timer(device, args.warmup, args.repeats)))
     if args.float8_cast_tokens:
         result.update(float8_cast_rows(shapes.MODELS[args.model], args, device,
                                        kernel_timer(device, args.warmup, args.repeats)))
@@ -184,30 +175,6 @@ def rows(model, params: List[torch.nn.Parameter], args, device: torch.device) ->
     if args.tied_tokens:
         spec = shapes.MODELS[args.model]
         result.update(tied_gradient_rows(spec.vocab_size, spec.hidden_size, args.tied_tokens, device, measure))
-    return result
-
-
-def rmsnorm_rows(spec, tokens: int, device: torch.device, measure) -> Dict[str, tuple]:
-    """RMSNorm forward + backward, torch.compile's and the Triton kernels', at the hidden and the
-    per-head (query norm) shape; each row moves its bf16 input 5 times."""
-    generator = torch.Generator(device).manual_seed(0)
-    result = {}
-    for label, shape in (("hidden", (tokens, spec.hidden_size)),
-                         ("query heads", (tokens, spec.num_attention_heads, spec.kv_channels))):
-        x = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16).requires_grad_()
-        grad = torch.randn(shape, device=device, generator=generator).to(torch.bfloat16)
-        for name, fusion in (("torch.compile", False), ("Triton", True)):
-            if fusion and not fused_rmsnorm.available(x):
-                print("rmsnorm: its Triton kernels do not run here; only torch.compile's rows")
-                continue
-            norm = RMSNorm(shape[-1], fusion=fusion).to(device)
-            run = norm if fusion else torch.compile(norm)  # the ops are the same kernels compiled or not
-
-            def step(run=run, norm=norm, x=x, grad=grad):
-                x.grad = norm.weight.grad = None
-                run(x).backward(grad)
-            result[f"rmsnorm forward+backward, {name} ({label}, {' x '.join(map(str, shape))})"] = (
-                measure(step), 5 * x.numel() * x.element_size())
     return result
 
 
@@ -475,8 +442,6 @@ def main(argv=None) -> dict:
                         help="Also time SwiGLU forward+backward: torch.compile's and the Triton kernels with these "
                              "column blocks x warps (e.g. 1024x4,2048x8).")
     parser.add_argument("--swiglu-tokens", type=int, default=8192, help="Tokens of the SwiGLU input timed.")
-    parser.add_argument("--rmsnorm-tokens", type=int, default=0,
-                        help="Also time RMSNorm forward+backward over this many tokens (e.g. 8192).")
     parser.add_argument("--float8-cast-tokens", type=int, default=0,
                         help="Also time the float8 layers' casts (amax, cast, transposed copy) over this many tokens.")
     parser.add_argument("--float8-weight-gradient-tokens", type=int, default=0,
@@ -494,10 +459,9 @@ def main(argv=None) -> dict:
         [inductor_options(variant) for variant in (args.adamw_inductor or "default").split(",")]
     except ValueError as error:
         parser.error(str(error))
-    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.rmsnorm_tokens,
-                                                             args.float8_cast_tokens,
+    if args.loss_chunk < 1 or args.swiglu_tokens < 1 or min(args.tied_tokens, args.float8_cast_tokens,
                                                              args.float8_weight_gradient_tokens) < 0:
-        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens, --rmsnorm-tokens, "
+        parser.error("--loss-chunk and --swiglu-tokens must be >= 1, --tied-tokens, "
                      "--float8-cast-tokens and --float8-weight-gradient-tokens >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, params = parameters(args.model, device)

@@ -90,7 +90,7 @@ import pretrain_difflm  # noqa: E402
 from custom_args.difflm import add_difflm_args  # noqa: E402
 from megatron.core.distributed.data_parallel import unwrap  # noqa: E402
 from megatron.core.parallel_state import destroy_model_parallel, model_parallel_is_initialized  # noqa: E402
-from megatron.core.fp8.torchao_float8 import FP8_FORMATS, FP8_RECIPES  # noqa: E402
+from megatron.core.fp8.float8_matmul import GRADIENT_DTYPES  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, LOSS_KERNELS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training import flops  # noqa: E402
@@ -233,8 +233,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device, 
 def our_notes(trainer: Trainer, model: nn.Module, args: argparse.Namespace, device: torch.device) -> dict:
     """What the trainer built: float8 and compiled layers, working copies, the experts' GEMMs."""
     copies = trainer.weight_copies
-    float8 = sum(type(module).__name__ == "Float8Linear" for module in model.modules())  # torchao's (fp8.py)
-    info = {"fp8_linears": float8 + (copies.float8_layers if copies is not None else 0),
+    info = {"fp8_linears": copies.float8_layers if copies is not None else 0,
             "compiled_layers": sum(layer._compiled_call_impl is not None for layer in model.decoder.layers.values()),
             "masked_only_loss": args.masked_only_loss, "weight_copies": 0 if copies is None else len(copies.pairs)}
     if model.config.moe is not None:  # what was asked, and whether torch grouped_mm really runs here
@@ -366,7 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "not written in fp32 by their GEMM.")
     parser.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                         help="Our SwiGLU as tensor math (fused by --torch-compile), not its Triton kernels.")
-    parser.add_argument("--rmsnorm-fusion", action="store_true", help="Our RMSNorms through their Triton kernels.")
     parser.add_argument("--cache-low-precision-weights", action="store_true",
                         help="Our linear layers read bf16 working copies of their weights, written by the compiled "
                              "optimizer step (or refreshed before each step), instead of casting them each forward.")
@@ -379,13 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     """The fp8 rows, and the storage of our AdamW's moments."""
-    parser.add_argument("--fp8", action="store_true", help="torchao float8 training on our decoder's linears.")
-    parser.add_argument("--fp8-format", choices=FP8_FORMATS, default="hybrid", help="With --fp8: gradients' type.")
-    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES + ("delayed",), default="tensorwise",
-                        help="With --fp8: scaling (delayed: Megatron's defaults, with --cache-low-precision-weights).")
-    parser.add_argument("--fp8-output-layer", action="store_true",
-                        help="With --fp8 and --masked-only-loss: the fp8 row's output layer GEMMs (logits, input "
-                             "gradient) in float8 too.")
+    parser.add_argument("--fp8", action="store_true",
+                        help="A second row of ours with --fp8-format: the decoder's linears in float8 from float8 "
+                             "working copies, under bf16 (on a CPU too, where float8 runs eagerly).")
+    parser.add_argument("--fp8-format", choices=sorted(GRADIENT_DTYPES), default="hybrid",
+                        help="With --fp8: gradients' type.")
+    parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed"), default="tensorwise",
+                        help="With --fp8: scaling (delayed: Megatron's recipe and defaults).")
     for flag, moment in (("--exp-avg-dtype", "first"), ("--exp-avg-sq-dtype", "second")):
         parser.add_argument(flag, choices=sorted(MOMENT_DTYPES), default="fp32",
                             help=f"Storage of our AdamW's {moment} moment (Megatron's precision-aware optimizer; "
@@ -423,17 +421,6 @@ def validate(args: argparse.Namespace) -> ModelSpec:
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if args.baseline == "hf" and transformers_version() is None:
         raise UsageError("--baseline hf needs the transformers package: pip install transformers")
-    if args.fp8 and not (args.cache_low_precision_weights and _device(args).type == "cuda"):  # copies: no torchao
-        try:
-            import torchao.float8  # noqa: F401
-        except ImportError:
-            raise UsageError("--fp8 needs torchao's float8 training: pip install torchao") from None
-    if args.fp8 and args.fp8_recipe == "delayed" and not (args.cache_low_precision_weights and
-                                                          _device(args).type == "cuda"):
-        raise UsageError("--fp8-recipe delayed runs in the float8 copies' layers, which need "
-                         "--cache-low-precision-weights and bf16 (a CUDA device here)")
-    if args.fp8_output_layer and not (args.fp8 and args.masked_only_loss):
-        raise UsageError("--fp8-output-layer needs --fp8 and --masked-only-loss (the chunked output layer)")
     return spec
 
 
@@ -451,7 +438,6 @@ def _block_diffusion_error(args: argparse.Namespace) -> Optional[str]:
 def row_name(args: argparse.Namespace, fp8: bool, grouped: Optional[bool]) -> str:
     """Our row's name: MegaDLMs and the levers it runs with."""
     levers = [(fp8, " fp8"), (fp8 and args.fp8_recipe != "tensorwise", f" {args.fp8_recipe}"),
-              (fp8 and args.fp8_output_layer, " fp8-output-layer"),
               (args.torch_compile, " compiled"), (args.masked_only_loss, " masked-only"),
               (args.compile_loss, " compiled-loss"),
               (args.compile_loss and args.loss_kernel == "inductor", " (inductor kernel)"),
@@ -459,7 +445,7 @@ def row_name(args: argparse.Namespace, fp8: bool, grouped: Optional[bool]) -> st
               (args.compile_optimizer_step, " compiled-optimizer"),
               (args.recompute != "none", f" recompute-{args.recompute}"),
               (not args.gradient_accumulation_fusion, " no-grad-accum-fusion"),
-              (not args.bias_swiglu_fusion, " no-swiglu-fusion"), (args.rmsnorm_fusion, " rmsnorm-fusion"),
+              (not args.bias_swiglu_fusion, " no-swiglu-fusion"),
               (args.cache_low_precision_weights, " weight-copies"),
               (args.exp_avg_dtype != "fp32", f" exp-avg-{args.exp_avg_dtype}"),
               (args.exp_avg_sq_dtype != "fp32", f" exp-avg-sq-{args.exp_avg_sq_dtype}"),

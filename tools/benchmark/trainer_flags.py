@@ -75,7 +75,7 @@ def lever_flags(args: argparse.Namespace, device: torch.device) -> List[str]:
         flags += ["--recompute-method", "uniform", "--recompute-num-layers", "1"] if args.recompute == "full" else []
     switches = [(args.torch_compile, "--torch-compile"), (args.compile_optimizer_step, "--compile-optimizer-step"),
                 (not args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
-                (not args.bias_swiglu_fusion, "--no-bias-swiglu-fusion"), (args.rmsnorm_fusion, "--rmsnorm-fusion"),
+                (not args.bias_swiglu_fusion, "--no-bias-swiglu-fusion"),
                 # working copies need a low-precision compute type: none on a CPU's fp32
                 (args.cache_low_precision_weights and bf16, "--cache-low-precision-weights"),
                 (bool(args.moe_grouped_gemm), "--moe-grouped-gemm")]
@@ -84,8 +84,8 @@ def lever_flags(args: argparse.Namespace, device: torch.device) -> List[str]:
         flags += ["--use-precision-aware-optimizer", "--exp-avg-dtype", args.exp_avg_dtype,
                   "--exp-avg-sq-dtype", args.exp_avg_sq_dtype]
     if args.fp8:
-        flags += ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
-        flags += ["--fp8-output-layer"] if args.fp8_output_layer else []
+        # our float8 layers run under bf16 autocast (on a CPU too, eagerly): the fp8 row computes in bf16
+        flags += ([] if bf16 else ["--bf16"]) + ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
     return flags
 
 

@@ -1,2 +1,3 @@
-"""Float8 training: the float8 GEMMs and their scaling (tensorwise, delayed), the float8 SwiGLU MLP,
-and the torchao float8 linears (`torchao_float8`). Where is fp8? Here (its kernels in ../fusions/)."""
+"""Float8 training: the float8 GEMMs and their scaling (tensorwise, delayed) and the float8 SwiGLU MLP,
+which the decoder's linear layers run from float8 working copies of their weights (../precision/).
+Where is fp8? Here (its kernels in ../fusions/)."""

@@ -1,42 +1,34 @@
-"""Float8 GEMMs for the chunked output layer (`--fp8-output-layer`): tensorwise-scaled e4m3 / e5m2
-operands through `torch._scaled_mm`.
+"""Float8 GEMMs of the decoder's linear layers: tensorwise-scaled e4m3 / e5m2 operands through
+`torch._scaled_mm`, reading float8 working copies of the weights (precision/weight_copies.py), which
+`--fp8-format` turns on.
 
-The decoder's linears train in fp8 through torchao (fp8/torchao_float8.py); the output layer is not
-an `nn.Linear` there but the chunked loss of linear_cross_entropy.py, so its GEMMs are cast here.
-Two of its three GEMMs run in fp8: the logits (chunk of hidden states x weight^T) and the input
-gradient (logits gradient x weight). The weight gradient stays in the compute dtype, accumulated in
-fp32 across chunks, as torchao's recipes that keep the weight gradient in high precision do.
+Scaling is tensorwise: each operand is multiplied by max(dtype) / amax before the cast (saturating),
+and the GEMM multiplies the product back by both inverses; the amax is the operand's own (current
+scaling), or with `--fp8-recipe delayed` the scale comes from earlier iterations' amaxes
+(float8_scaling.py). Forward operands are e4m3; the output gradient is e5m2 under the hybrid format
+(Megatron's meaning), e4m3 under e4m3. cuBLAS wants the first operand row-major, the second
+column-major and every dimension a multiple of 16.
 
-Scaling is tensorwise and dynamic: each operand is multiplied by max(dtype) / amax(operand) before
-the cast (saturating), and the GEMM multiplies the product back by both inverses. Forward operands
-are e4m3; the logits gradient is e5m2 under the hybrid format (Megatron's meaning), e4m3 under
-e4m3. cuBLAS wants the first operand row-major, the second column-major and every dimension a
-multiple of 16: rows are padded with zeros to a multiple of 16 (after the cast, on the 1-byte
-copy) and the weight is kept in both layouts (two copies of V/tp x h bytes). On CUDA the cast is
-compiled: one reduction for the amax and one pass that scales, saturates and casts, instead of
-an fp32 copy of a [chunk, V/tp] logits gradient.
-
-`float8_linear` is the decoder's linear layers in the same recipe, reading float8 working copies of
-their weights (`--cache-low-precision-weights` under `--fp8-format`, weight_copies.py) instead of
-casting the fp32 weight every forward as torchao's float8 linears do. All three GEMMs run in float8
-(torchao's tensorwise recipe): the output (e4m3 x e4m3, fast accumulation), the input gradient (the
-output gradient x the weight's transposed copy) and the weight gradient (the output gradient x the
-input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's gradient leaves its
-GEMM in fp32). The forward saves the input's float8 transposed copy for the weight gradient (1 byte
-an element instead of the compute dtype's 2, and no second cast in the backward). A cast by the tensor's
-own amax is tensor math that the compiled layer fuses (a Triton kernel was no faster there: the amax
-before the cast is the cost); a cast by a given scale (delayed scaling) is one Triton kernel that writes
-both layouts and takes the amax (fused_float8_cast.py), where compiled tensor math took two passes.
-As the bf16 layers' (fp32_weight_grad.py), the weight gradient of a micro-batch after a step's first is
-added into `.grad` by its GEMM where the schedule allows it (`grad_into`): `_scaled_mm` has no beta, so
-that GEMM is cuBLASLt's own, called with beta = 1 (cublaslt.py). A SwiGLU MLP of two such layers runs as one function
-(float8_mlp.py: the same GEMMs, `forward_gemm` and `backward_gemms`, with SwiGLU fused into the casts).
+`float8_linear` reads its weight's float8 copies (cast once an iteration) instead of casting the fp32
+weight every forward. All three GEMMs run in float8: the output (e4m3 x e4m3, fast accumulation), the
+input gradient (the output gradient x the weight's transposed copy) and the weight gradient (the output
+gradient x the input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's
+gradient leaves its GEMM in fp32). The forward saves the input's float8 transposed copy for the weight
+gradient (1 byte an element instead of the compute dtype's 2, and no second cast in the backward). A
+cast by the tensor's own amax is tensor math that the compiled layer fuses (a Triton kernel was no
+faster there: the amax before the cast is the cost); a cast by a given scale (delayed scaling) is one
+Triton kernel that writes both layouts and takes the amax (fused_float8_cast.py), where compiled tensor
+math took two passes. As the bf16 layers' (fp32_weight_grad.py), the weight gradient of a micro-batch
+after a step's first is added into `.grad` by its GEMM where the schedule allows it (`grad_into`):
+`_scaled_mm` has no beta, so that GEMM is cuBLASLt's own, called with beta = 1 (cublaslt.py). A SwiGLU
+MLP of two such layers runs as one function (float8_mlp.py: the same GEMMs, `forward_gemm` and
+`backward_gemms`, with SwiGLU fused into the casts). On a CPU the GEMMs run eagerly through torch's own
+kernel (`float8_gemms_on_cpu`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -106,49 +98,14 @@ def to_float8(tensor: torch.Tensor, dtype: torch.dtype):
     return float8_with_amax(tensor, dtype)[:2]
 
 
-def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """A float8 [rows, k] padded with zero rows to a multiple of ALIGNMENT (through its bytes)."""
-    rows = tensor.shape[0]
-    padded = -(-rows // ALIGNMENT) * ALIGNMENT
-    if padded == rows:
-        return tensor
-    return torch.nn.functional.pad(tensor.view(torch.uint8), (0, 0, 0, padded - rows)).view(tensor.dtype)
-
-
-@dataclass
-class Float8Weight:
-    """A [V/tp, h] weight cast once per forward: row-major (for the logits) and transposed (for the
-    input gradient), with its inverse scale."""
-
-    rows: torch.Tensor
-    columns: torch.Tensor
-    inverse_scale: torch.Tensor
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> "Float8Weight":
-        if weight.shape[0] % ALIGNMENT or weight.shape[1] % ALIGNMENT:
-            raise ValueError(f"--fp8-output-layer needs the output layer's [V/tp, h] = {tuple(weight.shape)} in "
-                             f"multiples of {ALIGNMENT} (pad the vocabulary with --make-vocab-size-divisible-by)")
-        rows, inverse = to_float8(weight, FORWARD_DTYPE)
-        return cls(rows, rows.t().contiguous(), inverse)
-
-
-def logits(hidden: torch.Tensor, weight: Float8Weight, out_dtype: torch.dtype) -> torch.Tensor:
-    """hidden [c, h] @ weight^T -> [c, V/tp] in `out_dtype`, both operands e4m3."""
-    count = hidden.shape[0]
-    hidden8, inverse = to_float8(hidden, FORWARD_DTYPE)
-    product = torch._scaled_mm(_pad_rows(hidden8), weight.rows.t(), scale_a=inverse, scale_b=weight.inverse_scale,
-                               out_dtype=out_dtype)
-    return product[:count]
-
-
-def input_gradient(grad_logits: torch.Tensor, weight: Float8Weight, fmt: str) -> torch.Tensor:
-    """grad_logits [c, V/tp] @ weight -> [c, h] in fp32, the gradient in the format's gradient dtype."""
-    count = grad_logits.shape[0]
-    grad8, inverse = to_float8(grad_logits, GRADIENT_DTYPES[fmt])
-    product = torch._scaled_mm(_pad_rows(grad8), weight.columns.t(), scale_a=inverse, scale_b=weight.inverse_scale,
-                               out_dtype=torch.float32)
-    return product[:count]
+def float8_gemms_on_cpu(device: torch.device) -> None:
+    """Float8 GEMMs on a CPU (tests, the quickstart) through torch's own `_scaled_mm` kernel, which
+    widens the operands and runs its ordinary GEMM: oneDNN's float8 matmul, which torch takes on CPUs
+    with AMX tiles, is oneDNN's reference loop there (about 1 s for one [1024, 128] x [128, 384]
+    product on a Sapphire Rapids core, 3 ms through torch's kernel, the same bits). This turns oneDNN
+    off for the process, so call it only where float8 GEMMs run on the CPU."""
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        torch.backends.mkldnn.enabled = False
 
 
 class DelayedScales(NamedTuple):
@@ -185,7 +142,7 @@ def scaled_cast_both_layouts(tensor: torch.Tensor, dtype: torch.dtype, scale: to
 def forward_gemm(x8: torch.Tensor, x_inverse: torch.Tensor, rows: torch.Tensor, inverse_scale: torch.Tensor,
                  out_dtype: torch.dtype) -> torch.Tensor:
     """A float8 layer's output: the cast input [M, K] x the weight's row-major copy [N, K]^T, fast
-    accumulation (torchao's forward)."""
+    accumulation, as torchao's float8 forward."""
     return torch._scaled_mm(x8, rows.t(), scale_a=x_inverse, scale_b=inverse_scale, out_dtype=out_dtype,
                             use_fast_accum=True)
 

@@ -105,8 +105,8 @@ def _scale(scales: Optional[torch.Tensor], index: int) -> Optional[torch.Tensor]
 
 
 def _copies(fc1, fc2, x: torch.Tensor, config):
-    """The two layers' float8 copies where the fused function runs this MLP: tensor-parallel layers (not
-    torchao's), gated SiLU, no fc1 bias, both layers float8 under autocast (where fp32_weight_grad.linear
+    """The two layers' float8 copies where the fused function runs this MLP: tensor-parallel layers,
+    gated SiLU, no fc1 bias, both layers float8 under autocast (where fp32_weight_grad.linear
     would run each in float8) and `x`'s rows aligned before fc1's gather (so after it too); else None."""
     if not (isinstance(fc1, ColumnParallelLinear) and isinstance(fc2, RowParallelLinear) and fc2.input_is_parallel):
         return None

@@ -1,7 +1,7 @@
-"""Where the project's Triton kernels can run: the one gate the loss, SwiGLU and RMSNorm kernels read.
+"""Where the project's Triton kernels can run: the one gate the loss, SwiGLU and float8 kernels read.
 
 A kernel runs on CUDA tensors wherever Triton is installed, and on CPU tensors under Triton's
-interpreter (TRITON_INTERPRET=1, which the tests set). Kernels inside compiled layers (SwiGLU, RMSNorm)
+interpreter (TRITON_INTERPRET=1, which the tests set). Kernels inside compiled layers (SwiGLU, the float8 casts)
 take CPU tensors only where a test allows it (`interpreter_allowed`): a CPU model under torch.compile
 would hand them to Inductor's CPU backend, which cannot run them. Kernels called eagerly (the loss's)
 use the interpreter whenever it is on.

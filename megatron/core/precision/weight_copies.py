@@ -21,16 +21,16 @@ optimizer, and ZeRO-1's broadcast of the other ranks' shards (collectives do not
 counters), leave them to the refresh, which then costs one cast a step instead of one per
 micro-batch. Evaluation (`module.eval()`) always casts, so no copy is read outside training.
 
-Under `--fp8-format` the copies are float8 instead (`Float8Copy`): each decoder linear layer whose
-dimensions are multiples of 16 keeps its weight in e4m3 twice (row-major for the forward GEMM and
-transposed for the input gradient's) with the inverse scale, and runs its GEMMs in float8 itself
-(`float8_matmul.float8_linear`) instead of through torchao, which casts the fp32 weight in every
-micro-batch's forward (and transposes it in the backward). The refresh casts every float8 copy once
-an iteration with the weight's own amax (current scaling: torchao's tensorwise recipe, whatever
-wrote the weight), so a ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values.
-The optimizer does not write them: a write in its update kernel would have to scale by an amax
-from before the update (measured at the 7B width, docs/performance_history.md: it did not pay). In
-evaluation the weight is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
+Under `--fp8-format` (which turns the copies on itself) the copies are float8 instead (`Float8Copy`):
+each decoder linear layer whose dimensions are multiples of 16 keeps its weight in e4m3 twice
+(row-major for the forward GEMM and transposed for the input gradient's) with the inverse scale, and
+runs its GEMMs in float8 itself (`float8_matmul.float8_linear`) instead of casting the fp32 weight in
+every micro-batch's forward (and transposing it in the backward). The refresh casts every float8 copy
+once an iteration with the weight's own amax (current scaling, whatever wrote the weight), so a
+ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values. The optimizer does not
+write them: a write in its update kernel would have to scale by an amax from before the update
+(measured at the 7B width, docs/performance_history.md: it did not pay). In evaluation the weight
+is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
 gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
 calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor or
 context parallelism each rank casts what its GEMMs read: its weight shard by the shard's amax, and

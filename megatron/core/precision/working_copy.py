@@ -40,7 +40,7 @@ class Float8Copy(NamedTuple):
 def _cast_float8(copies: List[Float8Copy], weights: List[torch.Tensor]) -> None:
     """Current scaling: each weight's float8 values in both layouts with its own amax."""
     for copy, weight in zip(copies, weights):
-        values, inverse_scale = to_float8(weight, FORWARD_DTYPE)  # the output layer's cast (float8_matmul.py)
+        values, inverse_scale = to_float8(weight, FORWARD_DTYPE)  # current scaling (float8_matmul.py)
         copy.rows.copy_(values)
         copy.columns.copy_(values.t())
         copy.inverse_scale.copy_(inverse_scale)

@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.fp8 import float8_matmul
 from megatron.core.fusions import fused_cross_entropy
 from megatron.core.tensor_parallel.fp32_weight_grad import matmul_into
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
@@ -46,8 +45,6 @@ class _Layout:
     """Each chunk's softmax, loss and logits gradient fused: on one rank one kernel (Triton's, else
     torch.compile's); over tensor-parallel ranks Triton's two kernels with one all-gather between
     (where Triton does not run there, the eager passes)."""
-    fp8: Optional[str] = None
-    """`hybrid` or `e4m3`: the logits and input-gradient GEMMs in float8 (float8_matmul.py)."""
     triton_kernel: bool = True
     """With `compiled`: the hand-written Triton kernels where they can run (False: torch.compile's kernel
     on one rank, the eager passes over tensor-parallel ranks; DLMConfig.loss_kernel)."""
@@ -60,22 +57,9 @@ def _chunks(count: int, chunk_size: int):
     return [(start, min(start + step, count)) for start in range(0, count, step)]
 
 
-def _low_logits(hidden: torch.Tensor, weight: torch.Tensor, float8: Optional[float8_matmul.Float8Weight]):
-    """A chunk's logits on this rank's slice in the compute dtype: a compute-dtype GEMM, or with
-    `float8` (the same weight cast, `_Layout.fp8`) a float8 one."""
-    if float8 is None:
-        return hidden @ weight.t()
-    return float8_matmul.logits(hidden, float8, weight.dtype)
-
-
-def _float8_weight(weight: torch.Tensor, layout: _Layout) -> Optional[float8_matmul.Float8Weight]:
-    return float8_matmul.Float8Weight.of(weight) if layout.fp8 else None
-
-
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: _Layout,
-                  float8: Optional[float8_matmul.Float8Weight] = None) -> torch.Tensor:
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """fp32 logits of a chunk of tokens on this rank's slice, -inf at the vocabulary padding."""
-    logits = _low_logits(hidden, weight, float8).float()
+    logits = (hidden @ weight.t()).float()
     if layout.valid_rows < weight.shape[0]:
         logits[:, layout.valid_rows:] = float("-inf")
     return logits
@@ -87,10 +71,9 @@ def _local_targets(targets: torch.Tensor, local_rows: int, layout: _Layout):
     return (targets - layout.vocab_start).masked_fill(foreign, 0), foreign
 
 
-def _chunk_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, layout: _Layout,
-                   float8: Optional[float8_matmul.Float8Weight] = None):
+def _chunk_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, layout: _Layout):
     """fp32 (exp(logits - max), sum_exp, target_logit - max, max, local target, foreign mask) of a chunk."""
-    logits = _chunk_logits(hidden, weight, layout, float8)
+    logits = _chunk_logits(hidden, weight, layout)
     logits_max = all_reduce_in_place(logits.amax(dim=-1), dist.ReduceOp.MAX, layout.group)
     logits.sub_(logits_max.unsqueeze(-1))
     local_target, foreign = _local_targets(targets, weight.shape[0], layout)
@@ -166,17 +149,11 @@ def _vocab_parallel_fused(logits, targets, scale, layout: _Layout):
 
 
 def _accumulate(grad_logits, hidden, weight, grad_hidden, grad_weight, start: int, end: int,
-                add_hidden: bool, add_weight: bool, float8=None, fmt: Optional[str] = None) -> None:
+                add_hidden: bool, add_weight: bool) -> None:
     """The chunk's contribution written to (or, with add_*, added to) grad_hidden[start:end] and
-    grad_weight (fp32); the matmuls run in the compute dtype, the input gradient's in float8 with
-    `float8` (the weight's cast) and `fmt` (`_Layout.fp8`)."""
+    grad_weight (fp32); the matmuls run in the compute dtype."""
     grad_logits = grad_logits.to(weight.dtype)
-    if float8 is None:
-        matmul_into(grad_hidden[start:end], grad_logits, weight, add_hidden)
-    elif add_hidden:
-        grad_hidden[start:end] += float8_matmul.input_gradient(grad_logits, float8, fmt)
-    else:
-        grad_hidden[start:end] = float8_matmul.input_gradient(grad_logits, float8, fmt)
+    matmul_into(grad_hidden[start:end], grad_logits, weight, add_hidden)
     matmul_into(grad_weight, grad_logits.t(), hidden, add_weight)
 
 
@@ -189,7 +166,6 @@ def _compute_weight(weight: torch.Tensor, weight_low: Optional[torch.Tensor], la
 def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, needs_grad: bool, weight_low=None):
     """Per-token losses, their log-sum-exp, and (grad_hidden, grad_weight) of sum(loss_weights * losses)."""
     compute_weight = _compute_weight(weight, weight_low, layout)
-    float8 = _float8_weight(compute_weight, layout)
     count = hidden.shape[0]
     losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
     log_sum_exp = torch.empty_like(losses)
@@ -199,18 +175,18 @@ def _forward_chunks(hidden, weight, targets, loss_weights, layout: _Layout, need
         chunk = hidden[start:end].to(layout.compute_dtype)
         if needs_grad and _fuses(layout, chunk):
             losses[start:end], log_sum_exp[start:end], grad_logits = _fused_softmax_loss_gradient(
-                _low_logits(chunk, compute_weight, float8), targets[start:end], loss_weights[start:end], layout)
+                chunk @ compute_weight.t(), targets[start:end], loss_weights[start:end], layout)
             _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end,
-                        add_hidden=False, add_weight=index > 0, float8=float8, fmt=layout.fp8)
+                        add_hidden=False, add_weight=index > 0)
             continue
         exp_logits, sum_exp, target_logit, logits_max, local_target, foreign = _chunk_softmax(
-            chunk, compute_weight, targets[start:end], layout, float8)
+            chunk, compute_weight, targets[start:end], layout)
         losses[start:end] = torch.log(sum_exp) - target_logit
         log_sum_exp[start:end] = torch.log(sum_exp) + logits_max
         if needs_grad:
             grad_logits = _logits_gradient(exp_logits, sum_exp, local_target, foreign, loss_weights[start:end])
             _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end,
-                        add_hidden=False, add_weight=index > 0, float8=float8, fmt=layout.fp8)
+                        add_hidden=False, add_weight=index > 0)
         del exp_logits
     if needs_grad and not chunks:  # no token selected: the gradients are zero
         grad_hidden.zero_(), grad_weight.zero_()
@@ -279,26 +255,25 @@ def _per_token_backward(hidden, weight, targets, log_sum_exp, grad_losses, layou
     if fresh:
         grad_hidden, grad_weight = _empty_gradients(hidden, weight)
     compute_weight = _compute_weight(weight, weight_low, layout)
-    float8 = _float8_weight(compute_weight, layout)  # the forward's logits, rebuilt the same way
     chunks = _chunks(hidden.shape[0], layout.chunk_size)
     if fresh and not chunks:
         grad_hidden.zero_(), grad_weight.zero_()
     for index, (start, end) in enumerate(chunks):
         chunk = hidden[start:end].to(layout.compute_dtype)
-        logits = _chunk_logits(chunk, compute_weight, layout, float8)
+        logits = _chunk_logits(chunk, compute_weight, layout)
         softmax = logits.sub_(log_sum_exp[start:end].unsqueeze(-1)).exp_()
         local_target, foreign = _local_targets(targets[start:end], weight.shape[0], layout)
         ones = torch.ones_like(log_sum_exp[start:end])
         grad_logits = _logits_gradient(softmax, ones, local_target, foreign, grad_losses[start:end].float())
         _accumulate(grad_logits, chunk, compute_weight, grad_hidden, grad_weight, start, end,
-                    add_hidden=not fresh, add_weight=not fresh or index > 0, float8=float8, fmt=layout.fp8)
+                    add_hidden=not fresh, add_weight=not fresh or index > 0)
     return grad_hidden, grad_weight
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          loss_weights: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
                          unpadded_vocab_size: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
-                         chunk_size: int = 4096, compiled: bool = False, fp8: Optional[str] = None,
+                         chunk_size: int = 4096, compiled: bool = False,
                          weight_low: Optional[torch.Tensor] = None, triton_kernel: bool = True,
                          tied: Optional[TiedGradient] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token fp32 losses [n], sum(losses * loss_weights)) of `hidden @ weight.T` against `targets`.
@@ -311,8 +286,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     constants (no gradient flows to them). Matmuls run in `compute_dtype` (default: the weight's),
     the softmax in fp32. `compiled`: each chunk's softmax and logits gradient run fused (see
     `_Layout.compiled`; `triton_kernel`: through the Triton kernels where they run, see
-    `_Layout.triton_kernel`). `fp8` (`hybrid` or `e4m3`): the logits and input-gradient GEMMs in float8
-    (float8_matmul.py). `weight_low`: the weight's working copy in `compute_dtype`
+    `_Layout.triton_kernel`). `weight_low`: the weight's working copy in `compute_dtype`
     (`--cache-low-precision-weights`), read instead of casting `weight`; the gradient still reaches
     `weight`. `tied`: where `weight` is also the word embedding looked up in this forward, the weight's
     gradient is handed to the embedding's backward to complete (tied_gradient.py) instead of being
@@ -326,9 +300,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     local = weight.shape[0]
     vocab_start = group_rank(tp_group) * local
     valid_rows = local if unpadded_vocab_size is None else max(0, min(local, unpadded_vocab_size - vocab_start))
-    if fp8 is not None and fp8 not in float8_matmul.GRADIENT_DTYPES:
-        raise ValueError(f"fp8={fp8!r}: choose from {sorted(float8_matmul.GRADIENT_DTYPES)}")
-    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled, fp8,
+    layout = _Layout(tp_group, vocab_start, valid_rows, compute_dtype or weight.dtype, chunk_size, compiled,
                      triton_kernel)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, loss_weights.detach().float(), layout, needs_grad,

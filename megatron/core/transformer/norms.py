@@ -9,7 +9,6 @@ from torch import nn
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import all_reduce_with_partial_grads
-from megatron.core.fusions import fused_rmsnorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -19,17 +18,16 @@ def _scale(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """`fusion`: through RMSNorm's Triton kernels where they run (fused_rmsnorm.py), the same math."""
+    """Plain tensor math: under --torch-compile Inductor fuses it with its neighbours (a hand-written
+    kernel measured slower, docs/performance.md)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 zero_centered_gamma: bool = False, fusion: bool = False) -> None:
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
-        self.eps, self.zero_centered_gamma, self.fusion = eps, zero_centered_gamma, fusion
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
         self.weight = nn.Parameter(torch.full((dim,), 0.0 if zero_centered_gamma else 1.0, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fusion and fused_rmsnorm.available(x):
-            return fused_rmsnorm.rms_norm(x, _scale(self.weight, self.zero_centered_gamma), self.eps)
         # fp32 statistics: bf16 sums of squares over thousands of channels lose precision.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,9 +50,8 @@ class LayerNorm(nn.Module):
 
 def build_norm(config: TransformerConfig, dim: int) -> nn.Module:
     if config.normalization == "RMSNorm":
-        fused_rmsnorm.register_for(config)
         norm = RMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype,
-                       zero_centered_gamma=config.layernorm_zero_centered_gamma, fusion=config.rmsnorm_fusion)
+                       zero_centered_gamma=config.layernorm_zero_centered_gamma)
     else:
         norm = LayerNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype,
                          zero_centered_gamma=config.layernorm_zero_centered_gamma)

@@ -147,9 +147,6 @@ class TransformerConfig:
     bias_swiglu_fusion: bool = True
     """SwiGLU's forward and backward as Triton kernels on CUDA (fusions/fused_swiglu.py) instead of
     the tensor math; Megatron's flag name (there is no fc1 bias to fuse when biases are off)."""
-    rmsnorm_fusion: bool = False
-    """RMSNorm's forward and backward as Triton kernels on CUDA (fusions/fused_rmsnorm.py: the
-    input's and the weight's gradients in one pass) instead of the tensor math; off until measured."""
 
     recompute_granularity: Optional[str] = None
     """None, 'selective' (recompute core attention only) or 'full' (whole layers)."""
@@ -221,8 +218,6 @@ class TransformerConfig:
         _check_choice(owner, "activation", self.activation, ACTIVATIONS)
         _check_choice(owner, "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice(owner, "qk_layernorm_scope", self.qk_layernorm_scope, QK_LAYERNORM_SCOPES)
-        if self.rmsnorm_fusion and self.normalization != "RMSNorm":
-            raise ValueError(f"{owner}.rmsnorm_fusion needs normalization='RMSNorm'; drop --rmsnorm-fusion")
         if self.qk_layernorm_scope != "head" and not self.qk_layernorm:
             raise ValueError(f"{owner}.qk_layernorm_scope={self.qk_layernorm_scope!r} needs qk_layernorm; "
                              "add --qk-layernorm or drop the scope")
@@ -374,9 +369,6 @@ class DLMConfig:
     fusions/fused_cross_entropy.py) or inductor (torch.compile's kernel of the same function on
     one rank; the eager passes under tensor parallelism). Same values up to float rounding; a choice of
     speed, timed one against the other by tools/benchmark/train_throughput.py --loss-kernel."""
-    fp8_output_layer: Optional[str] = None
-    """`hybrid` or `e4m3` (`--fp8-output-layer` with `--fp8-format`): with `masked_only_loss`, the
-    output layer's logits and input-gradient GEMMs in float8 (fp8/float8_matmul.py)."""
 
     def __post_init__(self) -> None:
         self.attention_mask_type = MASK_TYPE_ALIASES.get(self.attention_mask_type, self.attention_mask_type)
@@ -415,10 +407,6 @@ class DLMConfig:
         _check_choice(owner, "loss_kernel", self.loss_kernel, LOSS_KERNELS)
         if self.compile_loss and not self.masked_only_loss:
             raise ValueError(f"{owner}.compile_loss needs masked_only_loss (--difflm-masked-only-loss)")
-        if self.fp8_output_layer is not None:
-            _check_choice(owner, "fp8_output_layer", self.fp8_output_layer, ("hybrid", "e4m3"))
-            if not self.masked_only_loss:
-                raise ValueError(f"{owner}.fp8_output_layer needs masked_only_loss (--difflm-masked-only-loss)")
         if self.is_diffusion:
             if self.mask_token_id is None:
                 raise ValueError(f"{owner}.mask_token_id is not set but model_running_mode="

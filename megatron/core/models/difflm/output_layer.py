@@ -171,7 +171,6 @@ class OutputLayer(MegatronModule):
             selected, weight, labels[rows, positions], weights[rows, positions], self.tp_group,
             unpadded_vocab_size=self.config.unpadded_vocab_size, compute_dtype=self.config.compute_dtype,
             chunk_size=self.dlm_config.loss_chunk_size, compiled=self.dlm_config.compile_loss,
-            fp8=self.dlm_config.fp8_output_layer, weight_low=weight_low, tied=tied,
-            triton_kernel=self.dlm_config.loss_kernel == "triton")
+            weight_low=weight_low, tied=tied, triton_kernel=self.dlm_config.loss_kernel == "triton")
         per_token = losses.new_zeros(labels.shape).index_put((rows, positions), losses)
         return per_token, loss_sum
