@@ -66,15 +66,27 @@ def test_the_float8_gemms_multiply_the_tensorwise_cast_operands(fp8_format, bias
     ours = _run(torch.compile(layer) if device == "compiled" else layer, x, grad)
     x16, grad16 = x.reshape(-1, 64).bfloat16().float(), grad.reshape(-1, 48).bfloat16().float()
     shift = layer.bias.detach().bfloat16().float() if bias else 0.0
-    operands = {"float8": (_float8_values(x16, FORWARD_DTYPE), _float8_values(layer.weight.detach(), FORWARD_DTYPE),
+    weight8 = _float8_values(layer.weight.detach(), FORWARD_DTYPE)
+    operands = {"float8": (_float8_values(x16, FORWARD_DTYPE), weight8,
                            _float8_values(grad16, GRADIENT_DTYPES[fp8_format])),
                 "bf16": (x16, layer.weight.detach().bfloat16().float(), grad16)}
+    if device == "compiled":
+        # Inductor keeps a fused kernel's intermediates in fp32 (torch._inductor.config.emulate_precision_casts is
+        # off), so its cast may read the input and the output gradient before autocast's bf16 rounding: a float8
+        # operand then lands one float8 step from the eager one (seen on an H100: 1.85% of the output's largest
+        # value apart). Those operands are the other float8 reference, and the nearer one must hold.
+        x32, grad32 = x.reshape(-1, 64), grad.reshape(-1, 48)
+        operands["float8 of fp32"] = (_float8_values(x32, FORWARD_DTYPE), weight8,
+                                      _float8_values(grad32, GRADIENT_DTYPES[fp8_format]))
     products = {kind: ((a @ w.t() + shift).reshape(2, 16, 48), (g @ w).reshape(2, 16, 64), g.t() @ a)
                 for kind, (a, w, g) in operands.items()}
-    for name, mine, float8, bf16 in zip(("output", "input grad", "weight grad"), ours, *products.values()):
-        error = (mine.float() - float8).abs().max()
+    for index, name in enumerate(("output", "input grad", "weight grad")):
+        mine, bf16 = ours[index].float(), products["bf16"][index]
+        float8 = min((product[index] for kind, product in products.items() if kind != "bf16"),
+                     key=lambda reference: (mine - reference).abs().max().item())
+        error = (mine - float8).abs().max()
         assert error <= 0.01 * float8.abs().max(), name  # the GEMM's bf16 output rounding at most
-        assert error < (mine.float() - bf16).abs().max() / 4, name  # the operands were float8's
+        assert error < (mine - bf16).abs().max() / 4, name  # the operands were float8's
     assert x.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
 
 
