@@ -29,8 +29,6 @@ setup(
         "dev": ["pytest", "pytest-timeout", "triton>=3.5; platform_system == 'Linux'", "transformers>=4.56", "gguf",
                 "ruff", "lm-eval[hf]>=0.4.5,<0.5"],
         "hf": ["transformers", "gguf"],  # gguf: tools/weights_conversion/gguf_to_hf.py
-        # Optional kernels; the package imports and runs without them.
-        "kernels": ["liger-kernel"],
         "wandb": ["wandb"],
     },
 )
