@@ -132,19 +132,29 @@ class RunConfig:
     dlm: DLMConfig
     """The running mode and the corruption (custom_args/difflm.py's --difflm-* flags)."""
     parallel: ParallelConfig
+    """The layout: --tensor/pipeline/context/expert-model-parallel-size, --sequence-parallel, the data-parallel
+    strategy and the process group's flags."""
     data: DataConfig
+    """What the datasets provider and get_batch read: --seq-length, --tokenizer-type, --mock-data, the paths,
+    --split, --eod-mask-loss, --reset-*, --sft."""
     training: TrainingConfig
+    """Batches, iterations, fp16 loss scaling and the exit rules (--micro-batch-size, --train-iters, ...)."""
     optimizer: OptimizerConfig
     """AdamW: --lr, --weight-decay, --adam-*, --clip-grad, --decoupled-lr, --compile-optimizer-step, --exp-avg-*."""
     lr_schedule: Mapping[str, object]
     """OptimizerParamScheduler's keyword arguments (--lr-*, --min-lr, --*-weight-decay; schedule_args.py)."""
     precision: PrecisionConfig
+    """--cache-low-precision-weights and --fp8-*."""
     checkpoint: CheckpointConfig
+    """--save, --load and their options."""
     logging: LoggingConfig
+    """--log-*, --tensorboard-*, --wandb-*, --timing-log-*."""
     profiling: ProfilingConfig
+    """--profile and its window, --record-memory-history."""
     rerun: RerunConfig
     """--rerun-mode, --check-for-*, --error-injection-* (rerun_args.py)."""
     lm_eval: LMEvalConfig
+    """--lm-eval-* (in-loop lm-eval tasks)."""
     record: RunRecord
     """What a checkpoint records about the run and what --load compares."""
     torch_compile: bool = False
