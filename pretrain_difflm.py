@@ -4,7 +4,8 @@
         --model-running-mode difflm-noshift --attention-mask-type no_mask
 
 The three functions Megatron users know: `model_provider`, `forward_step` (with its
-`loss_func`) and `train_valid_test_datasets_provider`. The corruption happens here, on the
+`loss_func`) and `train_valid_test_datasets_provider`; each receives the run's typed configs, a
+RunConfig (megatron/training/run_config.py), not the flags' Namespace. The corruption happens here, on the
 data side, keyed by each sample's index in its stream: `forward_step` builds the key and hands
 the clean batch to megatron/core/models/difflm/objective.py (`loss_inputs`, the one path from a
 clean batch to the model's input, loss weights and normalizer; diffusion.py is the process).
@@ -12,7 +13,6 @@ clean batch to the model's input, loss weights and normalizer; diffusion.py is t
 
 from __future__ import annotations
 
-import argparse
 import math
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -31,57 +31,57 @@ from megatron.core.models.difflm.batch import check_token_ids, document_ids_from
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training import pretrain
+from megatron.training.run_config import RunConfig
 from megatron.training.training import StepContext
 
 
-def model_provider(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+def model_provider(config: RunConfig, pre_process: bool = True, post_process: bool = True,
                    pg: Optional[ProcessGroups] = None, layer_range: Optional[Tuple[int, int]] = None) -> GPTModel:
     """The model, or the pipeline stage holding layers [start, end) of `layer_range` (pre_process:
     it holds the embedding; post_process: the output layer)."""
     # get_batch checks every batch's ids on the host before the copy, so the model need not read
     # them back from the device (a host sync per micro-batch); it keeps a device-side assert.
-    config = args.transformer_config.replace(check_token_ids=False)
-    return GPTModel(config, args.dlm_config, pre_process=pre_process, post_process=post_process,
-                    layer_range=layer_range, pg=pg)
+    return GPTModel(config.model.replace(check_token_ids=False), config.dlm, pre_process=pre_process,
+                    post_process=post_process, layer_range=layer_range, pg=pg)
 
 
-def train_valid_test_datasets_provider(args: argparse.Namespace, num_samples: List[int]):
+def train_valid_test_datasets_provider(config: RunConfig, num_samples: List[int]):
     """Train, valid and test datasets of num_samples[i] samples each (None where 0); with --sft,
     rows of chat examples (megatron/core/datasets/sft_dataset.py)."""
-    eod = args.tokenizer.eod
-    sft = SFTDatasetConfig(args.seq_length, eod, args.sft_padding, args.seed) if args.sft else None
-    if args.mock_data:
+    data = config.data
+    eod = data.tokenizer.eod
+    sft = SFTDatasetConfig(data.seq_length, eod, data.sft_padding, data.seed) if data.sft else None
+    if data.mock_data:
         def mock(count: int, split: str):
             if sft is not None:
-                examples = mock_sft_examples(args.seq_length, eod, eod, args.seed, split)
+                examples = mock_sft_examples(data.seq_length, eod, eod, data.seed, split)
                 return SFTDataset(*examples, count, sft, name=f"mock {split}")
-            return MockGPTDataset(count, args.seq_length, text_vocab_size=eod, eod=eod, seed=args.seed, split=split)
+            return MockGPTDataset(count, data.seq_length, text_vocab_size=eod, eod=eod, seed=data.seed, split=split)
         return tuple(mock(count, split) if count else None
                      for count, split in zip(num_samples, ("train", "valid", "test")))
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Rank 0 builds the index files; the others wait at the barrier and read them.
     # Every piece read is checked against the tokenizer's own ids: the padding rows (and an appended
     # mask token) are never data.
-    builder = DatasetBuilder(GPTDatasetConfig(args.seq_length, args.seed, args.data_cache_path,
-                                               mmap_bin_files=not args.no_mmap_bin_files,
-                                               vocab_size=args.tokenizer.base_vocab_size),
+    builder = DatasetBuilder(GPTDatasetConfig(data.seq_length, data.seed, data.data_cache_path,
+                                               mmap_bin_files=not data.no_mmap_bin_files,
+                                               vocab_size=data.tokenizer.base_vocab_size),
                              barrier=dist.barrier if distributed else None,
                              is_builder=not distributed or dist.get_rank() == 0, sft=sft)
-    if args.data_path:
-        return tuple(builder.from_split(args.data_path, args.split, num_samples))
-    paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if data.data_path:
+        return tuple(builder.from_split(data.data_path, data.split, num_samples))
+    paths = [data.train_data_path, data.valid_data_path, data.test_data_path]
     return tuple(builder.from_split_paths(paths, num_samples))
 
 
-def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContext,
+def get_batch(data_iterator: Iterator, config: RunConfig, ctx: StepContext,
               device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
     """Tokens, targets, loss mask and packing metadata of one micro-batch on `device`."""
-    sample = next(data_iterator)
+    sample, data, dlm = next(data_iterator), config.data, config.dlm
     # Still on the host: the range check costs no device sync here (the model skips its own).
-    check_token_ids("tokens", sample["tokens"], args.padded_vocab_size)
+    check_token_ids("tokens", sample["tokens"], data.padded_vocab_size)
     tokens = sample["tokens"].to(device, non_blocking=True)
-    length = args.seq_length
-    dlm = args.dlm_config
+    length = data.seq_length
     if dlm.is_diffusion and ctx.training and dlm.varilen_prob > 0:
         # Keyed by where this micro-batch sits in the global batch, not by rank or accumulation
         # step: the same cut in every layout, the same on every rank (no stragglers). The multiple
@@ -95,30 +95,30 @@ def get_batch(data_iterator: Iterator, args: argparse.Namespace, ctx: StepContex
     inputs = tokens[:, :length]
     # DLMs predict the tokens they see (corrupted); AR models predict the next token.
     labels = inputs if dlm.is_diffusion else tokens[:, 1:length + 1]
-    eod = args.tokenizer.eod
-    loss_mask = (labels != eod) if args.eod_mask_loss else torch.ones_like(labels, dtype=torch.bool)
-    if args.sft:
-        return _sft_batch(sample, args, inputs, labels, loss_mask, device)
-    documents = document_ids_from_eod(inputs, eod) if (args.reset_attention_mask or args.reset_position_ids) else None
-    position_ids = positions_from_documents(documents) if args.reset_position_ids else None
+    eod = data.tokenizer.eod
+    loss_mask = (labels != eod) if data.eod_mask_loss else torch.ones_like(labels, dtype=torch.bool)
+    if data.sft:
+        return _sft_batch(sample, config, inputs, labels, loss_mask, device)
+    documents = document_ids_from_eod(inputs, eod) if (data.reset_attention_mask or data.reset_position_ids) else None
+    position_ids = positions_from_documents(documents) if data.reset_position_ids else None
     return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
-            "document_ids": documents if args.reset_attention_mask else None,
+            "document_ids": documents if data.reset_attention_mask else None,
             "index": sample["index"].to(device)}
 
 
-def _sft_batch(sample: Dict[str, torch.Tensor], args: argparse.Namespace, inputs: torch.Tensor,
+def _sft_batch(sample: Dict[str, torch.Tensor], config: RunConfig, inputs: torch.Tensor,
                labels: torch.Tensor, loss_mask: torch.Tensor, device: torch.device) -> Dict[str, torch.Tensor]:
     """get_batch with --sft: only answer positions carry a loss (in the DLM modes only they are
     maskable: the prompt stays clean), and packed rows attend inside each example."""
     length = inputs.shape[1]
     answer = sample["answer"].to(device, non_blocking=True)
-    if args.dlm_config.is_diffusion:
+    if config.dlm.is_diffusion:
         loss_mask = loss_mask & answer[:, :length]
     else:  # the label at i is token i + 1; AR fine-tuning leaves the EOD padding out
         padding = sample["padding"].to(device, non_blocking=True)
         loss_mask = loss_mask & (answer & ~padding)[:, 1:length + 1]
     documents = position_ids = None
-    if args.sft_padding == "pack":
+    if config.data.sft_padding == "pack":
         documents = sample["document_ids"].to(device, non_blocking=True)[:, :length]
         position_ids = positions_from_documents(documents)
     return {"inputs": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
@@ -130,13 +130,13 @@ def loss_func(normalizer: torch.Tensor, loss_sum: torch.Tensor) -> Tuple[torch.T
     return loss_sum, normalizer
 
 
-def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, args: argparse.Namespace):
+def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, config: RunConfig):
     """One micro-batch: its loss sum on the last pipeline stage (or without pipelining), the
     hidden states for the next stage elsewhere. Every stage reads the batch and derives the
     same corruption; a stage after the first takes its input from the previous one."""
     device = next(model.parameters()).device
-    batch = get_batch(data_iterator, args, ctx, device)
-    dlm = args.dlm_config
+    batch = get_batch(data_iterator, config, ctx, device)
+    dlm = config.dlm
     key = None
     if dlm.is_diffusion:
         key = diffusion.CorruptionKey(

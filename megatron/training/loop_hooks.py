@@ -6,10 +6,9 @@ does nothing, so a Trainer built by hand trains as before.
 
 from __future__ import annotations
 
-import argparse
 import gc
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -17,6 +16,9 @@ from megatron.training.configs import ProfilingConfig, TrainingConfig
 from megatron.training.profiling import MemoryHistory, StepProfiler, trace_dir
 from megatron.training.progress_log import ProgressLog
 from megatron.training.timers import Timers
+
+if TYPE_CHECKING:
+    from megatron.training.run_config import RunConfig
 
 
 class LoopHooks:
@@ -36,13 +38,14 @@ class LoopHooks:
         self._gc_was_enabled = gc.isenabled()
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, logger, runtime) -> "LoopHooks":
-        logging, training = args.logging_config, args.training_config
+    def from_config(cls, config: RunConfig, logger, runtime) -> "LoopHooks":
+        logging, training = config.logging, config.training
         progress = None
         if logging.log_progress:
             flops_per_sample = logger.flops_per_iteration / training.global_batch_size
-            progress = ProgressLog(args.save, args.world_size, flops_per_sample, runtime.is_main)
-        return cls(training, ProfilingConfig.from_args(args), runtime.device, runtime.rank, logger.timers, progress,
+            progress = ProgressLog(config.checkpoint.save, config.parallel.world_size, flops_per_sample,
+                                   runtime.is_main)
+        return cls(training, config.profiling, runtime.device, runtime.rank, logger.timers, progress,
                    logger, logging.log_interval, trace_dir(logging.tensorboard_dir))
 
     # ------------------------------------------------------------------ the loop's points

@@ -1,6 +1,6 @@
 """pretrain(): the training loop of MegaDLMs.
 
-The loop reads top to bottom: build (args -> process group -> model -> optimizer -> data),
+The loop reads top to bottom: build (flags -> RunConfig -> process group -> model -> optimizer -> data),
 then `Trainer.train()` runs steps; a step is micro-batches of forward/backward with the
 gradient all-reduce only on the last, one division by the global number of loss tokens,
 clipping, a non-finite check that skips the update, and the optimizer and LR steps.
@@ -8,7 +8,6 @@ clipping, a non-finite check that skips the update, and the optimizer and LR ste
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
@@ -20,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import (DataParallelConfig, finalize_gradients, is_fully_sharded,
-                                                     optimizer_sharding_group, unwrap, wrap_data_parallel)
+from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded, optimizer_sharding_group,
+                                                     unwrap, wrap_data_parallel)
 from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.pipeline_parallel.layer_split import stage_layer_range
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
@@ -34,21 +33,20 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.precision.weight_copies import WeightCopies, attach_weight_copies
-from megatron.core.optimizer.optimizer import (OptimizerConfig, build_optimizer, clip_grad_norm,
-                                              forget_gradient_scale)
+from megatron.core.optimizer.optimizer import build_optimizer, clip_grad_norm, forget_gradient_scale
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
 from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
-from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
+from megatron.training.arguments import ExtraArgsProvider, parse_args
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.configs import TrainingConfig
 from megatron.training.data_parallel_args import describe as describe_data_parallel
 from megatron.training.loss_scale import LossScale
 from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
 from megatron.training.loop_hooks import LoopHooks
-from megatron.training.precision_args import delayed_scaling, moment_dtypes
 from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
+from megatron.training.run_config import RunConfig, run_config
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
 
@@ -79,7 +77,7 @@ def validation_stream(draw: int) -> int:
     return 1 | (draw << 32)
 
 
-# forward_step(data_iterator, model, ctx, args) -> (output tensor, loss_func); loss_func(output)
+# forward_step(data_iterator, model, ctx, config: RunConfig) -> (output tensor, loss_func); loss_func(output)
 # -> (sum of weighted token losses, number of loss tokens).
 ForwardStepFunc = Callable[..., Tuple[torch.Tensor, LossFunc]]
 
@@ -413,16 +411,12 @@ def build_data_loader(dataset, consumed_samples: int, config: TrainingConfig, ru
     return iter(loader)
 
 
-def build_optimizer_and_scheduler(args: argparse.Namespace, model: nn.Module, dp_group=None, expert_dp_group=None):
+def build_optimizer_and_scheduler(config: RunConfig, model: nn.Module, dp_group=None, expert_dp_group=None):
     """AdamW (ZeRO-1 over `dp_group` / `expert_dp_group` under the optim strategy) and its schedule."""
-    config = OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                             decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-                             compiled_step=args.compile_optimizer_step, **moment_dtypes(args))
-    strategy = args.data_parallel_sharding_strategy
-    optimizer = build_optimizer(model, config, optimizer_sharding_group(strategy, dp_group),
+    strategy = config.parallel.sharding_strategy
+    optimizer = build_optimizer(model, config.optimizer, optimizer_sharding_group(strategy, dp_group),
                                 optimizer_sharding_group(strategy, expert_dp_group))
-    scheduler = OptimizerParamScheduler(optimizer, **schedule_kwargs(args))
+    scheduler = OptimizerParamScheduler(optimizer, **config.lr_schedule)
     return optimizer, scheduler
 
 
@@ -434,84 +428,96 @@ def dataset_sizes(config: TrainingConfig) -> List[int]:
     return [train_samples, eval_samples, eval_samples if evaluations else 0]
 
 
-def build_model(args: argparse.Namespace, runtime: Runtime, layout: ParallelState,
+def build_model(config: RunConfig, runtime: Runtime, layout: ParallelState,
                 model_provider: Callable) -> nn.Module:
     """This rank's model, initialised on the device: its pipeline stage, or under interleaving its
     chunks (ModelChunks), built with one shared ParallelContext."""
-    pg = ParallelContext.build(layout.groups, args.sequence_parallel)
-    virtual = args.virtual_pipeline_model_parallel_size or 1
+    pg = ParallelContext.build(layout.groups, config.parallel.sequence_parallel)
+    virtual = config.parallel.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(virtual):
         kwargs = {}
         if layout.pp > 1:
-            kwargs["layer_range"] = stage_layer_range(args.pipeline_layer_counts, layout.pp, layout.pp_rank, vp_stage)
+            kwargs["layer_range"] = stage_layer_range(config.parallel.pipeline_layer_counts, layout.pp, layout.pp_rank,
+                                                      vp_stage)
         first = layout.pp_rank == 0 and vp_stage == 0
         last = layout.pp_rank == layout.pp - 1 and vp_stage == virtual - 1
         with torch.device(runtime.device):  # no host-side init of billions of weights
-            chunk = model_provider(args, pre_process=first, post_process=last, pg=pg, **kwargs)
+            chunk = model_provider(config, pre_process=first, post_process=last, pg=pg, **kwargs)
         chunk = chunk.to(runtime.device)
-        if args.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
-            compile_transformer_layers(chunk, **training_compile_options(args.dlm_config))
+        if config.torch_compile:  # before the data-parallel wrapper, which then hooks the compiled layers
+            compile_transformer_layers(chunk, **training_compile_options(config.dlm))
         chunks.append(chunk)
     return chunks[0] if virtual == 1 else ModelChunks(chunks)
 
 
-def wrap_replicas(args: argparse.Namespace, model: nn.Module, runtime: Runtime, layout: ParallelState,
+def wrap_replicas(run: RunConfig, model: nn.Module, runtime: Runtime, layout: ParallelState,
                   logger: TrainingLogger) -> tuple:
     """The data-parallel wrapper (with distributed-optimizer instances: sharded within one,
     replicated across them), the optimizer and its schedule."""
     groups, replicas = layout.groups, replica_group(layout.groups)
-    config = getattr(args, "data_parallel_config", None) or DataParallelConfig(args.data_parallel_sharding_strategy)
+    config = run.parallel.data_parallel_config
     instances = None if groups.intra_dp_cp is None else (groups.intra_dp_cp, groups.inter_dp_cp)
     expert_instances = None if groups.intra_expert_dp is None else (groups.intra_expert_dp, groups.inter_expert_dp)
     model = wrap_data_parallel(model, runtime.device, replicas, pipeline=layout.pp > 1, expert_group=groups.expert_dp,
                                config=config, instances=instances, expert_instances=expert_instances)
     if group_size(replicas) > 1:
         logger.print(describe_data_parallel(config, group_size(replicas), layout.optimizer_instances, layout.pp > 1))
-    optimizer, scheduler = build_optimizer_and_scheduler(args, model, *shard_groups(groups))
+    optimizer, scheduler = build_optimizer_and_scheduler(run, model, *shard_groups(groups))
     return model, optimizer, scheduler
 
 
-def build_trainer(args: argparse.Namespace, runtime: Runtime, train_valid_test_datasets_provider: Callable,
-                  model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
-    """Model, data-parallel wrapper, optimizer, schedule and data."""
-    set_random_seeds(args.seed)
-    layout = initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                       args.context_parallel_size, args.expert_model_parallel_size,
-                                       args.virtual_pipeline_model_parallel_size, args.expert_tensor_parallel_size,
-                                       args.num_distributed_optimizer_instances)
-    model = build_model(args, runtime, layout, model_provider)
-    # The weights came from args.seed on every stage (the same under any layout); dropout draws
-    # from the stage's own seed, as in Megatron, or every stage would repeat the first one's masks.
-    set_random_seeds(stage_seed(args.seed, layout.pp_rank))
-    training = args.training_config
-    logger = TrainingLogger(args.logging_config, training, args.run_record, runtime)
-    logger.log_start(model, layout)
-    model, optimizer, scheduler = wrap_replicas(args, model, runtime, layout, logger)
-    copies = None
-    if args.cache_low_precision_weights:  # always under --fp8-format (precision_args.validate_fp8)
-        copies = attach_weight_copies(model, optimizer, args.transformer_config.compute_dtype, args.fp8_format,
-                                      delayed_scaling(args), (replica_group(layout.groups), layout.groups.tp))
+def attach_precision(config: RunConfig, model: nn.Module, optimizer, layout: ParallelState, runtime: Runtime,
+                     logger: TrainingLogger) -> Optional[WeightCopies]:
+    """--cache-low-precision-weights' working copies (float8 ones under --fp8-format), or None."""
+    precision, copies = config.precision, None
+    if precision.cache_low_precision_weights:  # always under --fp8-format (precision_args.validate_fp8)
+        copies = attach_weight_copies(model, optimizer, config.model.compute_dtype, precision.fp8_format,
+                                      precision.fp8_delayed_scaling, (replica_group(layout.groups), layout.groups.tp))
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
-                     + (f", {copies.float8_layers} of them in float8" if args.fp8_format else
+                     + (f", {copies.float8_layers} of them in float8" if precision.fp8_format else
                         f" in {str(copies.dtype).replace('torch.', '')}"))
-    if args.fp8_format:
+    if precision.fp8_format:
         float8_gemms_on_cpu(runtime.device)
-        logger.print(f"> fp8: {copies.float8_layers} linear layers train in float8 ({args.fp8_format}, "
-                     f"{args.fp8_recipe})")
+        logger.print(f"> fp8: {copies.float8_layers} linear layers train in float8 ({precision.fp8_format}, "
+                     f"{precision.fp8_recipe})")
         logger.count_fp8_peak()
-    train_ds, valid_ds, _ = train_valid_test_datasets_provider(args, dataset_sizes(training))
+    return copies
+
+
+def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets_provider: Callable,
+                  model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
+    """Model, data-parallel wrapper, optimizer, schedule and data. The providers and the forward
+    step receive `config` (the RunConfig), never the flags' Namespace."""
+    if not isinstance(config, RunConfig):
+        raise TypeError(f"build_trainer takes a RunConfig (run_config.run_config(args)), not {type(config).__name__}")
+    parallel, seed = config.parallel, config.training.seed
+    set_random_seeds(seed)
+    layout = initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                       parallel.context_parallel_size, parallel.expert_model_parallel_size,
+                                       parallel.virtual_pipeline_model_parallel_size,
+                                       parallel.expert_tensor_parallel_size,
+                                       parallel.num_distributed_optimizer_instances)
+    model = build_model(config, runtime, layout, model_provider)
+    # The weights came from --seed on every stage (the same under any layout); dropout draws
+    # from the stage's own seed, as in Megatron, or every stage would repeat the first one's masks.
+    set_random_seeds(stage_seed(seed, layout.pp_rank))
+    training = config.training
+    logger = TrainingLogger(config.logging, training, config.record, runtime)
+    logger.log_start(model, layout)
+    model, optimizer, scheduler = wrap_replicas(config, model, runtime, layout, logger)
+    copies = attach_precision(config, model, optimizer, layout, runtime, logger)
+    train_ds, valid_ds, _ = train_valid_test_datasets_provider(config, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
-    links = layout.pipeline_links(runtime.device, variable_shapes=args.dlm_config.varilen_prob > 0)
+    links = layout.pipeline_links(runtime.device, variable_shapes=config.dlm.varilen_prob > 0)
     trainer = Trainer(
-        training, model, optimizer, scheduler, partial(forward_step_func, args=args),
+        training, model, optimizer, scheduler, partial(forward_step_func, config=config),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
         runtime=runtime, logger=logger, groups=layout.groups, links=links,
-        hooks=LoopHooks.from_args(args, logger, runtime), rerun_config=args.rerun_config)
+        hooks=LoopHooks.from_config(config, logger, runtime), rerun_config=config.rerun)
     trainer.weight_copies = copies
-    trainer.lm_eval = build_in_loop_evaluation(getattr(args, "lm_eval_config", None), model, args.tokenizer,
-                                               runtime.device, logger)
+    trainer.lm_eval = build_in_loop_evaluation(config.lm_eval, model, config.data.tokenizer, runtime.device, logger)
     return trainer
 
 
@@ -525,22 +531,23 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
     args = parse_args(argv, extra_args_provider)
     if args.check_args:
         return None
-    set_deterministic_mode(args.deterministic_mode)
-    runtime = initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes)
+    config = run_config(args)  # from here on the typed configs travel, not the flags
+    set_deterministic_mode(config.deterministic_mode)
+    runtime = initialize_distributed(config.parallel.distributed_backend, config.parallel.distributed_timeout_minutes)
     trainer = lock = None
     try:
-        checkpoint, record = args.checkpoint_config, args.run_record
+        checkpoint, record = config.checkpoint, config.record
         lock = acquire_save_lock(checkpoint.save, runtime.device) if checkpoint.save else None
         if checkpoint.load:  # a checkpoint this run cannot load is found before anything is built
             check_loadable(checkpoint, record)
-        trainer = build_trainer(args, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
+        trainer = build_trainer(config, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
         if checkpoint.load:
             if load_checkpoint(checkpoint, record, trainer, log=trainer.logger.print) is None:
                 trainer.logger.print(f"> no checkpoint in {checkpoint.load}; starting from scratch")
         if checkpoint.save:
             trainer.checkpointer = Checkpointer(checkpoint, record, trainer.logger.print)
-        if args.training_config.exit_signal_handler:
-            trainer.signal_handler = ExitSignalHandler(getattr(signal, args.training_config.exit_signal))
+        if config.training.exit_signal_handler:
+            trainer.signal_handler = ExitSignalHandler(getattr(signal, config.training.exit_signal))
         trainer.train()
     except InputError as error:  # the user's input, not our bug: no traceback
         _exit_on_input_error(error, trainer, runtime)

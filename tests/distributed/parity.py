@@ -24,8 +24,8 @@ from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.optimizer.optimizer import local_optimizers
 from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.core.tensor_parallel.utils import local_tensor
-from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
 
 TINY_GQA = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -119,8 +119,8 @@ def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _train_and_capture(argv: list, runtime) -> dict:
-    args = parse_args(argv, add_difflm_args)
-    trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
+    config = parse_run_config(argv, add_difflm_args)
+    trainer = build_trainer(config, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
     model, shards, named, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
 
@@ -137,7 +137,7 @@ def _train_and_capture(argv: list, runtime) -> dict:
     trainer.optimizer.step = capturing_step
     trainer.train()
     return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
-            "microbatches": args.num_microbatches, "shards": shards, "named": named,
+            "microbatches": config.training.num_microbatches, "shards": shards, "named": named,
             "optimizer_state": optimizer_state_numel(trainer.optimizer),
             "float8_layers": sum(hasattr(module, "weight_fp8") for module in model.modules())}
 

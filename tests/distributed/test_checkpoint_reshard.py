@@ -37,21 +37,21 @@ def _logits_worker(rank: int, world: int, port: int, argv: list, out: str) -> No
     torch.set_num_threads(1)
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
-    from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
-    args = parse_args(argv, add_difflm_args)
-    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+    config = parse_run_config(argv, add_difflm_args)
+    trainer = build_trainer(config, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    assert load_checkpoint(args.checkpoint_config, args.run_record, trainer) is not None
+    assert load_checkpoint(config.checkpoint, config.record, trainer) is not None
     trainer.model.eval()
     input_ids = torch.randint(0, 120, (3, 32), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         logits = trainer.model(input_ids)
     if rank == 0:
-        torch.save(logits[..., :args.transformer_config.unpadded_vocab_size].clone(), out)
+        torch.save(logits[..., :config.model.unpadded_vocab_size].clone(), out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -106,17 +106,17 @@ def _async_worker(rank: int, world: int, port: int, argv: list, out: str) -> Non
     import pretrain_difflm
     from torch.distributed.checkpoint import FileSystemWriter
     from custom_args.difflm import add_difflm_args
-    from megatron.training.arguments import parse_args
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
     from megatron.training.checkpointing import Checkpointer
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
-    args = parse_args(argv, add_difflm_args)
-    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+    config = parse_run_config(argv, add_difflm_args)
+    trainer = build_trainer(config, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-    trainer.checkpointer = Checkpointer(args.checkpoint_config, args.run_record, log=lambda line: events.append(line))
+    trainer.checkpointer = Checkpointer(config.checkpoint, config.record, log=lambda line: events.append(line))
     events, next_step_started = [], threading.Event()
     write_data, train_step = FileSystemWriter.write_data, trainer.train_step
 
@@ -136,7 +136,7 @@ def _async_worker(rank: int, world: int, port: int, argv: list, out: str) -> Non
     # The final checkpoint holds the final weights.
     trained = model_sharded_state_dict(trainer.model)
     fresh = {name: dataclasses.replace(piece, data=torch.zeros_like(piece.data)) for name, piece in trained.items()}
-    serialization.load(fresh, os.path.join(args.save, "iter_0000004"))
+    serialization.load(fresh, os.path.join(config.checkpoint.save, "iter_0000004"))
     differences = {name: (fresh[name].data - piece.data).abs().max().item() for name, piece in trained.items()}
     torch.save({"events": events, "differences": differences}, out)
     dist.destroy_process_group()

@@ -10,8 +10,8 @@ import torch
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.evaluation.in_loop import whole_weights
-from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
 from tests.distributed.parity import free_port, start_workers
 from tests.unit_tests.test_in_loop_eval import TEXT_MODEL, lm_eval_flags, task_folder
@@ -28,7 +28,7 @@ LAYOUTS = {"dp2": ["--micro-batch-size", "1"], "tp2": ["--tensor-model-parallel-
 def _train_and_score(argv: list, runtime) -> dict:
     from lm_eval.api.instance import Instance
 
-    trainer = build_trainer(parse_args(argv, add_difflm_args), runtime,
+    trainer = build_trainer(parse_run_config(argv, add_difflm_args), runtime,
                             pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                             pretrain_difflm.forward_step)
     trainer.train()

@@ -62,31 +62,31 @@ def _resume_worker(rank: int, world: int, port: int, argvs: list, root: str, out
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
     import torch.distributed as dist
-    from megatron.training.arguments import parse_args
     from megatron.training.checkpointing import Checkpointer, load_checkpoint
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
     runtime, results = initialize_distributed("gloo"), []
 
     def trainer_for(argv):
-        args = parse_args(argv, add_difflm_args)
-        trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
+        config = parse_run_config(argv, add_difflm_args)
+        trainer = build_trainer(config, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                                 pretrain_difflm.model_provider, pretrain_difflm.forward_step)
-        return args, trainer
+        return config, trainer
 
     for index, argv in enumerate(argvs):
         straight, resumed = os.path.join(root, f"straight{index}"), os.path.join(root, f"resumed{index}")
-        args, trainer = trainer_for(argv + ["--train-iters", "3", "--save", straight, "--save-interval", "2"])
-        trainer.checkpointer = Checkpointer(args.checkpoint_config, args.run_record, log=lambda line: None)
+        config, trainer = trainer_for(argv + ["--train-iters", "3", "--save", straight, "--save-interval", "2"])
+        trainer.checkpointer = Checkpointer(config.checkpoint, config.record, log=lambda line: None)
         trainer.train()
         if rank == 0:
             shutil.copytree(os.path.join(straight, "iter_0000002"), os.path.join(resumed, "iter_0000002"))
             with open(os.path.join(resumed, "latest_checkpointed_iteration.txt"), "w") as tracker:
                 tracker.write("2")
         dist.barrier()
-        args, second = trainer_for(argv + ["--train-iters", "3", "--load", resumed])
-        assert load_checkpoint(args.checkpoint_config, args.run_record, second) == 2
+        config, second = trainer_for(argv + ["--train-iters", "3", "--load", resumed])
+        assert load_checkpoint(config.checkpoint, config.record, second) == 2
         second.train()
         elements = sum(p.numel() for p in second.model.parameters())
         results.append({"straight": [r.loss for r in trainer.history], "resumed": [r.loss for r in second.history],
@@ -145,15 +145,15 @@ def _precision_worker(rank: int, world: int, port: int, argvs: list, out: str) -
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
     from megatron.core.distributed.data_parallel import unwrap
-    from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
     runtime, results = initialize_distributed("gloo"), []
     for argv in argvs:
-        args = parse_args(argv, add_difflm_args)
-        trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
-                                pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+        trainer = build_trainer(parse_run_config(argv, add_difflm_args), runtime,
+                                pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                                pretrain_difflm.forward_step)
         model, seen, grads, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
         layer = model.decoder.layers["0"] if "0" in model.decoder.layers else next(iter(model.decoder.layers.values()))
         layer.mlp.linear_fc1.register_forward_pre_hook(lambda m, a: seen.setdefault("layer", m.weight.dtype) and None)

@@ -16,8 +16,8 @@ import torch
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
-from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_distributed
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
 from tests.distributed.parity import LayoutCases, free_port, start_workers
 from tests.distributed.test_layout_matrix import CONFIGS, GQA, MODES, SHAPE
@@ -101,7 +101,7 @@ def _memory_worker(rank, world_size, port, argv, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    trainer = build_trainer(parse_args(argv, add_difflm_args), initialize_distributed("gloo"),
+    trainer = build_trainer(parse_run_config(argv, add_difflm_args), initialize_distributed("gloo"),
                             pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                             pretrain_difflm.forward_step)
     tracker, forward_step = _LiveActivations(), trainer.forward_step
@@ -135,7 +135,7 @@ def _dropout_worker(rank, world_size, port, argvs, out):
     torch.set_num_threads(1)
     runtime, drawn = initialize_distributed("gloo"), []
     for argv in argvs:
-        trainer = build_trainer(parse_args(argv, add_difflm_args), runtime,
+        trainer = build_trainer(parse_run_config(argv, add_difflm_args), runtime,
                                 pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                                 pretrain_difflm.forward_step)
         with recorded_masks() as masks:

@@ -23,15 +23,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     from custom_args.difflm import add_difflm_args
     from megatron.core.dist_checkpointing.model_state import bind, parameter_pieces
     from megatron.core.distributed.data_parallel import unwrap
-    from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     runtime = initialize_distributed("gloo")
-    trainer = build_trainer(parse_args(ARGV, add_difflm_args), runtime,
+    trainer = build_trainer(parse_run_config(ARGV, add_difflm_args), runtime,
                             pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                             pretrain_difflm.forward_step)
     trainer.train()

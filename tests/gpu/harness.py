@@ -70,8 +70,8 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.optimizer.optimizer import local_optimizers
 from megatron.core.transformer.moe.router import Routing, TopKRouter
-from megatron.training.arguments import parse_args
 from megatron.training.initialize import Runtime, initialize_distributed
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
 
 ON_CPU = os.environ.get("MEGADLMS_GPU_SUITE_ON_CPU") == "1"
@@ -218,8 +218,8 @@ def train(flags: List[str], replay: Optional[Run] = None) -> Run:
     """Train `SHAPE + flags` for STEPS steps in this process on the suite's device; an MoE model
     routes every token as `replay` did (`RoutingReplay`)."""
     with isolated_state(DEVICE), RoutingReplay(replay.routing if replay else None) as routing:
-        args = parse_args(SHAPE + list(flags), add_difflm_args, world_size=1)
-        trainer = build_trainer(args, runtime(), pretrain_difflm.train_valid_test_datasets_provider,
+        config = parse_run_config(SHAPE + list(flags), add_difflm_args, world_size=1)
+        trainer = build_trainer(config, runtime(), pretrain_difflm.train_valid_test_datasets_provider,
                                 pretrain_difflm.model_provider, pretrain_difflm.forward_step)
         run, step = Run([], []), trainer.optimizer.step
 

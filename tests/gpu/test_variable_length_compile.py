@@ -16,7 +16,7 @@ import torch._dynamo.utils
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.core.models.difflm.diffusion import varilen_length
-from megatron.training.arguments import parse_args
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
 from tests.gpu.harness import DEVICE, SUITE, isolated_state, runtime
 
@@ -42,13 +42,13 @@ def graphs() -> int:
 
 
 def test_cut_micro_batches_of_every_length_reuse_the_compiled_layer():
-    args = parse_args(FLAGS, add_difflm_args, world_size=1)
-    dlm = args.dlm_config
+    config = parse_run_config(FLAGS, add_difflm_args, world_size=1)
+    dlm = config.dlm
     lengths = [min(varilen_length(dlm, step, position, SEQ, dlm.varilen_multiple)
                    for position in range(0, GLOBAL, MICRO)) for step in range(STEPS)]
     assert lengths[:2] == [SEQ, SEQ] and lengths[2] < 2048 and lengths[3] < 1280 and 2048 <= lengths[4] < 2560, lengths
     with isolated_state(DEVICE):
-        trainer = build_trainer(args, runtime(), pretrain_difflm.train_valid_test_datasets_provider,
+        trainer = build_trainer(config, runtime(), pretrain_difflm.train_valid_test_datasets_provider,
                                 pretrain_difflm.model_provider, pretrain_difflm.forward_step)
         counts, step = [], trainer.train_step
 

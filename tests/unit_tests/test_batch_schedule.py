@@ -75,9 +75,9 @@ def test_bad_schedule_flags_exit_2_with_one_line(extra, message, capsys):
 
 
 def recording(contexts):
-    def forward_step(data_iterator, model, ctx, args):
+    def forward_step(data_iterator, model, ctx, config):
         contexts.append((ctx.iteration, ctx.first_sample_index, ctx.global_batch_size, ctx.microbatch))
-        return pretrain_difflm.forward_step(data_iterator, model, ctx, args)
+        return pretrain_difflm.forward_step(data_iterator, model, ctx, config)
     return forward_step
 
 

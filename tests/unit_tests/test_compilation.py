@@ -83,14 +83,14 @@ def test_torch_compile_flag_compiles_the_layers_in_build_trainer():
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
     from megatron.core.distributed.data_parallel import unwrap
-    from megatron.training.arguments import parse_args
     from megatron.training.initialize import initialize_distributed
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import build_trainer
 
     from tests.unit_tests.test_training import TINY
 
-    args = parse_args(TINY + ["--train-iters", "1", "--torch-compile"], add_difflm_args, world_size=1)
-    trainer = build_trainer(args, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
+    config = parse_run_config(TINY + ["--train-iters", "1", "--torch-compile"], add_difflm_args, world_size=1)
+    trainer = build_trainer(config, initialize_distributed("gloo"), pretrain_difflm.train_valid_test_datasets_provider,
                             pretrain_difflm.model_provider, pretrain_difflm.forward_step)
     layers = list(unwrap(trainer.model).decoder.layers.values())
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)

@@ -11,6 +11,7 @@ import torch
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.training.arguments import parse_args
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer, validation_stream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,9 +52,9 @@ def offline(monkeypatch, tmp_path):
 
 
 def train(runtime, argv):
-    args = parse_args(argv, add_difflm_args, world_size=1)
-    trainer = build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
-                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+    trainer = build_trainer(parse_run_config(argv, add_difflm_args, world_size=1), runtime,
+                            pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
+                            pretrain_difflm.forward_step)
     trainer.train()
     trainer.logger.close()
     return trainer

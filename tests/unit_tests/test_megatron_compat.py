@@ -15,6 +15,7 @@ from megatron.core.transformer.attention_mask import AttentionMask
 from megatron.core.transformer.norms import LayerNorm, RMSNorm
 from megatron.training.arguments import build_parser, parse_args
 from megatron.training.compat_args import ALIASES, NO_EFFECT, REMOVED
+from megatron.training.run_config import parse_run_config
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,12 +238,12 @@ def test_apply_layernorm_1p_reaches_every_norm_and_exports_as_one_plus_w():
     from tools.weights_conversion import mapping
 
     argv = TINY + ["--qk-layernorm", "--apply-layernorm-1p"]
-    args = parse_args(argv, add_difflm_args, world_size=1)
-    assert args.transformer_config.layernorm_zero_centered_gamma
-    model = pretrain_difflm.model_provider(args)
+    run = parse_run_config(argv, add_difflm_args, world_size=1)
+    config = run.model
+    assert config.layernorm_zero_centered_gamma
+    model = pretrain_difflm.model_provider(run)
     norms = {name: p for name, p in model.named_parameters() if "layernorm.weight" in name}
-    assert len(norms) == 4 * args.num_layers + 1 and all(torch.equal(p, torch.zeros_like(p)) for p in norms.values())
-    config = args.transformer_config
+    assert len(norms) == 4 * config.num_layers + 1 and all(torch.equal(p, torch.zeros_like(p)) for p in norms.values())
     layer = {name: torch.full(mapping.our_shape(config, name), 0.25) for name in mapping.layer_names(config, 0)}
     hf = mapping.layer_to_hf(config, 0, layer)
     assert torch.equal(hf["model.layers.0.input_layernorm.weight"], torch.full((16,), 1.25))
@@ -273,8 +274,8 @@ def test_no_mmap_bin_files_reads_through_a_file_handle(tmp_path):
     argv = [a for a in TINY if a != "--mock-data"] + ["--data-path", prefix, "--split", "1,0,0"]
     samples = {}
     for flags in ([], ["--no-mmap-bin-files"]):
-        args = parse_args(argv + flags, add_difflm_args, world_size=1)
-        train, _, _ = pretrain_difflm.train_valid_test_datasets_provider(args, [8, 0, 0])
+        config = parse_run_config(argv + flags, add_difflm_args, world_size=1)
+        train, _, _ = pretrain_difflm.train_valid_test_datasets_provider(config, [8, 0, 0])
         assert train.indexed.mmap is (not flags)
         samples[bool(flags)] = [train[i]["tokens"] for i in range(8)]
     assert all(torch.equal(a, b) for a, b in zip(samples[False], samples[True]))

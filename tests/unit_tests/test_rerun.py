@@ -25,8 +25,8 @@ def make_trainer(runtime, *extra, forward_step=pretrain_difflm.forward_step):
 def planting(calls: Dict[int, int], plant: Callable[[int, int], float]):
     """A forward step that counts the executions of every step (0-based iteration -> count) and
     multiplies the model's output by plant(iteration, execution) (1: unchanged)."""
-    def forward_step(data_iterator, model, ctx, args):
-        output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, args)
+    def forward_step(data_iterator, model, ctx, config):
+        output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, config)
         if ctx.microbatch == 0:
             calls[ctx.iteration] = calls.get(ctx.iteration, 0) + 1
         factor = plant(ctx.iteration, calls[ctx.iteration])
@@ -132,8 +132,8 @@ class NaNInBackward(torch.autograd.Function):
         return grad * math.nan
 
 
-def nan_in_backward(data_iterator, model, ctx, args):
-    output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, args)
+def nan_in_backward(data_iterator, model, ctx, config):
+    output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, config)
     return NaNInBackward.apply(output), loss_func
 
 

@@ -11,7 +11,7 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_answer_prefix
 from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, pack_rows
 from megatron.core.models.difflm import objective
-from megatron.training.arguments import parse_args
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import StepContext
 from tests.unit_tests.test_bad_inputs_training import MODEL, NULL_TOKENIZER, TINY, parse_error, write_corpus
 
@@ -64,25 +64,25 @@ def test_packed_rows_keep_examples_whole_and_apart():
 
 
 def sft_batch(mode, *extra, batch=4):
-    """(args, batch dict from get_batch, clean inputs, answer flags of the label positions)."""
-    args = parse_args(TINY + ["--sft", "--model-running-mode", mode, "--micro-batch-size", str(batch),
-                              "--global-batch-size", str(batch), "--seq-length", "24", *extra], add_difflm_args,
-                      world_size=1)
-    train, _, _ = pretrain_difflm.train_valid_test_datasets_provider(args, [batch, 0, 0])
+    """(RunConfig, batch dict from get_batch, answer flags of the label positions)."""
+    config = parse_run_config(TINY + ["--sft", "--model-running-mode", mode, "--micro-batch-size", str(batch),
+                                      "--global-batch-size", str(batch), "--seq-length", "24", *extra],
+                              add_difflm_args, world_size=1)
+    train, _, _ = pretrain_difflm.train_valid_test_datasets_provider(config, [batch, 0, 0])
     rows = [train[i] for i in range(batch)]
     sample = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
     ctx = StepContext(iteration=1, first_sample_index=0, global_batch_size=batch, microbatch=0)
-    out = pretrain_difflm.get_batch(iter([sample]), args, ctx, torch.device("cpu"))
+    out = pretrain_difflm.get_batch(iter([sample]), config, ctx, torch.device("cpu"))
     length = out["inputs"].shape[1]
     answer = sample["answer"][:, :length]
     if mode == "vanilla":  # the labels: the next tokens, without the EOD padding
         answer = (sample["answer"] & ~sample["padding"])[:, 1:length + 1]
-    return args, out, answer
+    return config, out, answer
 
 
-def loss_inputs(args, batch):
-    key = objective.CorruptionKey.for_batch(args.seed, 1, batch["inputs"].shape[0], 0, batch["inputs"].shape[0])
-    return objective.loss_inputs(batch["inputs"], args.dlm_config, key, batch["loss_mask"], batch["document_ids"],
+def loss_inputs(config, batch):
+    key = objective.CorruptionKey.for_batch(config.dlm.seed, 1, batch["inputs"].shape[0], 0, batch["inputs"].shape[0])
+    return objective.loss_inputs(batch["inputs"], config.dlm, key, batch["loss_mask"], batch["document_ids"],
                                  clamp_normalizer=False)
 
 
@@ -91,8 +91,8 @@ def loss_inputs(args, batch):
 def test_prompt_tokens_are_never_masked_and_carry_no_loss(mode, padding):
     for recipe in (["llada", "dllm", "dfactory"] if mode != "vanilla" else [None]):
         recipe_flags = ["--sft-normalizer", recipe] if recipe else []
-        args, batch, answer = sft_batch(mode, "--sft-padding", padding, *recipe_flags)
-        model_input, weights, normalizer, corruption = loss_inputs(args, batch)
+        config, batch, answer = sft_batch(mode, "--sft-padding", padding, *recipe_flags)
+        model_input, weights, normalizer, corruption = loss_inputs(config, batch)
         assert (weights[~answer] == 0).all(), (mode, padding, recipe)
         assert (weights[answer] > 0).any() and normalizer > 0
         if mode != "vanilla":
@@ -107,8 +107,8 @@ def test_prompt_tokens_are_never_masked_and_carry_no_loss(mode, padding):
 
 @pytest.mark.parametrize("recipe", ["llada", "dllm", "dfactory"])
 def test_each_recipe_equals_its_formula_by_hand(recipe):
-    args, batch, answer = sft_batch("difflm-noshift", "--sft-normalizer", recipe, batch=6)
-    _, weights, normalizer, corruption = loss_inputs(args, batch)
+    config, batch, answer = sft_batch("difflm-noshift", "--sft-normalizer", recipe, batch=6)
+    _, weights, normalizer, corruption = loss_inputs(config, batch)
     ce = torch.rand(weights.shape, generator=torch.Generator().manual_seed(0)) * 3
     loss = float((ce * weights).sum() / normalizer)
     masked, p = corruption.masked_positions.tolist(), corruption.p_mask.tolist()
@@ -122,15 +122,15 @@ def test_each_recipe_equals_its_formula_by_hand(recipe):
         expected = sum(map(sum, term)) / sum(answers)
     else:                   # plain mean over the masked tokens, t in [0.3, 0.8)
         expected = sum(map(sum, term)) / sum(map(len, term))
-        eps = args.dlm_config.eps
+        eps = config.dlm.eps
         picked = corruption.p_mask[answer]
         assert picked.min() >= 0.3 * (1 - eps) + eps - 1e-6 and picked.max() < 0.8 * (1 - eps) + eps
     assert loss == pytest.approx(expected, rel=1e-6)
 
 
 def test_ar_fine_tuning_averages_the_answer_tokens():
-    args, batch, answer = sft_batch("vanilla", batch=6)
-    _, weights, normalizer, _ = loss_inputs(args, batch)
+    config, batch, answer = sft_batch("vanilla", batch=6)
+    _, weights, normalizer, _ = loss_inputs(config, batch)
     assert torch.equal(weights.bool(), answer) and normalizer == answer.sum()
 
 

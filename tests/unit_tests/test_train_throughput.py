@@ -399,7 +399,7 @@ def test_our_step_is_the_train_step_of_the_trainer_build_trainer_builds(mode, mo
     Trainer.train() from the flags the row records."""
     import pretrain_difflm
     from custom_args.difflm import add_difflm_args
-    from megatron.training.arguments import parse_args
+    from megatron.training.run_config import parse_run_config
     from megatron.training.training import Trainer, build_trainer
 
     built, stepped, train_step = [], [], Trainer.train_step
@@ -412,7 +412,7 @@ def test_our_step_is_the_train_step_of_the_trainer_build_trainer_builds(mode, mo
     flags = row["pretrain_difflm_flags"].split()
     assert "--mock-data" in flags and ("vanilla" in flags) == (mode == "ar")
     with tt.one_process(CPU) as runtime:
-        trainer = build_trainer(parse_args(flags, add_difflm_args, world_size=1), runtime,
+        trainer = build_trainer(parse_run_config(flags, add_difflm_args, world_size=1), runtime,
                                 pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                                 pretrain_difflm.forward_step)
         trainer.train()

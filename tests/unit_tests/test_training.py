@@ -13,6 +13,7 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.datasets.mock_dataset import MockGPTDataset
 from megatron.core.models.difflm.batch import document_ids_from_eod
 from megatron.training.arguments import parse_args
+from megatron.training.run_config import parse_run_config
 from megatron.training.training import TrainingDiverged, build_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "
 
 def make_trainer(runtime, *extra, forward_step=pretrain_difflm.forward_step, base=TINY):
     """A one-process Trainer of `base` + `extra` flags (other test modules import this and `runtime`)."""
-    args = parse_args(list(base) + list(extra), add_difflm_args, world_size=1)
-    return build_trainer(args, runtime, pretrain_difflm.train_valid_test_datasets_provider,
+    config = parse_run_config(list(base) + list(extra), add_difflm_args, world_size=1)
+    return build_trainer(config, runtime, pretrain_difflm.train_valid_test_datasets_provider,
                          pretrain_difflm.model_provider, forward_step)
 
 
@@ -73,8 +74,8 @@ def test_gradient_accumulation_equals_one_big_micro_batch(runtime, mode):
     assert_same_gradients(grads_a[0], grads_b[0])
 
 
-def nan_at(iterations, data_iterator, model, ctx, args):
-    output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, args)
+def nan_at(iterations, data_iterator, model, ctx, config):
+    output, loss_func = pretrain_difflm.forward_step(data_iterator, model, ctx, config)
     if ctx.iteration in iterations:
         output = output * float("nan")
     return output, loss_func
@@ -202,12 +203,12 @@ def test_help_is_grouped():
 def test_packing_flags_give_documents_positions_and_eod_masking(mode):
     from megatron.training.training import StepContext
 
-    args = parse_args(TINY + ["--train-iters", "1", "--seq-length", "8", "--model-running-mode", mode,
-                              "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
-                      add_difflm_args, world_size=1)
-    eod = args.tokenizer.eod
+    config = parse_run_config(TINY + ["--train-iters", "1", "--seq-length", "8", "--model-running-mode", mode,
+                                      "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
+                              add_difflm_args, world_size=1)
+    eod = config.data.tokenizer.eod
     tokens = torch.tensor([[5, 6, eod, 7, 8, 9, eod, 10, 11]])
-    batch = pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), args,
+    batch = pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), config,
                                       StepContext(0, 0, 1, 0), torch.device("cpu"))
     assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
@@ -238,9 +239,9 @@ def test_get_batch_rejects_out_of_range_tokens_on_the_host():
     """The data path owns the id check in training (the model skips its host sync there)."""
     from megatron.training.training import StepContext
 
-    args = parse_args(TINY + ["--train-iters", "1", "--seq-length", "8"], add_difflm_args, world_size=1)
-    assert not pretrain_difflm.model_provider(args).config.check_token_ids
-    tokens = torch.tensor([[5, 6, 7, args.padded_vocab_size, 8, 9, 10, 11, 12]])
+    config = parse_run_config(TINY + ["--train-iters", "1", "--seq-length", "8"], add_difflm_args, world_size=1)
+    assert not pretrain_difflm.model_provider(config).config.check_token_ids
+    tokens = torch.tensor([[5, 6, 7, config.data.padded_vocab_size, 8, 9, 10, 11, 12]])
     with pytest.raises(ValueError, match=r"tokens holds values in \[5, 128\].*--vocab-size"):
-        pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), args,
+        pretrain_difflm.get_batch(iter([{"tokens": tokens, "index": torch.tensor([0])}]), config,
                                   StepContext(0, 0, 1, 0), torch.device("cpu"))

@@ -94,9 +94,9 @@ from megatron.core.fp8.float8_matmul import GRADIENT_DTYPES  # noqa: E402
 from megatron.core.transformer.transformer_config import (ATTENTION_BACKENDS, LOSS_KERNELS, DLMConfig,  # noqa: E402
                                                           TransformerConfig)
 from megatron.training import flops  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.initialize import Runtime, initialize_distributed  # noqa: E402
 from megatron.training.precision_args import MOMENT_DTYPES  # noqa: E402
+from megatron.training.run_config import parse_run_config  # noqa: E402
 from megatron.training.training import Trainer, build_trainer  # noqa: E402
 
 
@@ -157,7 +157,7 @@ def transformer_config(spec: ModelSpec, device: torch.device, attention_backend:
     flags += ["--moe-grouped-gemm"] if spec.moe is not None else []
     flags += (["--bf16"] if device.type == "cuda" else []) + ["--attention-backend", attention_backend]
     flags += ["--train-iters", "1"]  # the parser wants a run; the model never sees it
-    return parse_args(flags, add_difflm_args, world_size=1).transformer_config.replace(check_token_ids=False)
+    return parse_run_config(flags, add_difflm_args, world_size=1).model.replace(check_token_ids=False)
 
 
 def attention_mask_type(mode: str, block_diffusion: Optional[int] = None) -> str:
@@ -214,7 +214,7 @@ def build_ours(spec: ModelSpec, args: argparse.Namespace, device: torch.device, 
     then counted in the run's progress as train() counts it."""
     flags = training_flags(spec, args, device)
     print("our row: python pretrain_difflm.py " + " ".join(flags), flush=True)
-    trainer = build_trainer(parse_args(flags, add_difflm_args, world_size=1), runtime,
+    trainer = build_trainer(parse_run_config(flags, add_difflm_args, world_size=1), runtime,
                             pretrain_difflm.train_valid_test_datasets_provider, pretrain_difflm.model_provider,
                             pretrain_difflm.forward_step)
     trainer.model.train()
