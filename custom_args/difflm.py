@@ -12,6 +12,14 @@ from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, 
 
 def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("difflm", "masked-diffusion objective")
+    _add_mode_args(g)
+    _add_corruption_args(g)
+    _add_loss_args(g)
+    return parser
+
+
+def _add_mode_args(g) -> None:
+    """What the model computes: the running mode, its attention, the mask token, block diffusion."""
     g.add_argument("--model-running-mode", default="difflm-noshift", choices=RUNNING_MODES,
                    help="difflm-noshift: position i predicts token i; difflm-shift: i predicts i+1 "
                         "(AR-initialised); vanilla: autoregressive.")
@@ -30,6 +38,10 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "goes block by block with an exact KV cache. Needs --difflm-block-size.")
     g.add_argument("--difflm-ignore-bos", action="store_true",
                    help="Never mask the first token of a row (BD3-LM's ignore_bos): always clean, no loss.")
+
+
+def _add_corruption_args(g) -> None:
+    """How a clean batch is corrupted: the noise level t, its range and sampling, cut lengths."""
     g.add_argument("--difflm-eps", type=float, default=1e-3, help="Lowest mask probability: p = (1-eps)t + eps.")
     g.add_argument("--difflm-t-sampling", default="uniform", choices=T_SAMPLINGS,
                    help="t per sequence: uniform, or antithetic (stratified over the global batch).")
@@ -37,10 +49,6 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Noise levels t are drawn in [t-min, t-max) (dFactory's SFT: 0.3 to 0.8; BD3-LM's clipped "
                         "schedule, whose 1/p weight becomes 1 under --difflm-block-diffusion when t-min > 0.5).")
     g.add_argument("--difflm-t-max", type=float, default=1.0, help="See --difflm-t-min.")
-    g.add_argument("--difflm-loss-weight", default="inverse_p", choices=LOSS_WEIGHTS,
-                   help="Weight of masked tokens: 1/p (LLaDA), 1/realised fraction (MegaDLMs) or none.")
-    g.add_argument("--difflm-loss-normalizer", default="tokens", choices=LOSS_NORMALIZERS,
-                   help="Divide by valid tokens (B*L, LLaDA), masked tokens, or per sequence.")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.0,
                    help="Probability that a training micro-batch is cut to a random length (LLaDA: 0.01).")
     g.add_argument("--difflm-varilen-multiple", type=int, default=8,
@@ -49,6 +57,15 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "tensor-parallel size must divide it.")
     g.add_argument("--difflm-per-document-t", action="store_true",
                    help="With --reset-attention-mask, draw t per packed document.")
+
+
+def _add_loss_args(g) -> None:
+    """The loss: token weights and normalizer, the masked-only chunked output layer and its kernel,
+    validation's corruption draws."""
+    g.add_argument("--difflm-loss-weight", default="inverse_p", choices=LOSS_WEIGHTS,
+                   help="Weight of masked tokens: 1/p (LLaDA), 1/realised fraction (MegaDLMs) or none.")
+    g.add_argument("--difflm-loss-normalizer", default="tokens", choices=LOSS_NORMALIZERS,
+                   help="Divide by valid tokens (B*L, LLaDA), masked tokens, or per sequence.")
     g.add_argument("--difflm-masked-only-loss", action="store_true",
                    help="Output layer and cross-entropy only at positions with a loss weight (the masked "
                         "tokens), in chunks: no full fp32 logits. Same loss and gradients; one host sync "
@@ -70,4 +87,3 @@ def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "independent of the others; the logged validation loss is the K draws' summed token "
                         "losses over their summed normalizers (with --difflm-loss-normalizer tokens: the mean of "
                         "the K single-draw losses). 1: today's single draw. Vanilla mode: ignored (exact loss).")
-    return parser

@@ -13,8 +13,10 @@ for that reason: either would be missing from `pytest -m gpu`."""
 import importlib.util
 import logging
 import os
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,15 +45,22 @@ def _restore_logging(state):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """No test leaves logging, the environment or torch's deterministic-algorithms switch altered for
-    the tests after it. lm-eval's `simple_evaluate` adds a
+    """No test leaves logging, the environment, the CPU random generators (Python's, numpy's, torch's: the
+    trainer seeds them all), oneDNN's switch (a CPU float8 run turns it off) or torch's deterministic-algorithms
+    switch altered for the tests after it. lm-eval's `simple_evaluate` adds a
     StreamHandler bound to the sys.stderr of the moment (a test's capture, closed once the test ends)
     to its non-propagating logger; pytest attaches its own capture handlers to non-propagating loggers
     for each phase, so a handler left behind by one test would break every later test's logging.
     This wraps all three phases, outside pytest's per-phase log capture."""
     state, environment = _logging_state(), dict(os.environ)
     deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    generators = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    mkldnn = torch.backends.mkldnn.enabled
     yield
+    random.setstate(generators[0])
+    np.random.set_state(generators[1])
+    torch.set_rng_state(generators[2])
+    torch.backends.mkldnn.enabled = mkldnn
     _restore_logging(state)
     # --deterministic-mode sets both for the process (initialize.set_deterministic_mode): not for the next test
     torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])

@@ -6,12 +6,10 @@ a model built by the trainer whose linears are not float8 layers (or do not run 
 missing or extra note, a refusal that is not one line naming the flag and what to pass instead."""
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -33,18 +31,7 @@ def notes(capsys) -> list:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
 
 
-@pytest.fixture
-def global_state():
-    """build_trainer seeds every generator and a CPU float8 run turns oneDNN off: both restored after."""
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.backends.mkldnn.enabled
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
-    torch.backends.mkldnn.enabled = states[3]
-
-
-def test_fp8_format_alone_trains_the_linears_as_float8_layers(runtime, global_state, monkeypatch):
+def test_fp8_format_alone_trains_the_linears_as_float8_layers(runtime, monkeypatch):
     """No --cache-low-precision-weights: every decoder linear holds a float8 copy of its weight and one
     iteration's GEMMs run in float8 (torch._scaled_mm), through the trainer as pretrain_difflm.py builds it."""
     gemms = []

@@ -41,3 +41,34 @@ def test_a_test_that_configures_lm_eval_logging_leaves_the_next_test_intact(tmp_
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "2 passed" in out and "Logging error" not in out, out
+
+
+_GENERATOR_TESTS = textwrap.dedent('''
+    import random
+
+    import numpy as np
+    import torch
+
+    def test_a_records_the_generators_and_reseeds_them(tmp_path_factory):
+        path = tmp_path_factory.getbasetemp() / "draws.txt"
+        path.write_text(repr((random.random(), float(np.random.rand()), float(torch.rand(1)))))
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        torch.backends.mkldnn.enabled = not torch.backends.mkldnn.enabled
+
+    def test_b_draws_what_the_first_drew(tmp_path_factory):
+        first = (tmp_path_factory.getbasetemp() / "draws.txt").read_text()
+        assert repr((random.random(), float(np.random.rand()), float(torch.rand(1)))) == first
+        assert torch.backends.mkldnn.enabled == torch.backends.mkldnn.is_available()
+''')
+
+
+def test_a_test_that_seeds_the_generators_leaves_the_next_test_the_state_before_it(tmp_path):
+    """The trainer seeds Python's, numpy's and torch's generators (and a CPU float8 run turns oneDNN off):
+    the conftest puts them back after each test, so the next test draws what the first drew before reseeding."""
+    shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_pair.py").write_text(_GENERATOR_TESTS)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "2 passed" in out, out

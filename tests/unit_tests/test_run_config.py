@@ -5,11 +5,8 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import random
 
-import numpy as np
 import pytest
-import torch
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
@@ -22,16 +19,6 @@ from tests.unit_tests.test_training import TINY
 GROUPS = (ParallelConfig, DataConfig, PrecisionConfig)
 DERIVED = {"data_parallel_config", "fp8_delayed_scaling"}
 """Fields built from several flags (the others are read from the flag of their own name)."""
-
-
-@pytest.fixture(autouse=True)
-def restored_random_state():
-    """pretrain() seeds Python's, numpy's and torch's generators: the tests after these see them as before."""
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.random.set_rng_state(states[2])
 
 
 def recording(received, name, function, position):

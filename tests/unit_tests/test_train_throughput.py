@@ -7,12 +7,10 @@ import contextlib
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,16 +25,6 @@ import train_throughput as tt  # noqa: E402
 TINY = ["--model", "tiny", "--steps", "2", "--warmup", "1"]
 MOE_TINY = ["--model", "olmoe-tiny", "--steps", "2", "--warmup", "1"]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def restored_random_state():
-    """build_trainer seeds Python's, numpy's and torch's generators: the tests after these see them as before."""
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    yield
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.random.set_rng_state(states[2])
 
 
 @contextlib.contextmanager
