@@ -1,5 +1,5 @@
 """The files of a `--save` directory and how they are found, written and checked: the iteration
-folders, the tracker, metadata.json and each rank's fp8 scaling file (checkpointing.py's docstring
+folders, the tracker, metadata.json and each rank's precision state (fp8 scaling) file (checkpointing.py's docstring
 draws the layout).
 
 Training (checkpointing.py), the non-persistent checkpoints (checkpoint_sources.py), the flags
@@ -162,31 +162,27 @@ def read_checkpoint_metadata(source: str) -> dict:
     return metadata
 
 
-# ---------------------------------------------------------------------- fp8 delayed scaling
-def _delayed_scaling(trainer):
+# ---------------------------------------------------------------------- the precision converter's state
+def save_precision_state(trainer, path: str) -> None:
+    """This rank's state of the precision converter (`WeightCopies.state_dict`: `--fp8-recipe delayed`'s
+    amax histories and scales, tensors and layer names only); nothing where it keeps none."""
     copies = getattr(trainer, "weight_copies", None)
-    return None if copies is None else copies.delayed_scaling
-
-
-def save_delayed_scaling(trainer, path: str) -> None:
-    """`--fp8-recipe delayed`: this rank's amax histories and scales (float8_scaling.py), tensors and
-    layer names only; nothing without it."""
-    scaling = _delayed_scaling(trainer)
-    if scaling is not None:
+    state = None if copies is None else copies.state_dict()
+    if state is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(scaling.state_dict(), path)
+        torch.save(state, path)
 
 
-def load_delayed_scaling(trainer, path: str, log: Callable[[str], None]) -> None:
-    """The histories and scales saved for this rank, where they fit this run; else the scales start
-    afresh (the first iteration scales by each tensor's own amax), said in one line."""
-    scaling = _delayed_scaling(trainer)
-    if scaling is None:
+def load_precision_state(trainer, path: str, log: Callable[[str], None]) -> None:
+    """The state saved for this rank, where it fits this run; else the converter starts afresh (delayed
+    scaling's first iteration scales by each tensor's own amax), said in one line."""
+    copies = getattr(trainer, "weight_copies", None)
+    if copies is None or copies.state_dict() is None:
         return
     problem = "the checkpoint has none for this rank (saved without --fp8-recipe delayed, or by another layout)"
     if os.path.exists(path):
         try:
-            problem = scaling.load_state_dict(torch.load(path, weights_only=True))
+            problem = copies.load_state_dict(torch.load(path, weights_only=True))
         except (RuntimeError, OSError, KeyError, TypeError, pickle.UnpicklingError) as error:
             raise InputError(f"{path} cannot be read ({str(error).splitlines()[0][:200]}); delete it and the "
                              "run starts its fp8 amax histories afresh") from None

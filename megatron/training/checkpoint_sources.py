@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_files import (FP8_DIR, STAGING_SUFFIX, TRACKER, barrier, checkpoint_dir,
                                                 checkpoint_metadata, global_rank, install_checkpoint, iteration_dir,
-                                                latest_iteration, remove_old_checkpoints, save_delayed_scaling)
+                                                latest_iteration, remove_old_checkpoints, save_precision_state)
 from megatron.training.configs import CheckpointConfig, RunRecord
 from megatron.training.rng_state import capture_rng_state
 
@@ -270,7 +270,7 @@ def save_local(config: CheckpointConfig, record: RunRecord, trainer, sharded) ->
                os.path.join(staged, LOCAL_SHARDS))
     if not config.no_save_rng:
         torch.save(capture_rng_state(trainer.model), os.path.join(staged, LOCAL_RNG))
-    save_delayed_scaling(trainer, os.path.join(staged, LOCAL_FP8))
+    save_precision_state(trainer, os.path.join(staged, LOCAL_FP8))
     metadata = {**checkpoint_metadata(record, trainer, iteration), "local_layout": local_layout(record), "rank": rank}
     with open(os.path.join(staged, "metadata.json"), "w") as handle:
         json.dump(metadata, handle, indent=1)

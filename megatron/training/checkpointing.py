@@ -39,9 +39,9 @@ from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
 from megatron.training.checkpoint_files import (FORMAT_VERSION, FP8_DIR, STAGING_SUFFIX, TRACKER, barrier,
                                                 checkpoint_dir, checkpoint_metadata, global_rank, iteration_dir,
-                                                install_checkpoint, latest_iteration, load_delayed_scaling,
+                                                install_checkpoint, latest_iteration, load_precision_state,
                                                 read_checkpoint_metadata, remove_old_checkpoints,
-                                                save_delayed_scaling, write_tracker)
+                                                save_precision_state, write_tracker)
 from megatron.training.checkpoint_sources import (LOCAL, describe, find_checkpoint, finish_global_save, global_root,
                                                   load_local, save_local)
 from megatron.training.configs import CheckpointConfig, RunRecord
@@ -103,7 +103,7 @@ def save_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
         if not config.no_save_rng:
             os.makedirs(os.path.join(target, "rng"), exist_ok=True)
             torch.save(capture_rng_state(trainer.model), os.path.join(target, "rng", f"rank_{rank}.pt"))
-        save_delayed_scaling(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
+        save_precision_state(trainer, os.path.join(target, FP8_DIR, f"rank_{rank}.pt"))
         if rank == 0:
             with open(os.path.join(target, "metadata.json"), "w") as handle:
                 json.dump(checkpoint_metadata(record, trainer, iteration), handle, indent=1)
@@ -341,7 +341,7 @@ def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
         "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
     if not config.no_load_rng and same_layout and os.path.exists(rng_path):
         restore_rng_state(trainer.model, torch.load(rng_path, weights_only=True))
-    load_delayed_scaling(trainer, source.fp8_path(rank), log or print)
+    load_precision_state(trainer, source.fp8_path(rank), log or print)
     return source.iteration
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import List, Mapping, Optional
 
 from megatron.core.distributed.data_parallel import DataParallelConfig
-from megatron.core.fp8.float8_scaling import DelayedScalingConfig
 from megatron.core.optimizer.optimizer import OptimizerConfig
+from megatron.core.precision.apply import PrecisionConfig
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.configs import (CheckpointConfig, FromArgs, LMEvalConfig, LoggingConfig, ProfilingConfig,
@@ -106,21 +106,6 @@ class DataConfig(FromArgs):
     sft_padding: str = "eos"
     """How --sft fills a row (--sft-padding): eos, one example right-padded with EOD; pack, examples
     packed with attention inside each."""
-
-
-@dataclass(frozen=True)
-class PrecisionConfig(FromArgs):
-    """The training-side precision settings the model config does not hold."""
-
-    cache_low_precision_weights: bool = False
-    """Linear layers read working copies of their weights, refreshed once per step
-    (--cache-low-precision-weights; always on under --fp8-format)."""
-    fp8_format: Optional[str] = None
-    """Float8 linear layers in this format (--fp8-format)."""
-    fp8_recipe: str = "tensorwise"
-    """How the float8 scales are chosen (--fp8-recipe)."""
-    fp8_delayed_scaling: Optional[DelayedScalingConfig] = None
-    """--fp8-recipe delayed's amax history (--fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin)."""
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ from megatron.core.parallel_state import ParallelContext, ParallelState, Process
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
-from megatron.core.precision.weight_copies import WeightCopies, attach_weight_copies
+from megatron.core.precision.apply import apply_precision
+from megatron.core.precision.weight_copies import WeightCopies
 from megatron.core.optimizer.optimizer import build_optimizer, clip_grad_norm, forget_gradient_scale
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
-from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args
@@ -467,18 +467,18 @@ def wrap_replicas(run: RunConfig, model: nn.Module, runtime: Runtime, layout: Pa
     return model, optimizer, scheduler
 
 
-def attach_precision(config: RunConfig, model: nn.Module, optimizer, layout: ParallelState, runtime: Runtime,
+def attach_precision(config: RunConfig, model: nn.Module, optimizer, layout: ParallelState,
                      logger: TrainingLogger) -> Optional[WeightCopies]:
-    """--cache-low-precision-weights' working copies (float8 ones under --fp8-format), or None."""
-    precision, copies = config.precision, None
-    if precision.cache_low_precision_weights:  # always under --fp8-format (precision_args.validate_fp8)
-        copies = attach_weight_copies(model, optimizer, config.model.compute_dtype, precision.fp8_format,
-                                      precision.fp8_delayed_scaling, (replica_group(layout.groups), layout.groups.tp))
+    """The precision converter (--cache-low-precision-weights' working copies, float8 ones under
+    --fp8-format) applied to the wrapped model; the copies, or None."""
+    precision = config.precision
+    copies = apply_precision(model, precision, config.model.compute_dtype, optimizer,
+                             (replica_group(layout.groups), layout.groups.tp))
+    if copies is not None:
         logger.print(f"> {len(copies.pairs)} linear layers read working copies of their weights"
                      + (f", {copies.float8_layers} of them in float8" if precision.fp8_format else
                         f" in {str(copies.dtype).replace('torch.', '')}"))
     if precision.fp8_format:
-        float8_gemms_on_cpu(runtime.device)
         logger.print(f"> fp8: {copies.float8_layers} linear layers train in float8 ({precision.fp8_format}, "
                      f"{precision.fp8_recipe})")
         logger.count_fp8_peak()
@@ -506,7 +506,7 @@ def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets
     logger = TrainingLogger(config.logging, training, config.record, runtime)
     logger.log_start(model, layout)
     model, optimizer, scheduler = wrap_replicas(config, model, runtime, layout, logger)
-    copies = attach_precision(config, model, optimizer, layout, runtime, logger)
+    copies = attach_precision(config, model, optimizer, layout, logger)
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(config, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=config.dlm.varilen_prob > 0)

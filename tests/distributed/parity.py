@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
+from megatron.core.fp8.float8_copy import Float8Gemm
 from megatron.core.dist_checkpointing.model_state import bind, parameter_pieces
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.optimizer.optimizer import local_optimizers
@@ -139,7 +140,7 @@ def _train_and_capture(argv: list, runtime) -> dict:
     return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
             "microbatches": config.training.num_microbatches, "shards": shards, "named": named,
             "optimizer_state": optimizer_state_numel(trainer.optimizer),
-            "float8_layers": sum(hasattr(module, "weight_fp8") for module in model.modules())}
+            "float8_layers": sum(isinstance(module, Float8Gemm) for module in model.modules())}
 
 
 def _worker(rank: int, world_size: int, port: int, argvs: list, out_path: str) -> None:

@@ -115,8 +115,8 @@ def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch import nn
-
+    from megatron.core.fp8.float8_copy import Float8Gemm
+    from megatron.core.fp8.float8_matmul import GRADIENT_DTYPES
     from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -124,12 +124,12 @@ def _shared_amax_worker(rank: int, world: int, port: int, out: str) -> None:
     # As the trainer's: the replicas (ranks 0+2, 1+3), then the tensor-parallel peers (0+1, 2+3).
     replicas = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
     peers = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
-    layers = [nn.Linear(16, 16), nn.Linear(16, 16)]
-    scaling = DelayedScaling(layers, ["a", "b"], "hybrid", DelayedScalingConfig(), [replicas, peers])
+    gemms = [Float8Gemm(torch.zeros(16, 16), GRADIENT_DTYPES["hybrid"]) for _ in range(2)]
+    scaling = DelayedScaling(gemms, ["a", "b"], "hybrid", DelayedScalingConfig(), [replicas, peers])
     torch.manual_seed(rank)
     seen = torch.rand(2, 2) * (rank + 1)
-    for layer, row in zip(layers, seen):
-        layer.fp8_amax.copy_(row)
+    for gemm, row in zip(gemms, seen):
+        gemm.amax.copy_(row)
     scaling.update()
     torch.save({"seen": seen, "history": scaling.history.clone(), "scales": scaling.scales.clone()}, f"{out}.{rank}")
 

@@ -63,7 +63,7 @@ def test_the_kernel_writes_both_layouts_of_torchs_cast_and_its_amax(shape, name,
 
 
 def _layer(bias: bool):
-    from megatron.core.precision.working_copy import Float8Copy, cast_float8
+    from megatron.core.fp8.float8_copy import Float8Copy, cast_float8
 
     weight = torch.nn.Parameter(_on_grid(32, 48, FORWARD_DTYPE, 1.0).float().clamp(-448, 448))
     copy = Float8Copy(torch.empty(32, 48, dtype=FORWARD_DTYPE), torch.empty(48, 32, dtype=FORWARD_DTYPE),

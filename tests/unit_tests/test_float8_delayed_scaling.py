@@ -18,6 +18,7 @@ from torch import nn
 
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.fusions import fused_float8_cast
+from megatron.core.fp8.float8_copy import Float8Gemm
 from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of
 from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
 from megatron.core.precision.weight_copies import WeightCopies
@@ -32,22 +33,27 @@ def fresh_compile_caches():
     torch._dynamo.reset()
 
 
+def _gemm() -> Float8Gemm:
+    """A float8 GEMM of a [16, 16] weight, as the converter gives a layer."""
+    return Float8Gemm(torch.zeros(16, 16), GRADIENT_DTYPES["hybrid"])
+
+
 @pytest.mark.parametrize("algo, margin", [("most_recent", 0), ("max", 1)])
 def test_the_update_is_megatrons_delayed_scaling(algo, margin):
-    """Four iterations of two layers' amaxes, written through each layer's own buffer view, against the
+    """Four iterations of two layers' amaxes, written through each GEMM's own buffer view, against the
     formula computed here: scale = largest / amax / 2^margin, amax the latest or the history's largest;
     a zero or non-finite amax keeps the scale it had; a skipped iteration changes nothing."""
-    layers = [nn.Linear(16, 16), nn.Linear(16, 16)]
-    scaling = DelayedScaling(layers, ["first", "second"], "hybrid", DelayedScalingConfig(3, algo, margin))
-    assert not scaling.ready and not any(layer.fp8_delayed_ready for layer in layers)
+    gemms = [_gemm(), _gemm()]
+    scaling = DelayedScaling(gemms, ["first", "second"], "hybrid", DelayedScalingConfig(3, algo, margin))
+    assert not scaling.ready and not any(gemm.delayed_ready for gemm in gemms)
     assert torch.equal(scaling.scales, torch.ones(2, 2))
     iterations = [[[2.0, 8.0], [0.5, 0.0]], [[4.0, math.inf], [1.0, 2.0]], [[1.0, 1.0], [0.25, 4.0]],
                   [[3.0, 0.5], [2.0, 0.125]]]
     history = [[[] for _ in range(2)] for _ in range(2)]
     expected = [[1.0, 1.0], [1.0, 1.0]]
     for index, amaxes in enumerate(iterations):
-        for layer, values in zip(layers, amaxes):
-            layer.fp8_amax.copy_(torch.tensor(values))
+        for gemm, values in zip(gemms, amaxes):
+            gemm.amax.copy_(torch.tensor(values))
         if index == 2:  # a skipped iteration: its amaxes are dropped
             before = (scaling.history.clone(), scaling.scales.clone())
             scaling.update(skipped=True)
@@ -62,7 +68,7 @@ def test_the_update_is_megatrons_delayed_scaling(algo, margin):
                 amax = history[row][column][0] if algo == "most_recent" else max(history[row][column])
                 if amax > 0:
                     expected[row][column] = largest / amax / 2 ** margin
-        assert scaling.ready and all(layer.fp8_delayed_ready for layer in layers)
+        assert scaling.ready and all(gemm.delayed_ready for gemm in gemms)
         assert torch.allclose(scaling.scales, torch.tensor(expected), rtol=1e-6), (index, scaling.scales, expected)
         padded = [[column + [0.0] * (3 - len(column)) for column in row] for row in history]
         assert torch.equal(scaling.history, torch.tensor(padded).transpose(1, 2)), index
@@ -70,17 +76,17 @@ def test_the_update_is_megatrons_delayed_scaling(algo, margin):
 
 
 def test_a_checkpointed_state_loads_only_where_it_fits():
-    layers = [nn.Linear(16, 16)]
-    scaling = DelayedScaling(layers, ["layer"], "e4m3", DelayedScalingConfig(2))
-    layers[0].fp8_amax.copy_(torch.tensor([2.0, 4.0]))
+    gemms = [_gemm()]
+    scaling = DelayedScaling(gemms, ["layer"], "e4m3", DelayedScalingConfig(2))
+    gemms[0].amax.copy_(torch.tensor([2.0, 4.0]))
     scaling.update()
     state = scaling.state_dict()
-    other = DelayedScaling([nn.Linear(16, 16)], ["layer"], "e4m3", DelayedScalingConfig(2))
+    other = DelayedScaling([_gemm()], ["layer"], "e4m3", DelayedScalingConfig(2))
     assert other.load_state_dict(state) is None and other.ready
     assert torch.equal(other.scales, scaling.scales) and torch.equal(other.history, scaling.history)
-    assert "are not this rank's 1 (another layout)" in DelayedScaling([nn.Linear(16, 16)], ["renamed"], "e4m3",
+    assert "are not this rank's 1 (another layout)" in DelayedScaling([_gemm()], ["renamed"], "e4m3",
                                             DelayedScalingConfig(2)).load_state_dict(state)
-    longer = DelayedScaling([nn.Linear(16, 16)], ["layer"], "e4m3", DelayedScalingConfig(3))
+    longer = DelayedScaling([_gemm()], ["layer"], "e4m3", DelayedScalingConfig(3))
     assert "--fp8-amax-history-len" in longer.load_state_dict(state) and not longer.ready
 
 
@@ -111,23 +117,23 @@ def test_the_first_iteration_is_tensorwise_and_the_next_casts_by_its_amaxes():
     for mine, theirs in zip(first, reference):
         assert torch.equal(mine, theirs)  # no history yet: each tensor by its own amax
     x_amax, grad_amax = x.to(torch.bfloat16).abs().max().float(), grad.to(torch.bfloat16).abs().max().float()
-    assert torch.equal(layer.fp8_amax, torch.stack([x_amax, grad_amax]))  # forward's and backward's
+    assert torch.equal(layer.gemm.amax, torch.stack([x_amax, grad_amax]))  # forward's and backward's
     copies.end_iteration()
-    assert torch.equal(layer.fp8_scale, torch.stack([scale_of(x_amax, FORWARD_DTYPE),
+    assert torch.equal(layer.gemm.scales, torch.stack([scale_of(x_amax, FORWARD_DTYPE),
                                                      scale_of(grad_amax, GRADIENT_DTYPES["hybrid"])]))
     # The next iteration's input is 3x larger: cast by the last amax, its largest values saturate.
     bigger = 3 * x
     out, x_grad = _run(layer, bigger, grad)
-    scale = layer.fp8_scale[0]
+    scale = layer.gemm.scales[0]
     x8 = (bigger.to(torch.bfloat16).float() * scale).clamp(-E4M3, E4M3).to(FORWARD_DTYPE).float() / scale
-    weight = layer.weight_fp8.float() * layer.weight_fp8_inverse_scale
+    weight = layer.gemm.rows.float() * layer.gemm.inverse_scale
     expected = x8 @ weight.t() + layer.bias.detach().to(torch.bfloat16).float()
     assert (out - expected).abs().max() < 1e-2 * expected.abs().max()  # bf16 output's rounding
     tensorwise = _run(twin, bigger, grad)
     assert (out - tensorwise[0]).abs().max() > 0.2 * expected.abs().max()  # the saturation shows
     # The output gradient's amax did not move: its scale is what tensorwise computes, bit for bit.
     assert torch.equal(x_grad, tensorwise[1])
-    assert torch.equal(layer.fp8_amax, torch.stack([bigger.to(torch.bfloat16).abs().max().float(), grad_amax]))
+    assert torch.equal(layer.gemm.amax, torch.stack([bigger.to(torch.bfloat16).abs().max().float(), grad_amax]))
 
 
 def test_evaluation_scales_by_the_current_amax_and_records_nothing():
@@ -138,7 +144,7 @@ def test_evaluation_scales_by_the_current_amax_and_records_nothing():
     layer.eval(), twin.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(layer(5 * x), twin(5 * x))
-    assert torch.equal(layer.fp8_amax, torch.zeros(2))
+    assert torch.equal(layer.gemm.amax, torch.zeros(2))
 
 
 @pytest.mark.parametrize("device, backend", [("cpu", "aot_eager"),
@@ -157,9 +163,9 @@ def test_compiled_layers_record_the_amaxes_without_a_graph_break(device, backend
                 assert torch.equal(mine, theirs), step
             else:
                 assert (mine - theirs).abs().max() <= 0.07 * theirs.abs().max(), step
-        assert torch.equal(layer.fp8_amax, eager.fp8_amax) and layer.fp8_amax.min() > 0
+        assert torch.equal(layer.gemm.amax, eager.gemm.amax) and layer.gemm.amax.min() > 0
         copies.end_iteration(), eager_copies.end_iteration()
-        assert torch.equal(layer.fp8_scale, eager.fp8_scale)
+        assert torch.equal(layer.gemm.scales, eager.gemm.scales)
 
 
 def _two_layers(device: str):
@@ -200,9 +206,9 @@ def test_compiled_layers_with_micro_batches_in_flight(device, backend, kernel, m
                 (outputs[name][1 - part].float() * (part + 1) * 3).sum().backward()
         for mine, theirs in zip(model, eager):  # Inductor's casts round within float8's: so do the amaxes after
             tolerance = 0 if backend == "aot_eager" else 0.02
-            assert torch.allclose(mine.fp8_amax, theirs.fp8_amax, rtol=tolerance, atol=0), step
-            assert mine.fp8_amax.min() > 0 and mine.fp8_gradient_amax.grad is None
-        assert model[1].fp8_amax[1] == 6.0  # the last layer's output gradients: 3, then 6 everywhere
+            assert torch.allclose(mine.gemm.amax, theirs.gemm.amax, rtol=tolerance, atol=0), step
+            assert mine.gemm.amax.min() > 0 and mine.gemm.gradient_amax.grad is None
+        assert model[1].gemm.amax[1] == 6.0  # the last layer's output gradients: 3, then 6 everywhere
         copies.end_iteration(), eager_copies.end_iteration()
     assert bool(calls) == kernel and any("float8_cast_both_layouts" in code for code in graphs) == kernel
 
@@ -231,24 +237,25 @@ def test_a_checkpoints_histories_load_or_start_afresh_in_one_line(tmp_path):
     from types import SimpleNamespace
 
     from megatron.core.errors import InputError
-    from megatron.training.checkpoint_files import load_delayed_scaling, save_delayed_scaling
+    from megatron.training.checkpoint_files import load_precision_state, save_precision_state
 
     def trainer():
-        scaling = DelayedScaling([nn.Linear(16, 16)], ["layer"], "hybrid", DelayedScalingConfig())
-        return SimpleNamespace(weight_copies=SimpleNamespace(delayed_scaling=scaling)), scaling
+        layer = ColumnParallelLinear(16, 16)
+        copies = WeightCopies(nn.Sequential(layer), torch.bfloat16, "hybrid", DelayedScalingConfig())
+        return SimpleNamespace(weight_copies=copies), copies.delayed_scaling
 
     saved, scaling = trainer()
-    scaling.modules[0].fp8_amax.copy_(torch.tensor([3.0, 5.0]))
+    scaling.gemms[0].amax.copy_(torch.tensor([3.0, 5.0]))
     scaling.update()
     path = str(tmp_path / "fp8" / "rank_0.pt")
-    save_delayed_scaling(saved, path)
+    save_precision_state(saved, path)
     loaded, restored = trainer()
     lines = []
-    load_delayed_scaling(loaded, path, lines.append)
+    load_precision_state(loaded, path, lines.append)
     assert not lines and restored.ready and torch.equal(restored.scales, scaling.scales)
-    load_delayed_scaling(trainer()[0], str(tmp_path / "missing.pt"), lines.append)
+    load_precision_state(trainer()[0], str(tmp_path / "missing.pt"), lines.append)
     assert len(lines) == 1 and "amax histories start afresh" in lines[0]
     with open(path, "wb") as handle:
         handle.write(b"not a checkpoint")
     with pytest.raises(InputError, match=r"rank_0\.pt cannot be read .*delete it"):
-        load_delayed_scaling(trainer()[0], path, lines.append)
+        load_precision_state(trainer()[0], path, lines.append)

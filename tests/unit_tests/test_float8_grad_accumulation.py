@@ -1,4 +1,4 @@
-"""The float8 layers across micro-batches inside fp32_weight_grad.accumulating_into_grad: every float8
+"""The float8 layers across micro-batches inside fp32_weight_grad.accumulating_into_grad(model): every float8
 layer (the fused SwiGLU MLP's two included) adds its weight gradient into `.grad` through its GEMM
 (cublaslt.scaled_mm_add_) from the second micro-batch on, and the sums are autograd's to the bit (CPU:
 the op adds `_scaled_mm`'s fp32 product, as autograd did), in Megatron's default configuration and the
@@ -23,7 +23,7 @@ def _accumulate(style: str, mode: str, in_place: bool) -> dict:
     copies = WeightCopies(model, torch.bfloat16, "hybrid")
     assert copies.float8_layers == 2 * 4  # two layers of four linears
     copies.refresh()
-    with fp32_weight_grad.accumulating_into_grad(in_place), torch.autocast("cpu", dtype=torch.bfloat16):
+    with fp32_weight_grad.accumulating_into_grad(model, in_place), torch.autocast("cpu", dtype=torch.bfloat16):
         for index in range(MICRO_BATCHES):
             torch.manual_seed(100 + index)  # the same corruption for both runs
             model.compute_loss(tokens(seed=index), key=None).loss_sum.backward()
@@ -73,7 +73,7 @@ def test_on_a_float8_gpu_a_compiled_layer_adds_through_cublaslts_gemm(bias, monk
     for layer, in_place in zip(layers, (False, True)):
         WeightCopies(layer, torch.bfloat16, "hybrid").refresh()
         compiled = torch.compile(layer)
-        with fp32_weight_grad.accumulating_into_grad(in_place):
+        with fp32_weight_grad.accumulating_into_grad(layer, in_place):
             for index in range(MICRO_BATCHES):
                 x = torch.randn(256, 4, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(index))
                 with torch.autocast("cuda", dtype=torch.bfloat16):

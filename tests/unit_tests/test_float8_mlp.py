@@ -110,8 +110,8 @@ def _step(module: MLP, x: torch.Tensor, grad: torch.Tensor):
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out = module(x)
     out.float().backward(grad)
-    amaxes = [layer.fp8_amax.clone() for layer in (module.linear_fc1, module.linear_fc2)
-              if hasattr(layer, "fp8_amax")]
+    amaxes = [layer.gemm.amax.clone() for layer in (module.linear_fc1, module.linear_fc2)
+              if getattr(layer.gemm, "delayed_scaling", False)]
     return [out, x.grad] + [p.grad for p in module.parameters()] + amaxes
 
 
@@ -129,13 +129,13 @@ def test_the_fused_mlp_trains_as_its_two_float8_layers(kernels, delayed, monkeyp
         original = getattr(fused_float8_swiglu, name)
         monkeypatch.setattr(fused_float8_swiglu, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
     fused, fused_copies, plain, plain_copies = _mlp(kernels, delayed=delayed)
+    assert fused.fused_forward is float8_mlp.swiglu_mlp  # installed by the converter
+    plain.fused_forward = None  # the path before the fused function: layer by layer
     generator = torch.Generator().manual_seed(1)
     x, grad = torch.randn(16, 2, 32, generator=generator), torch.randn(16, 2, 32, generator=generator) * 1e-3
     for iteration, scale in enumerate((1.0, 3.0)):
         ours = _step(fused, x * scale, grad)
-        with monkeypatch.context() as layer_by_layer:  # the path before the fused function
-            layer_by_layer.setattr(float8_mlp, "swiglu_mlp", lambda *args: None)
-            reference = _step(plain, x * scale, grad)
+        reference = _step(plain, x * scale, grad)
         _same(ours, reference)
         ready = delayed and iteration == 1
         assert calls == (["swiglu_cast", "swiglu_backward_cast"] if ready and kernels else []), (iteration, calls)

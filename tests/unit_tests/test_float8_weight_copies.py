@@ -1,4 +1,4 @@
-"""The float8 working copies of --fp8-format (working_copy.Float8Copy, float8_matmul.float8_linear): the
+"""The float8 working copies of --fp8-format (float8_copy.Float8Gemm, float8_matmul.float8_linear): the
 decoder's linear layers run the tensorwise recipe themselves, from float8 copies of their weights that
 each iteration's refresh casts with the weight's own amax.
 
@@ -17,8 +17,9 @@ from torch import nn
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, scale_of, scaled_cast, to_float8
-from megatron.core.precision.weight_copies import WeightCopies, attach_weight_copies
-from megatron.core.precision.working_copy import Float8Copy
+from megatron.core.precision.apply import PrecisionConfig, apply_precision
+from megatron.core.precision.weight_copies import WeightCopies
+from megatron.core.fp8.float8_copy import Float8Copy
 from tests.unit_tests.test_bad_inputs_training import TINY, run_cli
 from tests.unit_tests.test_gpt_model import tokens
 from tests.unit_tests.test_weight_copies import build, train
@@ -62,7 +63,7 @@ def test_the_float8_gemms_multiply_the_tensorwise_cast_operands(fp8_format, bias
     if device != "cpu":
         layer.cuda()
     copies = WeightCopies(nn.Sequential(layer), torch.bfloat16, fp8_format)
-    assert copies.float8_layers == 1 and layer.weight_fp8.dtype == FORWARD_DTYPE
+    assert copies.float8_layers == 1 and layer.gemm.rows.dtype == FORWARD_DTYPE
     x, grad = (torch.randn(2, 16, 64, device=layer.weight.device), torch.randn(2, 16, 48, device=layer.weight.device))
     ours = _run(torch.compile(layer) if device == "compiled" else layer, x, grad)
     x16, grad16 = x.reshape(-1, 64).bfloat16().float(), grad.reshape(-1, 48).bfloat16().float()
@@ -106,16 +107,16 @@ def test_each_refresh_casts_the_stepped_weights_with_their_own_amax():
     layer = ColumnParallelLinear(64, 48, bias=False, init_std=0.5)
     holder = nn.Sequential(layer)
     optimizer = build_optimizer(holder, OptimizerConfig(lr=5e-2, weight_decay=0.0, compiled_step=True))
-    copies = attach_weight_copies(holder, optimizer, torch.bfloat16, "hybrid")
+    copies = apply_precision(holder, PrecisionConfig(True, "hybrid"), torch.bfloat16, optimizer)
     assert copies.copy_of(layer.weight) is None  # the step does not write it
     for _ in range(2):
         assert copies.refresh() == 1
         weight = layer.weight.detach()
         amax = weight.abs().amax()
         expected = scaled_cast(weight, scale_of(amax, FORWARD_DTYPE), FORWARD_DTYPE)
-        assert torch.equal(layer.weight_fp8.float(), expected.float())
-        assert torch.equal(layer.weight_fp8_t.float(), expected.t().float())
-        assert torch.allclose(layer.weight_fp8_inverse_scale, scale_of(amax, FORWARD_DTYPE).reciprocal())
+        assert torch.equal(layer.gemm.rows.float(), expected.float())
+        assert torch.equal(layer.gemm.columns.float(), expected.t().float())
+        assert torch.allclose(layer.gemm.inverse_scale, scale_of(amax, FORWARD_DTYPE).reciprocal())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             layer(torch.randn(32, 64)).float().square().sum().backward()
         optimizer.step()
@@ -136,7 +137,7 @@ def test_float8_training_follows_bf16_within_float8s_rounding(style, mode):
 def test_evaluation_casts_the_weights_afresh():
     model = build("llama", "vanilla")
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, compiled_step=True))
-    copies = attach_weight_copies(model, optimizer, torch.bfloat16, "hybrid")
+    copies = apply_precision(model, PrecisionConfig(True, "hybrid"), torch.bfloat16, optimizer)
     x = tokens(seed=5)
     bf16 = build("llama", "vanilla").eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -182,7 +183,7 @@ def test_compiled_layers_trace_the_float8_gemms_without_a_graph_break():
         if compiled:
             compile_transformer_layers(model, backend="aot_eager", fullgraph=True)
         optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
-        copies = attach_weight_copies(model, optimizer, torch.bfloat16, "hybrid")
+        copies = apply_precision(model, PrecisionConfig(True, "hybrid"), torch.bfloat16, optimizer)
         losses = []
         for step in range(2):
             copies.refresh()

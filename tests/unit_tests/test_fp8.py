@@ -16,7 +16,7 @@ import torch
 from custom_args.difflm import add_difflm_args
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
-from megatron.core.precision.working_copy import Float8Copy, training_copy
+from megatron.core.fp8.float8_copy import Float8Gemm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.training.arguments import parse_args
 from tests.unit_tests.test_bad_inputs_training import TINY, error_line, parse_error
@@ -42,8 +42,8 @@ def test_fp8_format_alone_trains_the_linears_as_float8_layers(runtime, monkeypat
     linears = [m for m in model.decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert linears and trainer.weight_copies is not None
     assert trainer.weight_copies.float8_layers == len(linears)
-    assert all(isinstance(training_copy(linear), Float8Copy) for linear in linears)
-    assert {linear.float8_gradient_dtype for linear in linears} == {torch.float8_e4m3fn}  # e4m3 gradients too
+    assert all(isinstance(linear.gemm, Float8Gemm) for linear in linears)
+    assert {linear.gemm.gradient_dtype for linear in linears} == {torch.float8_e4m3fn}  # e4m3 gradients too
     trainer.train()
     assert len(gemms) >= 3 * len(linears)  # each layer's output, input gradient and weight gradient
     assert set(gemms) == {torch.float8_e4m3fn}

@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron.core.distributed import data_parallel
 from megatron.core.models.difflm.gpt_model import GPTModel
-from megatron.core.tensor_parallel import fp32_weight_grad, tied_gradient
+from megatron.core.tensor_parallel import ColumnParallelLinear, fp32_weight_grad, tied_gradient
 from megatron.core.transformer.compilation import compile_transformer_layers
 from tests.unit_tests.test_gpt_model import dlm_config, tiny_config, tokens
 
@@ -30,7 +30,7 @@ def _model(style: str, mode: str, bf16: bool = True) -> GPTModel:
 
 
 def _accumulate(model: GPTModel, in_place: bool) -> dict:
-    with fp32_weight_grad.accumulating_into_grad(in_place):
+    with fp32_weight_grad.accumulating_into_grad(model, in_place):
         for index in range(MICRO_BATCHES):
             torch.manual_seed(100 + index)  # the same corruption for both runs
             model.compute_loss(tokens(seed=index), key=None).loss_sum.backward()
@@ -47,7 +47,7 @@ def test_micro_batches_add_into_the_gradient_in_place_to_the_bit(style, mode, bf
     assert calls == []  # outside the context autograd sums them
     model = _model(style, mode, bf16)
     ours = _accumulate(model, in_place=True)
-    linears = [module for module in model.decoder.modules() if hasattr(module, "fp32_weight_grad")]
+    linears = [module for module in model.decoder.modules() if isinstance(module, fp32_weight_grad.GemmLayer)]
     assert linears and len(calls) == len(linears) * (MICRO_BATCHES - 1)
     assert reference.keys() == ours.keys()
     for name in reference:
@@ -96,8 +96,8 @@ def test_a_gradient_it_cannot_add_into_goes_through_autograd():
     weight = torch.randn(6, 4, requires_grad=True)
     weight.grad = torch.ones(4, 6).t()  # the right shape, not contiguous
     x = torch.randn(5, 4)
-    with fp32_weight_grad.accumulating_into_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fp32_weight_grad.linear(x, weight).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32_weight_grad.linear(x, weight, grad_into=fp32_weight_grad.grad_to_add_into(weight, True)).sum().backward()
     expected = torch.ones(6, 4) + (torch.ones(5, 6).bfloat16().t() @ x.bfloat16()).float()
     assert torch.equal(weight.grad, expected)
 
@@ -105,33 +105,46 @@ def test_a_gradient_it_cannot_add_into_goes_through_autograd():
 class _Sharded(nn.Module):
     """Stands for an FSDP2 module: data_parallel recognises one by set_requires_gradient_sync."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = ColumnParallelLinear(2, 2)
+
     def set_requires_gradient_sync(self, sync: bool) -> None:
         self.sync = sync
 
 
+def _layer_of(model: nn.Module) -> ColumnParallelLinear:
+    return next(module for module in model.modules() if isinstance(module, ColumnParallelLinear))
+
+
 def _in_place_under_no_sync(model: nn.Module, last: bool) -> bool:
     with data_parallel.no_sync(model, last_microbatch=last):
-        return fp32_weight_grad._in_place
+        return _layer_of(model).grad_switch.in_place
 
 
 def _bare_ddp() -> nn.parallel.DistributedDataParallel:
-    """A DistributedDataParallel object without a process group: enough for `no_sync`, which checks the
-    type and enters DDP's own no_sync (it only flips require_backward_grad_sync)."""
+    """A DistributedDataParallel object without a process group around one linear layer: enough for
+    `no_sync`, which checks the type and enters DDP's own no_sync (it only flips require_backward_grad_sync)."""
     ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
     nn.Module.__init__(ddp)
+    ddp.module = ColumnParallelLinear(2, 2)
     ddp.require_backward_grad_sync = True
     return ddp
 
 
 def test_the_schedules_enable_it_where_no_hook_needs_autograds_gradient():
-    plain = nn.Linear(2, 2)
+    """data_parallel.no_sync switches the wrapped model's layers, and only them: another model's stay off."""
+    plain, other = nn.Sequential(ColumnParallelLinear(2, 2)), ColumnParallelLinear(2, 2)
     assert _in_place_under_no_sync(plain, last=False) and _in_place_under_no_sync(plain, last=True)
+    with data_parallel.no_sync(plain, last_microbatch=False):
+        assert not other.grad_switch.in_place
     assert not _in_place_under_no_sync(_Sharded(), last=False) and not _in_place_under_no_sync(_Sharded(), True)
     ddp = _bare_ddp()
     assert _in_place_under_no_sync(ddp, last=False) and not _in_place_under_no_sync(ddp, last=True)
     with data_parallel.no_sync(ddp, last_microbatch=False):
         assert not ddp.require_backward_grad_sync  # DDP's own no_sync still entered
-    assert ddp.require_backward_grad_sync and not fp32_weight_grad._in_place  # restored on leaving
+    assert ddp.require_backward_grad_sync and not _layer_of(ddp).grad_switch.in_place  # restored on leaving
+    assert not _layer_of(plain).grad_switch.in_place
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -217,6 +217,18 @@ def test_megatron_never_imports_tools():
     assert not uses, "\n".join(uses)
 
 
+MODEL_PACKAGES = ("megatron.core.models", "megatron.core.transformer", "megatron.core.tensor_parallel")
+APPLIED_FROM_OUTSIDE = ("megatron.core.fp8", "megatron.core.precision")
+
+
+def test_the_model_code_never_imports_fp8_or_the_precision_converter():
+    """Precision is applied to a built model (precision/apply.py swaps the layers' GEMMs): the layers,
+    the transformer and the models build plain GEMMs and import neither package."""
+    uses = [f"{name} imports {target}" for name, scan in scan_all().items() if name.startswith(MODEL_PACKAGES)
+            for target in sorted(scan.edges) if target.startswith(APPLIED_FROM_OUTSIDE)]
+    assert not uses, "\n".join(uses)
+
+
 # ---------------------------------------------------------------- size limits (DESIGN.md, section 6)
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 600

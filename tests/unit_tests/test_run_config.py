@@ -78,8 +78,10 @@ def test_the_bundle_is_frozen_and_holds_the_flags_values():
 
 
 def test_every_field_of_the_bundle_has_a_docstring():
-    tree = ast.parse(inspect.getsource(run_config_module))
-    for node in tree.body:
+    sources = (inspect.getsource(run_config_module), inspect.getsource(inspect.getmodule(PrecisionConfig)))
+    classes = [node for source in sources for node in ast.parse(source).body if isinstance(node, ast.ClassDef)]
+    assert {c.__name__ for c in GROUPS + (RunConfig,)} <= {node.name for node in classes}
+    for node in classes:
         if isinstance(node, ast.ClassDef) and node.name in {c.__name__ for c in GROUPS + (RunConfig,)}:
             body = node.body
             for statement, following in zip(body, body[1:] + [None]):

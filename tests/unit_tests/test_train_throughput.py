@@ -261,9 +261,9 @@ def test_gradient_fusion_flag_reaches_our_model():
     """--no-gradient-accumulation-fusion reaches the config (its linear layers then take plain autocast's path)."""
     with our_arm([*TINY, "--no-gradient-accumulation-fusion"]) as arm:
         assert not arm.model.config.gradient_accumulation_fusion
-        assert not arm.model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+        assert not arm.model.decoder.layers["0"].mlp.linear_fc1.gemm.fp32_weight_grad
     with our_arm(TINY) as arm:
-        assert arm.model.decoder.layers["0"].mlp.linear_fc1.fp32_weight_grad
+        assert arm.model.decoder.layers["0"].mlp.linear_fc1.gemm.fp32_weight_grad
 
 
 def test_swiglu_fusion_and_moment_dtype_flags_reach_our_model():

@@ -11,7 +11,7 @@ import torch
 from megatron.core.models.difflm import diffusion
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.optimizer.optimizer import OptimizerConfig, build_optimizer
-from megatron.core.precision.weight_copies import attach_weight_copies
+from megatron.core.precision.apply import PrecisionConfig, apply_precision
 from tests.unit_tests.test_bad_inputs_training import TINY, parse_error, run_cli
 from tests.unit_tests.test_gpt_model import dlm_config, tiny_config, tokens
 
@@ -41,7 +41,7 @@ def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, f
     `fp8_format`: float8 copies; `shape`: `build`'s tied and masked_only."""
     model = build(style, mode, **shape)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, compiled_step=compiled))
-    weight_copies = attach_weight_copies(model, optimizer, torch.bfloat16, fp8_format) if copies else None
+    weight_copies = apply_precision(model, PrecisionConfig(True, fp8_format), torch.bfloat16, optimizer) if copies else None
     losses, stale = [], []
     for step in range(steps):
         if weight_copies is not None:
@@ -91,11 +91,11 @@ def test_the_masked_only_loss_reads_a_copy_of_the_output_weight(style, mode, tie
     model = build(style, mode, **shape)
     owner = model.output_weight_owner()
     assert owner is (model.embedding.word_embeddings if tied else model.output_layer)
-    attach_weight_copies(model, build_optimizer(model, OptimizerConfig(lr=1e-2)), torch.bfloat16)
+    apply_precision(model, PrecisionConfig(True), torch.bfloat16, build_optimizer(model, OptimizerConfig(lr=1e-2)))
     x, key = tokens(seed=3), (None if mode == "vanilla" else diffusion.CorruptionKey.for_batch(
         7, iteration=0, global_batch_size=2, first_sample_index=0, batch_size=2))
     before = model.compute_loss(x, key=key).loss
-    owner.weight_low.mul_(0.5)  # the loss reads it ...
+    owner.gemm.copy.mul_(0.5)  # the loss reads it ...
     assert not torch.equal(model.compute_loss(x, key=key).loss, before)
     model.eval()  # ... evaluation does not
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_a_weight_changed_behind_the_optimizer_is_copied_again_and_eval_never_re
     model, reference = build("llama", "vanilla"), build("llama", "vanilla")
     optimizer, reference_optimizer = (build_optimizer(m, OptimizerConfig(lr=1e-2, compiled_step=True))
                                       for m in (model, reference))
-    copies = attach_weight_copies(model, optimizer, torch.bfloat16)
+    copies = apply_precision(model, PrecisionConfig(True), torch.bfloat16, optimizer)
     layer, reference_layer = _first_fc1(model), _first_fc1(reference)
     _step(model, optimizer, copies), _step(reference, reference_optimizer)
     with torch.no_grad():  # an in-place edit after the step wrote the copy: its version moves
@@ -132,7 +132,7 @@ def test_a_weight_changed_behind_the_optimizer_is_copied_again_and_eval_never_re
     assert copies.refresh() == 1
     x = tokens(seed=5)
     assert torch.equal(model.compute_loss(x, key=None).loss, reference.compute_loss(x, key=None).loss)
-    layer.weight_low.zero_()  # a copy the training forward reads ...
+    layer.gemm.copy.zero_()  # a copy the training forward reads ...
     assert not torch.equal(model.compute_loss(x, key=None).loss, reference.compute_loss(x, key=None).loss)
     model.eval(), reference.eval()  # ... and evaluation does not
     with torch.no_grad():
@@ -172,7 +172,7 @@ def test_compiled_layers_read_the_copies_without_a_graph_break():
         model = build("megatron", "vanilla")
         compile_transformer_layers(model, backend="aot_eager", fullgraph=True)
         optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2))
-        weight_copies = attach_weight_copies(model, optimizer, torch.bfloat16) if copies else None
+        weight_copies = apply_precision(model, PrecisionConfig(True), torch.bfloat16, optimizer) if copies else None
         losses = []
         for _ in range(2):
             _step(model, optimizer, weight_copies)

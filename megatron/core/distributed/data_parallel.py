@@ -248,7 +248,7 @@ def no_sync(model: nn.Module, last_microbatch: bool) -> ContextManager:
     reductions on every micro-batch, under DDP on its no-sync ones, under FSDP2 never."""
     ddp, fsdp = isinstance(model, DistributedDataParallel), is_fully_sharded(model)
     stack = ExitStack()
-    stack.enter_context(accumulating_into_grad(not fsdp and not (ddp and last_microbatch)))
+    stack.enter_context(accumulating_into_grad(model, not fsdp and not (ddp and last_microbatch)))
     if not last_microbatch and ddp:
         stack.enter_context(model.no_sync())
     elif not last_microbatch and fsdp:

@@ -1,5 +1,5 @@
 """Float8 GEMMs of the decoder's linear layers: tensorwise-scaled e4m3 / e5m2 operands through
-`torch._scaled_mm`, reading float8 working copies of the weights (precision/weight_copies.py), which
+`torch._scaled_mm`, reading float8 working copies of the weights (float8_copy.py), which
 `--fp8-format` turns on.
 
 Scaling is tensorwise: each operand is multiplied by max(dtype) / amax before the cast (saturating),
@@ -9,7 +9,7 @@ scaling), or with `--fp8-recipe delayed` the scale comes from earlier iterations
 (Megatron's meaning), e4m3 under e4m3. cuBLAS wants the first operand row-major, the second
 column-major and every dimension a multiple of 16.
 
-`float8_linear` reads its weight's float8 copies (cast once an iteration) instead of casting the fp32
+`float8_linear` reads its weight's float8 copies (float8_copy.py, cast once an iteration) instead of casting the fp32
 weight every forward. All three GEMMs run in float8: the output (e4m3 x e4m3, fast accumulation), the
 input gradient (the output gradient x the weight's transposed copy) and the weight gradient (the output
 gradient x the input, both transposed in the cast that makes them; fp32 out, so the fp32 weight's
@@ -225,7 +225,7 @@ def delayed_arguments(delayed: Optional[DelayedScales]):
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias, copy, out_dtype: torch.dtype,
                   grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`x weight^T + bias` in float8 from the weight's float8 copy (`working_copy.Float8Copy`) in
+    """`x weight^T + bias` in float8 from the weight's float8 copy (`float8_copy.Float8Copy`) in
     `out_dtype`; the gradients of the fp32 weight and bias in fp32 (the weight's added into `grad_into`,
     its existing `.grad`, where one is given). `x`'s rows: a multiple of 16. With the copy's `delayed`
     scales, the input and output gradient are cast by them once they are `ready` (before, by their own

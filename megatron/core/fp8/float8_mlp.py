@@ -24,9 +24,8 @@ from megatron.core.fusions import fused_float8_swiglu
 from megatron.core.fp8.float8_matmul import (FORWARD_DTYPE, backward_gemms, cast_both_layouts,
                                                          delayed_arguments, float8_ready, forward_gemm,
                                                          raise_amax)
-from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.precision.working_copy import Float8Copy, training_copy
+from megatron.core.fp8.float8_copy import Float8Gemm
 from megatron.core.fusions import fused_swiglu
 
 
@@ -106,19 +105,20 @@ def _scale(scales: Optional[torch.Tensor], index: int) -> Optional[torch.Tensor]
 
 def _copies(fc1, fc2, x: torch.Tensor, config):
     """The two layers' float8 copies where the fused function runs this MLP: tensor-parallel layers,
-    gated SiLU, no fc1 bias, both layers float8 under autocast (where fp32_weight_grad.linear
-    would run each in float8) and `x`'s rows aligned before fc1's gather (so after it too); else None."""
+    gated SiLU, no fc1 bias, both layers float8 under autocast (where each layer's `Float8Gemm`
+    would run it in float8) and `x`'s rows aligned before fc1's gather (so after it too); else None."""
     if not (isinstance(fc1, ColumnParallelLinear) and isinstance(fc2, RowParallelLinear) and fc2.input_is_parallel):
         return None
     if fc1.bias is not None or fc1.gather_output:
         return None
     if not (config.gated_linear_unit and config.activation == "silu" and float8_ready(x)):
         return None
-    if not (fc1.fp32_weight_grad and fc2.fp32_weight_grad and torch.is_autocast_enabled(x.device.type)):
+    if not (isinstance(fc1.gemm, Float8Gemm) and isinstance(fc2.gemm, Float8Gemm)):
         return None
-    copies = training_copy(fc1), training_copy(fc2)
+    if not (fc1.gemm.fp32_weight_grad and fc2.gemm.fp32_weight_grad and torch.is_autocast_enabled(x.device.type)):
+        return None
     weights_fp32 = fc1.weight.dtype == fc2.weight.dtype == torch.float32
-    return copies if weights_fp32 and all(isinstance(copy, Float8Copy) for copy in copies) else None
+    return (fc1.gemm.float8_copy(fc1.weight), fc2.gemm.float8_copy(fc2.weight)) if weights_fp32 else None
 
 
 def swiglu_mlp(hidden: torch.Tensor, fc1, fc2, config) -> Optional[torch.Tensor]:
@@ -134,7 +134,7 @@ def swiglu_mlp(hidden: torch.Tensor, fc1, fc2, config) -> Optional[torch.Tensor]
     output, x_amax, a_amax = _Float8SwiGLUMLP.apply(
         x, fc1.weight, fc2.weight, *copy1[:3], *copy2[:3], dtype, copy1.gradient_dtype,
         fused_swiglu.configured(config), scales1, scales2, amax_leaf1, amax_leaf2,
-        grad_to_add_into(fc1.weight), grad_to_add_into(fc2.weight))
+        fc1.grad_into(), fc2.grad_into())
     for copy, amax in ((copy1, x_amax), (copy2, a_amax)):
         if copy.delayed is not None:
             raise_amax(copy.delayed.amax[0], amax)

@@ -3,7 +3,7 @@ Engine): a layer casts its input and its output gradient with scales taken from 
 amaxes instead of this tensor's own, so the cast needs no reduction before it and the amax it records
 is read in the same pass (one Triton kernel on CUDA: fused_float8_cast.py).
 
-State, per float8 layer (`working_copy.Float8Copy`, so only with `--cache-low-precision-weights`), two
+State, per float8 layer (its `float8_copy.Float8Gemm`), two
 columns each (0: the input, e4m3; 1: the output gradient, the format's gradient dtype):
 - `current` [2]: this iteration's running amax, which every micro-batch's forward (the input,
   `float8_matmul.raise_amax`) and backward (the output gradient) raises; the backward hands its amax
@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.fusions import fused_float8_cast, fused_float8_swiglu
+from megatron.core.fp8.float8_copy import Float8Gemm
 from megatron.core.fp8.float8_matmul import FORWARD_DTYPE, GRADIENT_DTYPES, raise_amax
 from megatron.core.tensor_parallel.utils import group_size
 
@@ -66,15 +67,15 @@ class DelayedScalingConfig:
 
 
 class DelayedScaling:
-    """The amax histories and scales of `modules` (float8 layers, called `names` in checkpoints), one row
-    each; every module gets views of its row as non-persistent buffers, `fp8_amax` (current) and
-    `fp8_scale` (scales), and its output gradient's amax leaf as `fp8_gradient_amax`."""
+    """The amax histories and scales of `gemms` (the float8 layers' `Float8Gemm`s, whose layers are called
+    `names` in checkpoints), one row each; every GEMM gets views of its row (`Float8Gemm.use_delayed_scaling`)
+    and its output gradient's amax leaf."""
 
-    def __init__(self, modules: List[nn.Module], names: List[str], fp8_format: str, config: DelayedScalingConfig,
+    def __init__(self, gemms: List[Float8Gemm], names: List[str], fp8_format: str, config: DelayedScalingConfig,
                  groups: Sequence[Optional[dist.ProcessGroup]] = ()) -> None:
-        device = modules[0].weight.device if modules else torch.device("cpu")
-        count = len(modules)
-        self.config, self.modules, self.names = config, modules, list(names)
+        device = gemms[0].rows.device if gemms else torch.device("cpu")
+        count = len(gemms)
+        self.config, self.gemms, self.names = config, gemms, list(names)
         self.groups = [group for group in groups if group_size(group) > 1]
         self.current = torch.zeros(count, 2, device=device)
         self.history = torch.zeros(count, config.history_len, 2, device=device)
@@ -83,10 +84,9 @@ class DelayedScaling:
         fused_float8_swiglu.register_for(self.current)
         self.largest = torch.tensor([torch.finfo(FORWARD_DTYPE).max, torch.finfo(GRADIENT_DTYPES[fp8_format]).max],
                                     dtype=torch.float64, device=device)
-        for index, module in enumerate(modules):
-            module.register_buffer("fp8_amax", self.current[index], persistent=False)
-            module.register_buffer("fp8_scale", self.scales[index], persistent=False)
-            module.fp8_gradient_amax = self._gradient_amax_leaf(self.current[index, 1:])
+        for index, gemm in enumerate(gemms):
+            gemm.use_delayed_scaling(self.scales[index], self.current[index],
+                                     self._gradient_amax_leaf(self.current[index, 1:]))
         self._set_ready(False)
 
     @staticmethod
@@ -108,14 +108,14 @@ class DelayedScaling:
 
     def _set_ready(self, ready: bool) -> None:
         self._ready = ready
-        for module in self.modules:
-            module.fp8_delayed_ready = ready  # a Python flag: compiled layers guard on it
+        for gemm in self.gemms:
+            gemm.delayed_ready = ready  # a Python flag: compiled layers guard on it
 
     @torch.no_grad()
     def update(self, skipped: bool = False) -> None:
         """After an iteration's optimizer step: its amaxes (the largest over the groups) into the
         history and the scales from it; `skipped`: the iteration was dropped, its amaxes too."""
-        if not self.modules:
+        if not self.gemms:
             return
         if skipped:
             self.current.zero_()

@@ -162,7 +162,7 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
             unwrap(chunks[chunk]).set_input_tensor(received)
             # weight gradients added into .grad in place where one exists (fp32_weight_grad); no wrapper
             # hook reads them under pipelining but FSDP2's
-            in_place = accumulating_into_grad(not is_fully_sharded(chunks[chunk]))
+            in_place = accumulating_into_grad(chunks[chunk], not is_fully_sharded(chunks[chunk]))
             with computing("forward-compute"), in_place:
                 output, loss_func = forward_step(iterators[chunk], chunks[chunk], microbatch)
                 if last:

@@ -1,2 +1,3 @@
-"""Training precision applied to a built model: the low-precision working copies of the linear layers'
-weights (`weight_copies`) and the copy a layer's forward reads (`working_copy`)."""
+"""Training precision applied to a built model: `apply.apply_precision(model, PrecisionConfig, ...)` swaps the
+layers' GEMMs for ones reading working copies of their weights (`working_copy.CopyGemm`, bf16/fp16; float8:
+../fp8/float8_copy.py) and returns the `weight_copies.WeightCopies` that keep them fresh."""

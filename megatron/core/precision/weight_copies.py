@@ -5,12 +5,12 @@ linear weight to bf16: a read of 4 and a write of 2 bytes a parameter (the compi
 cast into a neighbouring kernel, but the bytes stay), about 2 ms a step at the Qwen3-1.7B shape on
 an H200. Megatron keeps bf16 parameters and fp32 main weights in the optimizer instead; here the
 fp32 parameters stay (checkpoints, data-parallel buffers and the optimizer are unchanged) and each
-tensor-parallel linear layer gets a non-persistent buffer `weight_low` in the compute dtype that
-its training forward reads instead of casting (`fp32_weight_grad.linear`; a layer finds its copy
-with `working_copy.training_copy`, which this module builds on). The weight gradient
+tensor-parallel linear layer's GEMM becomes a `working_copy.CopyGemm` holding a copy in the compute
+dtype that its training forward reads instead of casting. The weight gradient
 still reaches the fp32 weight, computed in fp32. Under the masked-only loss the output layer's
 weight (the word embedding's, when tied) gets one too, in the compute dtype even under fp8, which
-the chunked loss reads instead of casting it (`linear_cross_entropy(weight_low=...)`).
+the chunked loss reads instead of casting it (`linear_cross_entropy(weight_low=...)`, through the
+owner's `gemm.working_copy()`).
 
 Freshness: `WeightCopies.refresh` (the trainer calls it before each iteration's forwards) re-casts
 every copy that the optimizer did not write in the step since the last refresh, and every copy
@@ -21,18 +21,19 @@ optimizer, and ZeRO-1's broadcast of the other ranks' shards (collectives do not
 counters), leave them to the refresh, which then costs one cast a step instead of one per
 micro-batch. Evaluation (`module.eval()`) always casts, so no copy is read outside training.
 
-Under `--fp8-format` (which turns the copies on itself) the copies are float8 instead (`Float8Copy`):
-each decoder linear layer whose dimensions are multiples of 16 keeps its weight in e4m3 twice
-(row-major for the forward GEMM and transposed for the input gradient's) with the inverse scale, and
-runs its GEMMs in float8 itself (`float8_matmul.float8_linear`) instead of casting the fp32 weight in
-every micro-batch's forward (and transposing it in the backward). The refresh casts every float8 copy
+Under `--fp8-format` (which turns the copies on itself) the copies are float8 instead
+(fp8/float8_copy.py's `Float8Gemm`): each decoder linear layer whose dimensions are multiples of 16
+keeps its weight in e4m3 twice (row-major for the forward GEMM and transposed for the input gradient's)
+with the inverse scale, and runs its GEMMs in float8 itself (`float8_matmul.float8_linear`) instead of
+casting the fp32 weight in every micro-batch's forward (and transposing it in the backward). The refresh casts every float8 copy
 once an iteration with the weight's own amax (current scaling, whatever wrote the weight), so a
 ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values. The optimizer does not
 write them: a write in its update kernel would have to scale by an amax from before the update
 (measured at the 7B width, docs/performance_history.md: it did not pay). In evaluation the weight
 is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
 gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
-calls `end_iteration` after each optimizer step); the weights keep their own amax. Under tensor or
+calls `end_iteration` after each optimizer step, and a checkpoint saves `state_dict`); the weights keep
+their own amax. Under tensor or
 context parallelism each rank casts what its GEMMs read: its weight shard by the shard's amax, and
 under the tensorwise recipe a row-parallel layer's input shard, a column-parallel layer's
 output-gradient shard and its sequence chunk by their own (no collective; each product is scaled back
@@ -49,21 +50,14 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.fp8.float8_matmul import ALIGNMENT, FORWARD_DTYPE, GRADIENT_DTYPES
+from megatron.core.fp8.float8_copy import Float8Copy, Float8Gemm, cast_float8
+from megatron.core.fp8.float8_matmul import ALIGNMENT, GRADIENT_DTYPES
+from megatron.core.fp8.float8_mlp import swiglu_mlp
 from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
+from megatron.core.precision.working_copy import CopyGemm
+from megatron.core.tensor_parallel.fp32_weight_grad import GemmLayer
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.precision.working_copy import BUFFER, FLOAT8_BUFFERS, Float8Copy, cast_float8
-
-
-def _float8_copy(module: nn.Module, weight: torch.Tensor, fp8_format: str) -> Float8Copy:
-    out_features, in_features = weight.shape
-    buffers = (torch.empty_like(weight, dtype=FORWARD_DTYPE), weight.new_empty((in_features, out_features),
-                                                                                dtype=FORWARD_DTYPE),
-               weight.new_ones((), dtype=torch.float32))
-    for name, buffer in zip(FLOAT8_BUFFERS, buffers):
-        module.register_buffer(name, buffer, persistent=False)  # not in checkpoints
-    module.float8_gradient_dtype = GRADIENT_DTYPES[fp8_format]
-    return Float8Copy(*buffers, GRADIENT_DTYPES[fp8_format])
+from megatron.core.transformer.mlp import MLP
 
 
 def _output_weight_owners(model: nn.Module) -> Dict[int, bool]:
@@ -86,14 +80,18 @@ class WeightCopies:
         self.layers: List[Tuple[nn.Module, Union[torch.Tensor, Float8Copy]]] = []
         heads = _output_weight_owners(model)
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if weight is None or weight.dtype != torch.float32:
+            if not isinstance(module, GemmLayer) or module.weight.dtype != torch.float32:
                 continue
+            weight = module.weight
             if id(module) in heads:
                 if heads[id(module)]:  # read by the chunked loss in the compute dtype, float8 or not
                     self.layers.append((module, self._new_copy(module, weight, None)))
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 self.layers.append((module, self._new_copy(module, weight, fp8_format)))
+        for module in model.modules():  # two float8 layers of a SwiGLU MLP run as one function (float8_mlp.py)
+            if isinstance(module, MLP) and all(isinstance(layer.gemm, Float8Gemm)
+                                               for layer in (module.linear_fc1, module.linear_fc2)):
+                module.fused_forward = swiglu_mlp
         self._index: Dict[int, int] = {}
         self._written: Dict[int, tuple] = {}
         """Copies the optimizer wrote since the last refresh: index -> the weight's stamp then."""
@@ -102,7 +100,8 @@ class WeightCopies:
         if delayed is not None and fp8_format is not None:
             names = {id(module): name for name, module in model.named_modules()}
             float8 = [module for module, copy in self.layers if isinstance(copy, Float8Copy)]
-            self.delayed_scaling = DelayedScaling(float8, [names[id(m)] for m in float8], fp8_format, delayed, groups)
+            self.delayed_scaling = DelayedScaling([module.gemm for module in float8], [names[id(m)] for m in float8],
+                                                  fp8_format, delayed, groups)
         self.refresh()
 
     def end_iteration(self, skipped: bool = False) -> None:
@@ -110,12 +109,25 @@ class WeightCopies:
         if self.delayed_scaling is not None:
             self.delayed_scaling.update(skipped)
 
-    def _new_copy(self, module: nn.Module, weight: torch.Tensor, fp8_format: Optional[str]):
+    def _new_copy(self, module: GemmLayer, weight: torch.Tensor, fp8_format: Optional[str]):
+        """Swap `module`'s GEMM for one reading a copy of `weight` (float8 under `fp8_format` where its
+        dimensions allow); returns the copy."""
+        fp32_weight_grad = module.gemm.fp32_weight_grad
         if fp8_format is not None and all(size % ALIGNMENT == 0 for size in weight.shape):
-            return _float8_copy(module, weight, fp8_format)
-        copy = torch.empty_like(weight, dtype=self.dtype)
-        module.register_buffer(BUFFER, copy, persistent=False)  # not in checkpoints
-        return copy
+            module.gemm = Float8Gemm(weight, GRADIENT_DTYPES[fp8_format], fp32_weight_grad)
+            return module.gemm.stored_copy()
+        module.gemm = CopyGemm(torch.empty_like(weight, dtype=self.dtype), fp32_weight_grad)
+        return module.gemm.copy
+
+    def state_dict(self) -> Optional[Dict[str, object]]:
+        """What a checkpoint keeps of them (`--fp8-recipe delayed`'s histories and scales), or None."""
+        return None if self.delayed_scaling is None else self.delayed_scaling.state_dict()
+
+    def load_state_dict(self, state: Dict[str, object]) -> Optional[str]:
+        """Restore `state_dict`'s; None, or why it does not fit this run (which then starts afresh)."""
+        if self.delayed_scaling is None:
+            return "this run does not use --fp8-recipe delayed"
+        return self.delayed_scaling.load_state_dict(state)
 
     @property
     def float8_layers(self) -> int:
@@ -159,19 +171,3 @@ class WeightCopies:
             index = self._index.get(id(weight))
             if index is not None:
                 self._written[index] = self._stamp(weight)
-
-
-def attach_weight_copies(model: nn.Module, optimizer, dtype: torch.dtype, fp8_format: Optional[str] = None,
-                         delayed: Optional[DelayedScalingConfig] = None, groups: Sequence = ()) -> WeightCopies:
-    """Copies for `model`'s linear layers (float8 ones under `fp8_format`), written by each of this
-    rank's `CompiledAdamW` steps (the other optimizers leave them to `refresh`). After the data-parallel
-    wrapper: its buffers are not broadcast, and these need not be (every rank writes its own).
-    `delayed`: the float8 layers' delayed scaling, its amaxes the largest over `groups` (float8_scaling.py)."""
-    from megatron.core.optimizer.compiled_adamw import CompiledAdamW
-    from megatron.core.optimizer.optimizer import local_optimizers
-
-    copies = WeightCopies(model, dtype, fp8_format, delayed, groups)
-    for local in local_optimizers(optimizer):
-        if isinstance(local, CompiledAdamW):
-            local.weight_copies = copies
-    return copies

@@ -10,15 +10,20 @@ which also keeps the bits the bf16 rounding dropped. Forward values and the inpu
 autocast's. Measured in the compiled step: -1.2 ms at 1.7B, +0.15% at the 7B width
 (docs/performance_history.md), because the compiler had already folded part of the cast away.
 
-Across the micro-batches of a step (Megatron's accumulation into `main_grad`): inside
-`accumulating_into_grad()` a weight whose fp32 `.grad` already holds earlier micro-batches' sum gets
-this micro-batch's gradient added by the GEMM itself (`out += a @ b`, cuBLAS's beta = 1), and autograd
-gets no gradient for it (fp32 training too). Autograd would otherwise write a fresh fp32 gradient and
-add it to `.grad` in a pass of its own: 16 bytes a parameter moved instead of 8. The schedules enable
-it wherever no autograd hook has to see the gradient (`data_parallel.no_sync`, the pipeline schedule's
-forwards): one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2.
-The float8 layers (float8_matmul.float8_linear, float8_mlp.py) add theirs the same way, through
-cuBLASLt's float8 GEMM with beta = 1 (cublaslt.py).
+Across the micro-batches of a step (Megatron's accumulation into `main_grad`): a `GemmLayer` whose
+model's `GradSwitch` is on and whose fp32 weight's `.grad` already holds earlier micro-batches' sum gets this
+micro-batch's gradient added by the GEMM itself (`out += a @ b`, cuBLAS's beta = 1), and autograd gets
+no gradient for it (fp32 training too). Autograd would otherwise write a fresh fp32 gradient and add it
+to `.grad` in a pass of its own: 16 bytes a parameter moved instead of 8. The schedules switch it on for
+the model they run, micro-batch by micro-batch (`accumulating_into_grad(model, enabled)`, from
+`data_parallel.no_sync` and the pipeline schedule's forwards), wherever no autograd hook has to see the
+gradient: one process, pipeline stages, DDP's no-sync micro-batches; never under FSDP2. The float8
+GEMMs (fp8/float8_copy.py, float8_mlp.py) add theirs the same way, through cuBLASLt's float8 GEMM with
+beta = 1 (cublaslt.py).
+
+A layer's GEMM is a `LinearGemm` it builds at construction (this module's `linear`); the precision
+converter (megatron/core/precision/apply.py) replaces it with one that reads a working copy of the
+weight (bf16, or float8), so the layers never know which.
 
 On other devices (no `out_dtype` GEMM) the gradient is computed in the compute dtype and cast,
 exactly as autocast does, so CPU runs and tests see the same numbers either way.
@@ -32,8 +37,6 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from megatron.core.fp8.float8_matmul import float8_linear, float8_ready
-from megatron.core.precision.working_copy import Float8Copy
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -65,31 +68,68 @@ def accumulate_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     matmul_into(out, a, b, accumulate=True)
 
 
-_in_place = False
-"""Whether linear layers add their weight gradients into an existing fp32 `.grad` (see the module)."""
-
-
-@contextmanager
-def accumulating_into_grad(enabled: bool = True) -> Iterator[None]:
-    """Within it (forward and backward of a micro-batch), weight gradients are added into `.grad` in
-    place where one exists; only where nothing needs autograd's gradient hooks (see the module)."""
-    global _in_place
-    previous, _in_place = _in_place, enabled
-    try:
-        yield
-    finally:
-        _in_place = previous
-
-
-def grad_to_add_into(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """`weight`'s fp32 `.grad` where its layer's GEMM adds the micro-batch's gradient into it (inside
-    `accumulating_into_grad()`, a contiguous fp32 gradient of the weight's shape), else None."""
+def grad_to_add_into(weight: torch.Tensor, in_place: bool) -> Optional[torch.Tensor]:
+    """`weight`'s fp32 `.grad` where its layer's GEMM adds the micro-batch's gradient into it (`in_place`,
+    its model's `GradSwitch`, and a contiguous fp32 gradient of the weight's shape), else None."""
+    if not in_place:
+        return None
     grad = weight.grad
-    if not _in_place or grad is None or not weight.requires_grad:
+    if grad is None or not weight.requires_grad:
         return None
     if grad.dtype != torch.float32 or grad.shape != weight.shape or not grad.is_contiguous():
         return None
     return grad
+
+
+class GradSwitch:
+    """Whether the layers holding it add their weight gradients into `.grad` in place (see the module):
+    one per model, flipped for each micro-batch by `accumulating_into_grad`."""
+
+    __slots__ = ("in_place",)
+
+    def __init__(self) -> None:
+        self.in_place = False
+
+
+class GemmLayer(nn.Module):
+    """A layer whose `weight` a GEMM reads: the tensor-parallel linear layers, and the word embedding
+    (read by the tied output layer's loss). It holds `gemm`, the `LinearGemm` it multiplies with (built
+    at construction, replaced by the precision converter), and `grad_switch`, its model's `GradSwitch`
+    (its own until `accumulating_into_grad` first runs on the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_switch = GradSwitch()
+
+    def grad_into(self) -> Optional[torch.Tensor]:
+        """The `.grad` this micro-batch's GEMM adds the weight's gradient into, or None (autograd's)."""
+        return grad_to_add_into(self.weight, self.grad_switch.in_place)
+
+
+def _switch_of(model: nn.Module) -> GradSwitch:
+    """`model`'s switch, given to each of its layers the first time (then one flip a micro-batch, not a walk
+    over the modules)."""
+    switch = model.__dict__.get("grad_switch")
+    if switch is None:
+        switch = GradSwitch()
+        for module in model.modules():
+            if isinstance(module, GemmLayer):
+                module.grad_switch = switch
+        model.grad_switch = switch
+    return switch
+
+
+@contextmanager
+def accumulating_into_grad(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within it (forward and backward of a micro-batch), `model`'s layers add their weight gradients into
+    `.grad` in place where one exists (`enabled`), or leave them to autograd; restored on leaving. Only
+    where nothing needs autograd's gradient hooks (see the module)."""
+    switch = _switch_of(model)
+    previous, switch.in_place = switch.in_place, enabled
+    try:
+        yield
+    finally:
+        switch.in_place = previous
 
 
 class _LinearFp32WeightGrad(torch.autograd.Function):
@@ -126,24 +166,42 @@ class _LinearFp32WeightGrad(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           fp32_weight_grad: bool = True, weight_low: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear`, except that under autocast an fp32 weight's gradient comes out of its GEMM in
-    fp32 (with `fp32_weight_grad`), and that with it the gradient is added into an existing `.grad`
-    within `accumulating_into_grad()`, in fp32 training too; otherwise plain `F.linear`. `weight_low`:
-    a fresh copy of `weight` (weight_copies.py), read instead of casting when its dtype is autocast's;
-    a float8 copy runs the GEMMs in float8 (when `x`'s rows allow it)."""
+           fp32_weight_grad: bool = True, weight_low: Optional[torch.Tensor] = None,
+           grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear`, except that under autocast an fp32 weight's gradient comes out of its GEMM in fp32 (with
+    `fp32_weight_grad`), and that with it the gradient is added into `grad_into` (the weight's existing
+    `.grad`, `GemmLayer.grad_into`), in fp32 training too; otherwise plain `F.linear`. `weight_low`: a
+    fresh copy of `weight` (precision/working_copy.py), read instead of casting when its dtype is autocast's."""
     device = x.device.type
     if fp32_weight_grad and weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        if isinstance(weight_low, Float8Copy):
-            if float8_ready(x):
-                return float8_linear(x, weight, bias, weight_low, dtype, grad_to_add_into(weight))
-            weight_low = None
         if dtype != torch.float32:
             low = weight_low if weight_low is not None and weight_low.dtype == dtype else None
-            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low, grad_to_add_into(weight))
-    fp32 = fp32_weight_grad and x.dtype == weight.dtype == torch.float32
-    grad_into = grad_to_add_into(weight) if fp32 else None
-    if grad_into is not None:  # fp32 arithmetic: only the in-place sum differs from F.linear
+            return _LinearFp32WeightGrad.apply(x, weight, bias, dtype, low, grad_into)
+    if fp32_weight_grad and x.dtype == weight.dtype == torch.float32 and grad_into is not None:
+        # fp32 arithmetic: only the in-place sum differs from F.linear
         return _LinearFp32WeightGrad.apply(x, weight, bias, torch.float32, None, grad_into)
     return nn.functional.linear(x, weight, bias)
+
+
+class LinearGemm(nn.Module):
+    """A layer's GEMM as it is built: `linear` (the fp32 weight gradient with `fp32_weight_grad`, Megatron's
+    --gradient-accumulation-fusion). The precision converter swaps it for one reading a working copy of
+    the weight (precision/working_copy.py, fp8/float8_copy.py); a module, so that the copies it holds
+    move with the layer."""
+
+    def __init__(self, fp32_weight_grad: bool = True) -> None:
+        super().__init__()
+        self.fp32_weight_grad = fp32_weight_grad
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                grad_into: Optional[torch.Tensor]) -> torch.Tensor:
+        return linear(x, weight, bias, self.fp32_weight_grad, None, grad_into)
+
+    def working_copy(self) -> Optional[torch.Tensor]:
+        """The weight's copy in the compute dtype that a training forward reads instead of casting
+        (the chunked loss's, for the output layer's weight), or None."""
+        return None
+
+    def extra_repr(self) -> str:
+        return f"fp32_weight_grad={self.fp32_weight_grad}"

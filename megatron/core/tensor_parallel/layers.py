@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.tensor_parallel.fp32_weight_grad import linear
+from megatron.core.tensor_parallel.fp32_weight_grad import GemmLayer, LinearGemm
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient, embedding
-from megatron.core.precision.working_copy import training_copy
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -68,7 +67,7 @@ def _sharded(key: str, data: torch.Tensor, global_shape: Tuple[int, ...], split_
     return ShardedTensor(key, data, tuple(global_shape), tuple(offset), replica_id)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(GemmLayer):
     """`Y = X A^T + b` with A's output rows split across tensor-parallel ranks.
 
     The output dimension is read as `output_view` (default `(output_size,)`) and split
@@ -87,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
                  output_view: Optional[Tuple[int, ...]] = None, split_dim: int = 0,
                  fp32_weight_grad: bool = True) -> None:
         super().__init__()
-        self.fp32_weight_grad = fp32_weight_grad
+        self.gemm = LinearGemm(fp32_weight_grad)  # the precision converter may swap it (fp32_weight_grad.py)
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -139,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         return copy_to_tensor_model_parallel_region(x, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = linear(self.parallel_input(x), self.weight, self.bias, self.fp32_weight_grad, training_copy(self))
+        output = self.gemm(self.parallel_input(x), self.weight, self.bias, self.grad_into())
         if self.gather_output:
             output = self._to_global_order(gather_from_tensor_model_parallel_region(output, self.tp_group))
         return output
@@ -160,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(GemmLayer):
     """`Y = X A^T + b` with A's input columns split across tensor-parallel ranks.
 
     Each rank computes a partial sum from its input slice; the sum is all-reduced, or with
@@ -174,7 +173,7 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,
                  init_seed: int = 0, params_dtype: torch.dtype = torch.float32, fp32_weight_grad: bool = True) -> None:
         super().__init__()
-        self.fp32_weight_grad = fp32_weight_grad
+        self.gemm = LinearGemm(fp32_weight_grad)  # the precision converter may swap it (fp32_weight_grad.py)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True: "
                              "the input must already be split on the hidden dim")
@@ -197,7 +196,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        return self.parallel_output(linear(x, self.weight, None, self.fp32_weight_grad, training_copy(self)))
+        return self.parallel_output(self.gemm(x, self.weight, None, self.grad_into()))
 
     def parallel_output(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum -> the output: reduced (or reduce-scattered), then the bias."""
@@ -222,7 +221,7 @@ class RowParallelLinear(nn.Module):
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(GemmLayer):
     """Embedding table with its vocabulary rows split across tensor-parallel ranks.
 
     Rank r owns rows `[start, end)`. Ids outside them are looked up as row 0 and their
@@ -238,6 +237,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel
+        self.gemm = LinearGemm()  # what the tied output layer's loss reads the weight through
         self.vocab_start, self.vocab_end = partition_range(
             num_embeddings, self.tp_rank, self.tp_size, "num_embeddings (pad the vocabulary)")
         master = init_master_weight((num_embeddings, embedding_dim), init_std, init_seed, params_dtype)
@@ -247,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
         """`tied`: the loss's share of a tied weight's gradient, completed by this lookup's backward."""
         if self.tp_size == 1:
-            output = embedding(ids, self.weight, tied)
+            output = embedding(ids, self.weight, tied, self.grad_into())
         else:
             output = self._partial_lookup(ids, tied)
         if self.sequence_parallel:
@@ -259,7 +259,7 @@ class VocabParallelEmbedding(nn.Module):
         check_index_range(ids, self.num_embeddings, "token ids", IndexError)
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
-        output = embedding(local_ids, self.weight, tied)  # foreign rows get zero gradients (masked below)
+        output = embedding(local_ids, self.weight, tied, self.grad_into())  # foreign rows get zero gradients (masked below)
         return output.masked_fill(foreign.unsqueeze(-1), 0.0)
 
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:

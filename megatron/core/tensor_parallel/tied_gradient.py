@@ -21,9 +21,9 @@ to the loss's values one by one, not summed first), within fp32 rounding.
 
 An untied embedding meets the same dense passes across micro-batches: each backward writes a zeroed
 [V, h] fp32 gradient with its tokens' rows, and autograd adds it to `.grad` (at the `7b-shape`'s
-151,936 x 4096: 2.5 GB zeroed, then 7.5 GB read and written, each micro-batch after the first). Inside
-`fp32_weight_grad.accumulating_into_grad()`, where the linear layers add their weight gradients into
-`.grad` in place, the lookup's backward adds its rows into the existing `.grad` the same way
+151,936 x 4096: 2.5 GB zeroed, then 7.5 GB read and written, each micro-batch after the first). Where the
+schedule lets the layers add their weight gradients into `.grad` in place
+(`fp32_weight_grad.accumulating_into_grad`), the lookup's backward adds its rows into the existing `.grad` the same way
 (`add_rows`) and autograd gets no gradient for the weight.
 """
 
@@ -34,7 +34,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.fp32_weight_grad import grad_to_add_into
 
 
 class TiedGradient:
@@ -88,13 +87,13 @@ class _EmbeddingIntoGrad(torch.autograd.Function):
         return None, None, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor, tied: Optional[TiedGradient] = None,
+              grad_into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.embedding(ids, weight)`; with `tied`, its backward completes the gradient the loss left there;
-    untied, inside `accumulating_into_grad()` with a `.grad` to add into, it adds its rows there."""
+    untied, with `grad_into` (the weight's `.grad`, `GemmLayer.grad_into`), it adds its rows there."""
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return nn.functional.embedding(ids, weight)
     if tied is None:
-        grad_into = grad_to_add_into(weight)
         if grad_into is None:
             return nn.functional.embedding(ids, weight)
         return _EmbeddingIntoGrad.apply(ids, weight, grad_into)

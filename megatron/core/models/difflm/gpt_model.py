@@ -36,7 +36,6 @@ from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import group_size
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
-from megatron.core.precision.working_copy import training_copy
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import routers, set_aux_loss_scale
 from megatron.core.transformer.rope import RotaryEmbedding
@@ -165,7 +164,7 @@ class GPTModel(MegatronModule):
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
         owner = self.output_weight_owner()
-        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, training_copy(owner), tied)
+        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, owner.gemm.working_copy(), tied)
         return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
 
     def output_weight_owner(self) -> nn.Module:
