@@ -41,7 +41,8 @@ def train(style: str, mode: str, copies: bool, compiled: bool, steps: int = 3, f
     `fp8_format`: float8 copies; `shape`: `build`'s tied and masked_only."""
     model = build(style, mode, **shape)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1, compiled_step=compiled))
-    weight_copies = apply_precision(model, PrecisionConfig(True, fp8_format), torch.bfloat16, optimizer) if copies else None
+    precision = PrecisionConfig(True, fp8_format)
+    weight_copies = apply_precision(model, precision, torch.bfloat16, optimizer) if copies else None
     losses, stale = [], []
     for step in range(steps):
         if weight_copies is not None:

@@ -36,7 +36,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron.core.fusions import fused_float8_cast, fused_float8_swiglu
 from megatron.core.fp8.float8_copy import Float8Gemm

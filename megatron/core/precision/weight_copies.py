@@ -25,22 +25,21 @@ Under `--fp8-format` (which turns the copies on itself) the copies are float8 in
 (fp8/float8_copy.py's `Float8Gemm`): each decoder linear layer whose dimensions are multiples of 16
 keeps its weight in e4m3 twice (row-major for the forward GEMM and transposed for the input gradient's)
 with the inverse scale, and runs its GEMMs in float8 itself (`float8_matmul.float8_linear`) instead of
-casting the fp32 weight in every micro-batch's forward (and transposing it in the backward). The refresh casts every float8 copy
-once an iteration with the weight's own amax (current scaling, whatever wrote the weight), so a
-ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values. The optimizer does not
-write them: a write in its update kernel would have to scale by an amax from before the update
-(measured at the 7B width, docs/performance_history.md: it did not pay). In evaluation the weight
-is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output
-gradients are cast by delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer
-calls `end_iteration` after each optimizer step, and a checkpoint saves `state_dict`); the weights keep
-their own amax. Under tensor or
-context parallelism each rank casts what its GEMMs read: its weight shard by the shard's amax, and
-under the tensorwise recipe a row-parallel layer's input shard, a column-parallel layer's
+casting the fp32 weight in every micro-batch's forward (and transposing it in the backward). The refresh
+casts every float8 copy once an iteration with the weight's own amax (current scaling, whatever wrote
+the weight), so a ZeRO-1 rank, a resumed run and an uninterrupted one hold the same values. The
+optimizer does not write them: a write in its update kernel would have to scale by an amax from before
+the update (measured at the 7B width, docs/performance_history.md: it did not pay). In evaluation the
+weight is cast afresh. With `--fp8-recipe delayed` the layers' inputs and output gradients are cast by
+delayed scales (`WeightCopies.delayed_scaling`, float8_scaling.py; the trainer calls `end_iteration`
+after each optimizer step, and a checkpoint saves `state_dict`); the weights keep their own amax. Under
+tensor or context parallelism each rank casts what its GEMMs read: its weight shard by the shard's amax,
+and under the tensorwise recipe a row-parallel layer's input shard, a column-parallel layer's
 output-gradient shard and its sequence chunk by their own (no collective; each product is scaled back
 before the layers' reductions), so the values differ from one GPU's within float8's rounding only
 (tests/distributed/test_weight_copies_parallel.py). Delayed scaling's amaxes are the largest over the
-data-parallel, context-parallel and tensor-parallel ranks (Megatron's amax reduction group): every
-rank of a layer casts by the same scales, those of the whole tensor.
+data-parallel, context-parallel and tensor-parallel ranks (Megatron's amax reduction group): every rank
+of a layer casts by the same scales, those of the whole tensor.
 """
 
 from __future__ import annotations

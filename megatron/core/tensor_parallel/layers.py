@@ -259,7 +259,8 @@ class VocabParallelEmbedding(GemmLayer):
         check_index_range(ids, self.num_embeddings, "token ids", IndexError)
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)
-        output = embedding(local_ids, self.weight, tied, self.grad_into())  # foreign rows get zero gradients (masked below)
+        # foreign rows get zero gradients (masked below)
+        output = embedding(local_ids, self.weight, tied, self.grad_into())
         return output.masked_fill(foreign.unsqueeze(-1), 0.0)
 
     def sharded_state_dict(self, prefix: str = "") -> Dict[str, ShardedTensor]:
