@@ -86,14 +86,6 @@ class TrainingConfig(FromArgs):
     """The signal --exit-signal-handler waits for (--exit-signal)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (--num-workers)."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline stages: chooses the micro-batch schedule (--pipeline-model-parallel-size)."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Model chunks per pipeline rank for the interleaved schedule; None without interleaving (>= 2 otherwise;
-    from --num-virtual-stages-per-pipeline-rank or --num-layers-per-virtual-pipeline-stage)."""
-    pipeline_layer_counts: Optional[list] = None
-    """Transformer layers of every virtual stage s = chunk x pipeline size + rank, laid out contiguously in
-    that order (pipeline_parallel/layer_split.py); [num_layers] with one stage."""
     manual_gc: bool = False
     """Python's automatic GC off; collections at the same steps on every rank (--manual-gc)."""
     manual_gc_interval: int = 0

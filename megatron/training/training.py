@@ -158,8 +158,12 @@ class Trainer:
                                                 or config.initial_loss_scale, enabled=config.fp16)
         self.loss_scale = LossScale(self.grad_scaler, config.loss_scale, config.min_loss_scale,
                                     config.loss_scale_window, config.hysteresis, runtime.device)
-        self.schedule = get_forward_backward_func(config.pipeline_model_parallel_size,
-                                                  config.virtual_pipeline_model_parallel_size, links)
+        self.pipelined = links is not None and links.size > 1
+        """The layout's pipeline (one home: the links built from the process groups, and the model's chunks)
+        chooses the micro-batch schedule."""
+        chunks = len(model_chunks(model))
+        self.schedule = get_forward_backward_func(links.size if self.pipelined else 1, chunks if chunks > 1 else None,
+                                                  links)
         self.rerun = RerunMachine(rerun_config or RerunConfig(), config.fp16, config.seed,
                                   logger.config.log_interval if logger is not None else 1,
                                   logger.print if logger is not None else (lambda message: None),
@@ -184,7 +188,7 @@ class Trainer:
             return self.forward_step(iterator, model, ctx)
 
         # the level-2 timers time a pipeline stage's compute (its measured bubble, timers.py)
-        clock = self.hooks.timers.compute_clock() if training and self.config.pipeline_model_parallel_size > 1 else None
+        clock = self.hooks.timers.compute_clock() if training and self.pipelined else None
         loss = self.schedule(forward_step, data_iterator, self.model, num_microbatches,
                              GlobalBatchLoss(self.runtime.device), forward_only=not training,
                              scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale),

@@ -10,6 +10,7 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.pipeline_parallel.layer_split import (stage_layer_counts, stage_layer_range,
                                                          virtual_size_from_flags)
 from megatron.training.arguments import parse_args
+from megatron.training.run_config import ParallelConfig
 from tests.unit_tests.test_bad_inputs_training import TINY, error_line
 
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
@@ -145,12 +146,12 @@ def _parse(argv, world_size):
     return parse_args(TINY + argv, add_difflm_args, world_size=world_size)
 
 
-def test_the_flags_set_the_split_and_reach_the_training_config():
+def test_the_flags_set_the_split_and_reach_the_parallel_config():
     args = _parse(["--num-layers", "8", PP, "2", VIRTUAL, "2", "--global-batch-size", "4"], world_size=2)
     assert args.virtual_pipeline_model_parallel_size == 2
     assert args.pipeline_layer_counts == [2, 2, 2, 2]
-    assert args.training_config.virtual_pipeline_model_parallel_size == 2
-    assert args.training_config.pipeline_layer_counts == [2, 2, 2, 2]
+    parallel = ParallelConfig.from_args(args)  # the layout's one home in the RunConfig
+    assert parallel.virtual_pipeline_model_parallel_size == 2 and parallel.pipeline_layer_counts == [2, 2, 2, 2]
     args = _parse(["--num-layers", "6", PP, "2", PER_VIRTUAL, "2", EMBEDDING, LOSS, "--global-batch-size", "2"],
                   world_size=2)
     assert args.virtual_pipeline_model_parallel_size == 2  # (6 + 2) / (2 x 2), as Megatron counts
@@ -159,7 +160,7 @@ def test_the_flags_set_the_split_and_reach_the_training_config():
     assert args.virtual_pipeline_model_parallel_size is None and args.pipeline_layer_counts == [3, 4, 1]
     args = _parse(["--num-layers", "3"], world_size=1)
     assert args.virtual_pipeline_model_parallel_size is None and args.pipeline_layer_counts == [3]
-    assert args.training_config.pipeline_layer_counts == [3]
+    assert ParallelConfig.from_args(args).pipeline_layer_counts == [3]
 
 
 @pytest.mark.parametrize("argv,world_size,needles", [
