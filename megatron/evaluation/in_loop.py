@@ -67,7 +67,7 @@ def _live_backend(model: nn.Module, tokenizer):
 
     inner = unwrap(model)
     return Backend(inner.inference_forward, inner.running_mode, inner.dlm_config.mask_token_id,
-                   inner._trained_pattern(), inner.config.max_position_embeddings, tokenizer.eod,
+                   inner.trained_pattern(), inner.config.max_position_embeddings, tokenizer.eod,
                    tokenizer.tokenize, tokenizer.detokenize, kv_cache=True, select=True)
 
 

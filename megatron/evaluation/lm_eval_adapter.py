@@ -88,7 +88,7 @@ def _checkpoint_backend(load: str, device: torch.device, tokenizer: Optional[str
                          "checkpoint trained with a text tokenizer")
     model, _ = load_inference_model(load, device)
     return Backend(model.inference_forward, model.running_mode, model.dlm_config.mask_token_id,
-                   model._trained_pattern(), model.config.max_position_embeddings, text_tokenizer.eod,
+                   model.trained_pattern(), model.config.max_position_embeddings, text_tokenizer.eod,
                    text_tokenizer.tokenize, text_tokenizer.detokenize, kv_cache=True, select=True)
 
 
@@ -110,7 +110,7 @@ def _hf_backend(pretrained: str, device: torch.device, tokenizer: Optional[str])
         return hf_tokenizer.decode(list(ids), skip_special_tokens=True)
 
     if hasattr(model, "dlm_forward"):  # the remote-code export of ours (every DLM, some AR models)
-        return Backend(model.dlm_forward, config.model_running_mode, config.mask_token_id, model._trained_pattern(),
+        return Backend(model.dlm_forward, config.model_running_mode, config.mask_token_id, model.trained_pattern(),
                        config.max_position_embeddings, eos, encode, decode, kv_cache=True,
                        select="select" in inspect.signature(model.dlm_forward).parameters)
     pattern = {}

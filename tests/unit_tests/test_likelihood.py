@@ -156,7 +156,7 @@ def test_block_diffusion_estimate_converges_to_the_block_wise_elbo():
     the block-causal mask, far from the same enumeration with later blocks visible."""
     model = build(mask_type="no_mask", block_size=BD3_BLOCK)
     model.dlm_config.block_diffusion = True  # the trained pattern is then block_diffusion
-    assert model._trained_pattern()["attention_mask_type"] == "block_diffusion"
+    assert model.trained_pattern()["attention_mask_type"] == "block_diffusion"
     estimate = model.log_likelihood(BD3_PROMPT, BD3_ANSWER, mc_num=3072, batch_size=96,
                                     generator=torch.Generator().manual_seed(0))
     exact = exact_block_elbo(model)

@@ -132,13 +132,13 @@ def test_block_diffusion_pairs_score_block_by_block_as_the_one_pair_likelihood(c
     pairs = [([3, 4, 5], [7, 8, 9, 10, 11]), ([3, 4, 5], [9]), ([10, 11, 12, 13, 14, 15], [12, 13])]
     seeds = [pair_seed(2, context) for context, _ in pairs]
     scores = Scorer(model.inference_forward, "difflm-noshift", 89, CPU, batch_size=7, mc_num=8, cfg=cfg,
-                    pattern=model._trained_pattern(), select=True).score(pairs, seeds)
+                    pattern=model.trained_pattern(), select=True).score(pairs, seeds)
     for (context, answer), seed, (score, greedy) in zip(pairs, seeds, scores):
         expected = model.log_likelihood(torch.tensor(context), torch.tensor(answer), mc_num=8, batch_size=8,
                                         cfg_scale=cfg, generator=torch.Generator().manual_seed(seed))
         assert score == pytest.approx(expected, rel=1e-5) and greedy is False
     joint = Scorer(model.inference_forward, "difflm-noshift", 89, CPU, batch_size=7, mc_num=8, cfg=cfg,
-                   pattern=dict(model._trained_pattern(), attention_mask_type="block_causal")).score(pairs, seeds)
+                   pattern=dict(model.trained_pattern(), attention_mask_type="block_causal")).score(pairs, seeds)
     assert abs(joint[0][0] - scores[0][0]) > 1e-3  # one span over the whole answer is another estimate
 
 
@@ -163,7 +163,7 @@ def test_output_layer_at_the_scored_slots_only_equals_the_full_logits(running_mo
     pairs = [([3, 4, 5, 6], [7, 8]), ([3, 4, 5, 6], [9]), ([10, 11], [12, 13, 14, 15, 16])]
     seeds = [pair_seed(1, context) for context, _ in pairs]
     results = {select: Scorer(model_fn, running_mode, 89, CPU, batch_size=5, mc_num=4, cfg=cfg,
-                              pattern=model._trained_pattern(), select=select).score(pairs, seeds)
+                              pattern=model.trained_pattern(), select=select).score(pairs, seeds)
                for select in (False, True)}
     selected = shapes[len(shapes) // 2:]
     assert all(len(shape) == 3 for shape in shapes[:len(shapes) // 2]) and all(len(shape) == 2 for shape in selected)
@@ -193,7 +193,7 @@ def test_equal_masked_copies_run_once_and_give_the_same_scores(cfg):
             rows[dedupe] = rows.get(dedupe, 0) + ids.shape[0] // (2 if cfg else 1)
             return model.inference_forward(ids, *args, **kwargs)
         scorer = Scorer(model_fn, "difflm-noshift", 89, CPU, batch_size=7, mc_num=16, cfg=cfg,
-                        pattern=model._trained_pattern(), select=True, dedupe=dedupe)
+                        pattern=model.trained_pattern(), select=True, dedupe=dedupe)
         results[dedupe] = [score for score, _ in scorer.score(pairs, seeds)]
     assert results[True] == pytest.approx(results[False], rel=1e-6)
     assert rows[False] == 16 * len(pairs)

@@ -81,7 +81,7 @@ def time_batched(model: GPTModel, items: list, args, device: torch.device, *, se
     """(seconds, scores) of the batched scorer; `select`: the output layer at the scored slots only;
     `dedupe`: a pair's equal masked copies run once."""
     scorer = Scorer(model.inference_forward, model.running_mode, model.dlm_config.mask_token_id, device,
-                    batch_size=batch_size or args.batch_size, mc_num=args.mc_num, pattern=model._trained_pattern(),
+                    batch_size=batch_size or args.batch_size, mc_num=args.mc_num, pattern=model.trained_pattern(),
                     select=select, dedupe=dedupe)
     pairs = [(context, continuation) for context, options in items for continuation in options]
     seeds = [pair_seed(args.seed, context) for context, _ in pairs]

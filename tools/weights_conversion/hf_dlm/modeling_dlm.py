@@ -402,7 +402,7 @@ class DLMForCausalLM(DLMPreTrainedModel):
         hidden = self.model.run(input_ids, position_ids, mask, kv_cache, cache_start)
         return self._logits(hidden if select is None else hidden[select]).float()
 
-    def _trained_pattern(self):
+    def trained_pattern(self):
         config = self.config
         return dict(attention_mask_type=config.attention_mask_type, attention_block_size=config.attention_block_size,
                     sliding_window=config.sliding_window)
@@ -411,7 +411,7 @@ class DLMForCausalLM(DLMPreTrainedModel):
         """log p(answer | prompt) for 1-D id tensors (likelihood.py): LLaDA's Monte Carlo ELBO in the
         diffusion modes (mc_num, batch_size, cfg_scale, generator), exact in vanilla."""
         return _log_likelihood(self.dlm_forward, prompt, answer, running_mode=self.config.model_running_mode,
-                               mask_token_id=self.config.mask_token_id, **(self._trained_pattern() | options))
+                               mask_token_id=self.config.mask_token_id, **(self.trained_pattern() | options))
 
     def generate(self, input_ids, attention_mask=None, cuda_graphs=False, **options):
         """MegaDLMs' sampler (generation.py) in this model's running mode and attention pattern.
@@ -427,7 +427,7 @@ class DLMForCausalLM(DLMPreTrainedModel):
 
         defaults = dict(running_mode=config.model_running_mode, mask_token_id=config.mask_token_id,
                         eos_token_id=special("eos_token_id"), pad_token_id=special("pad_token_id"),
-                        **self._trained_pattern())
+                        **self.trained_pattern())
         model_fn = self.dlm_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.dlm_forward, getattr(self, "_graph_runner", None))

@@ -249,7 +249,9 @@ class GPTModel(MegatronModule):
             logits = self.head.local_logits(hidden, self._output_weight())
         return self.head.full_vocabulary(logits.transpose(0, 1))
 
-    def _trained_pattern(self) -> dict:
+    def trained_pattern(self) -> dict:
+        """The attention pattern it was trained under (mask type, block size, window): what scoring and
+        sampling use unless told otherwise."""
         return dict(attention_mask_type=self.dlm_config.effective_mask_type,
                     attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
 
@@ -259,7 +261,7 @@ class GPTModel(MegatronModule):
         in megatron.core.inference.likelihood. The attention pattern is the one trained."""
         return likelihood.log_likelihood(self.inference_forward, prompt, answer, running_mode=self.running_mode,
                                          mask_token_id=self.dlm_config.mask_token_id,
-                                         **(self._trained_pattern() | options))
+                                         **(self.trained_pattern() | options))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                  cuda_graphs: bool = False, **options) -> torch.Tensor:
@@ -274,7 +276,7 @@ class GPTModel(MegatronModule):
             model_fn = self._graph_runner = runner_for(self, self.inference_forward, self._graph_runner)
         return generation.generate(model_fn, input_ids, attention_mask,
                                    running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
-                                   **(self._trained_pattern() | options))
+                                   **(self.trained_pattern() | options))
 
     # ------------------------------------------------------------------ the objective (objective.py)
     def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
