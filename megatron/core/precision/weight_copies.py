@@ -53,6 +53,7 @@ from megatron.core.fp8.float8_copy import Float8Copy, Float8Gemm, cast_float8
 from megatron.core.fp8.float8_matmul import ALIGNMENT, GRADIENT_DTYPES
 from megatron.core.fp8.float8_mlp import swiglu_mlp
 from megatron.core.fp8.float8_scaling import DelayedScaling, DelayedScalingConfig
+from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.precision.working_copy import CopyGemm
 from megatron.core.tensor_parallel.fp32_weight_grad import GemmLayer
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -65,7 +66,7 @@ def _output_weight_owners(model: nn.Module) -> Dict[int, bool]:
     loss casts under autocast, and an untied output layer's own forward never runs."""
     owners = {}
     for module in model.modules():
-        if hasattr(module, "output_weight_owner") and getattr(module, "post_process", False):
+        if isinstance(module, GPTModel) and module.post_process:
             owners[id(module.output_weight_owner())] = module.dlm_config.masked_only_loss
     return owners
 
