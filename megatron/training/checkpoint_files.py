@@ -177,7 +177,7 @@ def load_precision_state(trainer, path: str, log: Callable[[str], None]) -> None
     """The state saved for this rank, where it fits this run; else the converter starts afresh (delayed
     scaling's first iteration scales by each tensor's own amax), said in one line."""
     copies = getattr(trainer, "weight_copies", None)
-    if copies is None or copies.state_dict() is None:
+    if copies is None or not copies.has_state:
         return
     problem = "the checkpoint has none for this rank (saved without --fp8-recipe delayed, or by another layout)"
     if os.path.exists(path):

@@ -3,8 +3,6 @@ gradient as the plain tensor math it replaces, and through linear_cross_entropy 
 gradients as torch.compile's kernel. On a GPU the CUDA cases run the compiled kernel; on CPU, where
 Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -12,12 +10,9 @@ from megatron.core.tensor_parallel import linear_cross_entropy as lce
 from megatron.core.fusions import fused_cross_entropy as kernel
 from megatron.core.fusions import triton_support
 from megatron.core.models.difflm.diffusion import CorruptionKey
+from tests.unit_tests.test_fused_swiglu import DEVICES
 
 # Where there is a GPU, tests/conftest.py leaves the interpreter off and the CUDA cases run the kernel.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
-                         reason="the CUDA cases run the kernel" if HAS_TRITON else "Triton is not installed")
-DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture

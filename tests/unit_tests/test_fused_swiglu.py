@@ -2,7 +2,6 @@
 MLP when the fusion is on, traced whole by torch.compile. On a GPU the CUDA cases run the compiled kernels;
 on CPU, where Triton is installed (the dev extras install it), the same cases run under Triton's interpreter."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,11 +15,13 @@ from megatron.core.fusions import fused_swiglu as kernel
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = Path(__file__).resolve().parents[2]
-CPU = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
-                         reason="the CUDA cases run the kernels" if HAS_TRITON else "Triton is not installed")
+CPU = pytest.mark.skipif(torch.cuda.is_available() or not triton_support.HAS_TRITON,
+                         reason="the CUDA cases run the kernels" if triton_support.HAS_TRITON
+                         else "Triton is not installed")
 DEVICES = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=pytest.mark.gpu)]
+"""A Triton kernel's test cases: under Triton's interpreter on a CPU, the kernel itself on a GPU (the other
+kernels' tests use them too)."""
 
 
 @pytest.fixture

@@ -119,13 +119,18 @@ class WeightCopies:
         module.gemm = CopyGemm(torch.empty_like(weight, dtype=self.dtype), fp32_weight_grad)
         return module.gemm.copy
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a checkpoint keeps some of theirs (`state_dict` is not None)."""
+        return self.delayed_scaling is not None
+
     def state_dict(self) -> Optional[Dict[str, object]]:
         """What a checkpoint keeps of them (`--fp8-recipe delayed`'s histories and scales), or None."""
-        return None if self.delayed_scaling is None else self.delayed_scaling.state_dict()
+        return self.delayed_scaling.state_dict() if self.has_state else None
 
     def load_state_dict(self, state: Dict[str, object]) -> Optional[str]:
         """Restore `state_dict`'s; None, or why it does not fit this run (which then starts afresh)."""
-        if self.delayed_scaling is None:
+        if not self.has_state:
             return "this run does not use --fp8-recipe delayed"
         return self.delayed_scaling.load_state_dict(state)
 
