@@ -32,10 +32,9 @@ from megatron.core.inference.generation import resolve_options
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.compilation import compile_transformer_layers
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
-from megatron.training.checkpoint_files import inference_metadata
+from megatron.training.checkpoint_files import configs_from_metadata, inference_metadata
 from megatron.training.checkpointing import load_inference_model
 from megatron.training.tokenizer import build_tokenizer
-from tools.weights_conversion import checkpoint_io
 
 BUNDLED_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "data", "tokenizer", "spm_8k.model")
 
@@ -195,7 +194,7 @@ def run(args, device: torch.device) -> None:
         model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
         config, running_mode = model.config, model.running_mode
     else:
-        config, dlm = checkpoint_io.configs_from_metadata(metadata)
+        config, dlm = configs_from_metadata(metadata)
         running_mode = dlm.model_running_mode
     bd3 = metadata is not None and dlm.block_diffusion
     ids = prompt_ids(args, tokenizer, identity, config.unpadded_vocab_size or config.vocab_size)

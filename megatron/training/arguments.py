@@ -559,12 +559,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion, bias_swiglu_fusion=args.bias_swiglu_fusion,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, attention_backend=args.attention_backend,
-        sliding_window=args.sliding_window,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size, moe=args.moe_config,
+        sliding_window=args.sliding_window, cp_comm_type=args.cp_comm_type, moe=args.moe_config,
         sequence_parallel=args.sequence_parallel)
 
 

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 import megatron
 from megatron.core.errors import InputError
+from megatron.core.transformer.moe.config import MoEConfig
+from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.configs import RunRecord
 
 FORMAT_VERSION = 1
@@ -257,3 +259,24 @@ def check_shard_files(iter_dir: str) -> None:
         safe_reader.check_shard_files(iter_dir)
     except safe_reader.DamagedCheckpointError as error:
         raise error.with_fix("copy it again or load an earlier iteration") from None
+
+
+def _known_fields(cls, values: dict) -> dict:
+    names = {field.name for field in dataclasses.fields(cls)}
+    return {key: value for key, value in values.items() if key in names}
+
+
+def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]:
+    """The model's configs for one fp32 process: no parallelism, the unpadded vocabulary. Fields a
+    config no longer has (an earlier release's parallel sizes or removed levers) are dropped."""
+    saved = _known_fields(TransformerConfig, metadata["transformer_config"])
+    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]
+    if isinstance(saved.get("moe"), dict):  # metadata.json holds the MoEConfig as a dict
+        saved["moe"] = MoEConfig(**{key: value for key, value in _known_fields(MoEConfig, saved["moe"]).items()
+                                    if key != "layer_flags"})  # derived again from layer_freq
+    config = TransformerConfig(**{**saved, "params_dtype": torch.float32, "bf16": False, "fp16": False,
+                                  "vocab_size": vocab, "unpadded_vocab_size": vocab,
+                                  "sequence_parallel": False, "recompute_granularity": None,
+                                  "recompute_method": None, "recompute_num_layers": None})
+    dlm = DLMConfig(**_known_fields(DLMConfig, metadata.get("dlm_config") or {"model_running_mode": "vanilla"}))
+    return config, dlm

@@ -22,7 +22,6 @@ fall back to (`iteration_dir`). Those names and files are checkpoint_files.py's;
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -38,7 +37,8 @@ import torch.distributed as dist
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_args import check_compatible
 from megatron.training.checkpoint_files import (FORMAT_VERSION, FP8_DIR, STAGING_SUFFIX, TRACKER, barrier,
-                                                checkpoint_dir, checkpoint_metadata, global_rank, iteration_dir,
+                                                checkpoint_dir, checkpoint_metadata, configs_from_metadata, global_rank,
+                                                iteration_dir,
                                                 install_checkpoint, latest_iteration, load_precision_state,
                                                 read_checkpoint_metadata, remove_old_checkpoints,
                                                 save_precision_state, write_tracker)
@@ -235,27 +235,16 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     process whatever layout it was saved with: bf16 weights on CUDA, fp32 on CPU. What
     generation, evaluation and their benchmarks load."""
     from megatron.core.models.difflm.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
     iteration = latest_iteration(root)
     if iteration is None:
         raise InputError(f"--load {root}: no {TRACKER}; point it at a --save directory")
     source = iteration_dir(root, iteration)
     metadata = read_checkpoint_metadata(source)
-    # Only the fields these configs still have (an older release's checkpoint may hold a removed lever's).
-    known = {field.name for field in dataclasses.fields(TransformerConfig)}
-    saved = {key: value for key, value in metadata["transformer_config"].items() if key in known}
-    known_dlm = {field.name for field in dataclasses.fields(DLMConfig)}
-    dlm = {key: value for key, value in metadata["dlm_config"].items() if key in known_dlm}
-    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]  # checkpoints hold the real rows only
-    single = dict(params_dtype=torch.float32, bf16=device.type == "cuda", fp16=False, tensor_model_parallel_size=1,
-                  pipeline_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
-                  sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-                  recompute_num_layers=None, vocab_size=vocab, unpadded_vocab_size=vocab)
-    if attention_backend is not None:
-        single["attention_backend"] = attention_backend
+    config, dlm = configs_from_metadata(metadata)
+    config = config.replace(bf16=device.type == "cuda", attention_backend=attention_backend or config.attention_backend)
     with torch.device(device):  # no host-side init of billions of weights
-        model = GPTModel(TransformerConfig(**{**saved, **single}), DLMConfig(**dlm))
+        model = GPTModel(config, dlm)
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: intended
         warnings.simplefilter("ignore")
         _serialization().load(model.sharded_state_dict(prefix="model."), source)

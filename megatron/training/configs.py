@@ -56,18 +56,6 @@ class TrainingConfig(FromArgs):
     """Tokens per sample (--seq-length)."""
     seed: int = 1234
     """Seed of the weights, dropout and data order (--seed)."""
-    fp16: bool = False
-    """fp16 compute with dynamic loss scaling (--fp16)."""
-    initial_loss_scale: float = 2.0 ** 16
-    """fp16's first loss scale (--initial-loss-scale)."""
-    loss_scale: Optional[float] = None
-    """fp16's static loss scale; None: dynamic (--loss-scale)."""
-    min_loss_scale: float = 1.0
-    """The dynamic scale never halves below this (--min-loss-scale)."""
-    loss_scale_window: int = 1000
-    """Clean steps in a row before the dynamic scale doubles (--loss-scale-window)."""
-    hysteresis: int = 2
-    """Overflowing steps before the dynamic scale halves (--hysteresis)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables (--clip-grad)."""
     max_consecutive_nan_iterations: int = 10

@@ -72,7 +72,8 @@ def validate_data_args(args: argparse.Namespace) -> None:
             check_leading_tokens(parse_data_paths(values, flag)[0], flag, args.tokenizer.base_vocab_size)
     args.padded_vocab_size = vocab_size_with_padding(args.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                      args.tensor_model_parallel_size)
-    requested_mask, args.mask_token = args.mask_token, args.tokenizer.mask
+    # --mask-token is a DLM flag (custom_args/difflm.py): absent when the library parses Megatron's flags alone.
+    requested_mask, args.mask_token = getattr(args, "mask_token", None), args.tokenizer.mask
     if getattr(args, "model_running_mode", "vanilla") != "vanilla" and args.mask_token == args.tokenizer.eod:
         source, fix = (("the tokenizer's mask token", "pass --mask-token with another id") if requested_mask is None
                        else ("--mask-token", "pass another id, or drop it and append one with --add-mask-token"))

@@ -63,18 +63,22 @@ def validate_moe_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} needs MoE layers; "
                                  "add --num-experts or drop it")
         return
+    # The dense FFN size as the config resolved it (--ffn-hidden-size defaults to 4 x --hidden-size).
+    ffn = args.transformer_config.ffn_hidden_size
+    moe.check_layout(ffn, args.tensor_model_parallel_size, args.expert_model_parallel_size,
+                     args.expert_tensor_parallel_size, args.sequence_parallel)
     if moe.router_type == "expert_choice" and not args.dlm_config.is_diffusion:
         raise ValueError("--moe-router-type expert_choice picks tokens over the whole sequence, which under "
                          "--model-running-mode vanilla depends on future tokens; use token_choice or a diffusion mode")
-    _validate_grouped_gemm(args, moe)
+    _validate_grouped_gemm(args, moe, ffn)
 
 
-def _validate_grouped_gemm(args: argparse.Namespace, moe) -> None:
+def _validate_grouped_gemm(args: argparse.Namespace, moe, ffn: int) -> None:
     """torch's grouped GEMM needs every row stride a multiple of 16 bytes: in bf16 the hidden size and each
     rank's share of the expert FFN a multiple of 8 (else CUDA stops mid-step with an alignment error)."""
     if not moe.grouped_gemm:
         return
-    local_ffn = moe.expert_ffn_size(args.ffn_hidden_size) // args.expert_tensor_parallel_size
+    local_ffn = moe.expert_ffn_size(ffn) // args.expert_tensor_parallel_size
     for name, size in (("--hidden-size", args.hidden_size), ("the expert FFN size per expert-tensor-parallel rank "
                                                              "(--moe-ffn-hidden-size / --expert-tensor-parallel-size)",
                                                              local_ffn)):

@@ -114,3 +114,16 @@ def delayed_scaling(args: argparse.Namespace):
     from megatron.core.fp8.float8_scaling import DelayedScalingConfig
 
     return DelayedScalingConfig(args.fp8_amax_history_len, args.fp8_amax_compute_algo, args.fp8_margin)
+
+
+def precision_config(args: argparse.Namespace):
+    """RunConfig.precision: the working copies, float8 and fp16's loss scaling from the flags."""
+    from megatron.core.precision.apply import PrecisionConfig
+    from megatron.core.precision.loss_scale import LossScaleConfig
+
+    loss_scale = None
+    if args.fp16:
+        loss_scale = LossScaleConfig(args.initial_loss_scale, args.loss_scale, args.min_loss_scale,
+                                     args.loss_scale_window, args.hysteresis)
+    return PrecisionConfig(args.cache_low_precision_weights, args.fp8_format, args.fp8_recipe, delayed_scaling(args),
+                           loss_scale)

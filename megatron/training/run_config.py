@@ -22,14 +22,16 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 from megatron.training.arguments import ExtraArgsProvider, parse_args, schedule_kwargs
 from megatron.training.configs import (CheckpointConfig, FromArgs, LMEvalConfig, LoggingConfig, ProfilingConfig,
                                        RunRecord, TrainingConfig)
-from megatron.training.precision_args import delayed_scaling, moment_dtypes
+from megatron.training.precision_args import moment_dtypes, precision_config
 from megatron.training.rerun import RerunConfig
 from megatron.training.tokenizer.base import MegatronTokenizer
 
 
 @dataclass(frozen=True)
 class ParallelConfig(FromArgs):
-    """The process layout: parallel sizes, stage split, data-parallel wrapper and process group."""
+    """The process layout: parallel sizes, stage split, data-parallel wrapper and process group (the
+    run's one home of the sizes; the model's layers read their groups'). --sequence-parallel is the
+    model's `TransformerConfig.sequence_parallel`, as in Megatron."""
 
     world_size: int = 1
     """Processes of the run (torchrun's WORLD_SIZE)."""
@@ -50,8 +52,6 @@ class ParallelConfig(FromArgs):
     """--num-distributed-optimizer-instances."""
     pipeline_layer_counts: Optional[list] = None
     """Transformer layers of every virtual stage (--decoder-first/last-pipeline-num-layers, parallel_args.py)."""
-    sequence_parallel: bool = False
-    """--sequence-parallel (off with one tensor-parallel rank)."""
     data_parallel_config: DataParallelConfig = field(default_factory=DataParallelConfig)
     """The data-parallel wrapper: --data-parallel-sharding-strategy (and the flags that choose it),
     --grad-reduce-in-bf16, --ddp-bucket-size, --ddp-num-buckets, --overlap-param-gather."""
@@ -117,19 +117,19 @@ class RunConfig:
     dlm: DLMConfig
     """The running mode and the corruption (custom_args/difflm.py's --difflm-* flags)."""
     parallel: ParallelConfig
-    """The layout: --tensor/pipeline/context/expert-model-parallel-size, --sequence-parallel, the data-parallel
-    strategy and the process group's flags."""
+    """The layout: --tensor/pipeline/context/expert-model-parallel-size, the data-parallel strategy and the
+    process group's flags."""
     data: DataConfig
     """What the datasets provider and get_batch read: --seq-length, --tokenizer-type, --mock-data, the paths,
     --split, --eod-mask-loss, --reset-*, --sft."""
     training: TrainingConfig
-    """Batches, iterations, fp16 loss scaling and the exit rules (--micro-batch-size, --train-iters, ...)."""
+    """Batches, iterations and the exit rules (--micro-batch-size, --train-iters, ...)."""
     optimizer: OptimizerConfig
     """AdamW: --lr, --weight-decay, --adam-*, --clip-grad, --decoupled-lr, --compile-optimizer-step, --exp-avg-*."""
     lr_schedule: Mapping[str, object]
     """OptimizerParamScheduler's keyword arguments (--lr-*, --min-lr, --*-weight-decay; schedule_args.py)."""
     precision: PrecisionConfig
-    """--cache-low-precision-weights and --fp8-*."""
+    """--cache-low-precision-weights, --fp8-* and fp16's loss scaling (--fp16, --*loss-scale*, --hysteresis)."""
     checkpoint: CheckpointConfig
     """--save, --load and their options."""
     logging: LoggingConfig
@@ -157,12 +157,10 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The bundle of the flags parse_args validated (the one place a RunConfig is built from them)."""
-    precision = PrecisionConfig(args.cache_low_precision_weights, args.fp8_format, args.fp8_recipe,
-                                delayed_scaling(args))
     return RunConfig(
         model=args.transformer_config, dlm=args.dlm_config, parallel=ParallelConfig.from_args(args),
         data=DataConfig.from_args(args), training=args.training_config, optimizer=optimizer_config(args),
-        lr_schedule=types.MappingProxyType(schedule_kwargs(args)), precision=precision,
+        lr_schedule=types.MappingProxyType(schedule_kwargs(args)), precision=precision_config(args),
         checkpoint=args.checkpoint_config, logging=args.logging_config, profiling=ProfilingConfig.from_args(args),
         rerun=args.rerun_config, lm_eval=args.lm_eval_config, record=args.run_record,
         torch_compile=args.torch_compile, deterministic_mode=args.deterministic_mode)

@@ -19,22 +19,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.distributed.data_parallel import (finalize_gradients, is_fully_sharded, optimizer_sharding_group,
-                                                     unwrap, wrap_data_parallel)
+from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
+from megatron.core.distributed.data_parallel import (
+    finalize_gradients,
+    is_fully_sharded,
+    optimizer_sharding_group,
+    unwrap,
+    wrap_data_parallel,
+)
+from megatron.core.distributed.loss_normalization import GlobalBatchLoss
+from megatron.core.errors import InputError, user_message
+from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer.optimizer import build_optimizer, clip_grad_norm, forget_gradient_scale
+from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.chunks import ModelChunks, model_chunks
 from megatron.core.pipeline_parallel.layer_split import stage_layer_range
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
-from megatron.core.distributed.loss_normalization import GlobalBatchLoss
-from megatron.core.errors import InputError, user_message
-from megatron.core.datasets.data_samplers import MegatronPretrainingSampler
-from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
-from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.precision.apply import apply_precision
+from megatron.core.precision.loss_scale import LossScale, LossScaleConfig
+from megatron.core.precision.weight_copies import WeightCopies
 from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
-from megatron.core.precision.apply import apply_precision
-from megatron.core.precision.weight_copies import WeightCopies
-from megatron.core.optimizer.optimizer import build_optimizer, clip_grad_norm, forget_gradient_scale
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
 from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
@@ -42,7 +48,6 @@ from megatron.training.arguments import ExtraArgsProvider, parse_args
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
 from megatron.training.configs import TrainingConfig
 from megatron.training.data_parallel_args import describe as describe_data_parallel
-from megatron.training.loss_scale import LossScale
 from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
 from megatron.training.loop_hooks import LoopHooks
 from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
@@ -135,7 +140,8 @@ class Trainer:
                  train_loader: Callable[[int], Iterator], valid_loader: Optional[Callable[[], Iterator]],
                  runtime: Runtime, logger: Optional[TrainingLogger] = None,
                  groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None,
-                 hooks: Optional[LoopHooks] = None, rerun_config: Optional[RerunConfig] = None) -> None:
+                 hooks: Optional[LoopHooks] = None, rerun_config: Optional[RerunConfig] = None,
+                 loss_scale: Optional[LossScaleConfig] = None) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
         self.groups = groups or ProcessGroups()
         self.model_config = getattr(unwrap(model_chunks(model)[0]), "config", None)
@@ -154,17 +160,17 @@ class Trainer:
         """--lm-eval-tasks on the live model (megatron/evaluation/in_loop.py); None without them."""
         self.weight_copies: Optional[WeightCopies] = None
         """--cache-low-precision-weights: the linear layers' working copies, refreshed before each step."""
-        self.grad_scaler = torch.amp.GradScaler(runtime.device.type, init_scale=config.loss_scale
-                                                or config.initial_loss_scale, enabled=config.fp16)
-        self.loss_scale = LossScale(self.grad_scaler, config.loss_scale, config.min_loss_scale,
-                                    config.loss_scale_window, config.hysteresis, runtime.device)
+        self.loss_scale = LossScale.build(loss_scale, runtime.device)
+        """fp16's loss scaling (PrecisionConfig.loss_scale); a disabled scaler, scale 1, otherwise."""
+        self.grad_scaler = self.loss_scale.scaler
+        self.fp16 = loss_scale is not None
         self.pipelined = links is not None and links.size > 1
         """The layout's pipeline (one home: the links built from the process groups, and the model's chunks)
         chooses the micro-batch schedule."""
         chunks = len(model_chunks(model))
         self.schedule = get_forward_backward_func(links.size if self.pipelined else 1, chunks if chunks > 1 else None,
                                                   links)
-        self.rerun = RerunMachine(rerun_config or RerunConfig(), config.fp16, config.seed,
+        self.rerun = RerunMachine(rerun_config or RerunConfig(), self.fp16, config.seed,
                                   logger.config.log_interval if logger is not None else 1,
                                   logger.print if logger is not None else (lambda message: None),
                                   runtime.is_main, runtime.device)
@@ -176,7 +182,7 @@ class Trainer:
         `batch`: (global batch size, micro-batches per replica), default the configured ones."""
         global_batch_size, num_microbatches = batch or (self.config.global_batch_size, self.config.num_microbatches)
         loss_scale = None
-        if self.config.fp16 and training:
+        if self.fp16 and training:
             # fp16 backpropagates the loss sum scaled by S / (the batch's tokens), so the gradients have a
             # per-token loss's magnitude (Megatron's) and S need not shrink by the token count to fit;
             # the gradient scale multiplies the token count back (_compute_gradients).
@@ -220,13 +226,13 @@ class Trainer:
         self.grad_scaler.unscale_(self.optimizer)
         gradient_scale = finalize_gradients(self.model, batch_loss, self.groups.tp, self.groups.embedding,
                                             self.groups.expert_dp, self.groups.expert_tp)
-        if self.config.fp16:
+        if self.fp16:
             gradient_scale = gradient_scale * self._fp16_tokens(batch[0])
         self.hooks.phase_end("all-grads-sync")
         # Without fp16's GradScaler (which sets the optimizer's grad_scale itself) a fused AdamW
         # applies the normalizer and the clipping as it reads the gradients (loss_normalization.py).
         grad_norm = clip_grad_norm(self.model.parameters(), self.config.clip_grad, scale=gradient_scale,
-                                   optimizer=None if self.config.fp16 else self.optimizer, **self._norm_groups())
+                                   optimizer=None if self.fp16 else self.optimizer, **self._norm_groups())
         return batch_loss, grad_norm
 
     def _fp16_tokens(self, global_batch_size: int) -> float:
@@ -238,7 +244,7 @@ class Trainer:
         expert biases are updated once, after the step's last execution)."""
         self.optimizer.zero_grad(set_to_none=True)
         forget_gradient_scale(self.optimizer)
-        if self.config.fp16:
+        if self.fp16:
             self.grad_scaler._per_optimizer_states.pop(id(self.optimizer), None)
         finish_router_step(self.model, self.model_config, 1, update_bias=False)
 
@@ -313,7 +319,7 @@ class Trainer:
             self.account(result)
             if self.logger is not None:
                 self.logger.on_step(state, result, self.scheduler.get_lr(), self.grad_scaler.get_scale()
-                                    if config.fp16 else 1.0)
+                                    if self.fp16 else 1.0)
             if self._evaluates() and state.iteration % config.eval_interval == 0:
                 self.evaluate_and_log()
             self._lm_eval()
@@ -436,7 +442,7 @@ def build_model(config: RunConfig, runtime: Runtime, layout: ParallelState,
                 model_provider: Callable) -> nn.Module:
     """This rank's model, initialised on the device: its pipeline stage, or under interleaving its
     chunks (ModelChunks), built with one shared ParallelContext."""
-    pg = ParallelContext.build(layout.groups, config.parallel.sequence_parallel)
+    pg = ParallelContext.build(layout.groups, config.model.sequence_parallel)
     virtual = config.parallel.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(virtual):
@@ -519,7 +525,8 @@ def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
         runtime=runtime, logger=logger, groups=layout.groups, links=links,
-        hooks=LoopHooks.from_config(config, logger, runtime), rerun_config=config.rerun)
+        hooks=LoopHooks.from_config(config, logger, runtime), rerun_config=config.rerun,
+        loss_scale=config.precision.loss_scale)
     trainer.weight_copies = copies
     trainer.lm_eval = build_in_loop_evaluation(config.lm_eval, model, config.data.tokenizer, runtime.device, logger)
     return trainer

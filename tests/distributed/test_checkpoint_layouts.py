@@ -132,8 +132,7 @@ def one_process_copy(ckpt: Path, save: Path) -> Path:
         tensors[piece.key[len(checkpoint_io.MODEL_PREFIX):]] = piece.data
     metadata["layout"] = {"world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1,
                           "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
-    metadata["transformer_config"].update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                          sequence_parallel=False)
+    metadata["transformer_config"].update(sequence_parallel=False)
     checkpoint_io.write_checkpoint(str(save), tensors, metadata)
     return save
 

@@ -27,7 +27,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                                gated_linear_unit=True, activation="silu", add_bias_linear=False,
-                               tensor_model_parallel_size=2, sequence_parallel=True)
+                               sequence_parallel=True)
     pg = ProcessGroups(tp=dist.group.WORLD)
     fused = MLP(config, pg=pg)
     layered = MLP(config, pg=pg)  # the same weights: each drawn from its own seed

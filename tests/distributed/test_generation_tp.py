@@ -10,16 +10,16 @@ pytestmark = pytest.mark.distributed
 VOCAB, MASK_ID = 64, 63
 
 
-def _config(tp: int = 1, **changes):
+def _config(**changes):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=48, vocab_size=VOCAB, qk_layernorm=True, attention_backend="math",
                              init_method_std=0.5, share_embeddings_and_output_weights=False,
-                             tensor_model_parallel_size=tp, **changes)
+                             **changes)
 
 
-def _generate_all(pg=None, tp: int = 1) -> dict:
+def _generate_all(pg=None) -> dict:
     from megatron.core.models.difflm.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import DLMConfig
 
@@ -29,7 +29,7 @@ def _generate_all(pg=None, tp: int = 1) -> dict:
     results = {}
     for mode in ("difflm-noshift", "vanilla"):
         torch.manual_seed(0)
-        model = GPTModel(_config(tp), DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID), pg=pg).eval()
+        model = GPTModel(_config(), DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID), pg=pg).eval()
         if mode == "vanilla":
             results[mode] = model.generate(ids, mask, max_new_tokens=8)
         else:
@@ -50,8 +50,8 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     state = initialize_model_parallel(tensor_model_parallel_size=world_size)
-    results = _generate_all(state.groups, world_size)
-    sequence_parallel = GPTModel(_config(world_size, sequence_parallel=True), DLMConfig(mask_token_id=MASK_ID),
+    results = _generate_all(state.groups)
+    sequence_parallel = GPTModel(_config(sequence_parallel=True), DLMConfig(mask_token_id=MASK_ID),
                                  pg=state.groups).eval()
     try:
         sequence_parallel.generate(torch.tensor([[1, 2]]), gen_length=4)

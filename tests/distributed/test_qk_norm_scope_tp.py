@@ -28,13 +28,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _config(groups: int, normalization: str, tp: int):
+def _config(groups: int, normalization: str):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
                              kv_channels=8, ffn_hidden_size=32, vocab_size=64, qk_layernorm=True,
-                             qk_layernorm_scope="all", normalization=normalization, attention_backend="math",
-                             tensor_model_parallel_size=tp).validate()
+                             qk_layernorm_scope="all", normalization=normalization, attention_backend="math").validate()
 
 
 def _run(model, hidden, weights):
@@ -67,13 +66,13 @@ def _case(state, groups: int, normalization: str) -> dict:
     from megatron.core.transformer.transformer_config import DLMConfig
 
     dlm = DLMConfig(model_running_mode="vanilla")
-    reference = DiffLMSelfAttention(_config(groups, normalization, 1), dlm)
+    reference = DiffLMSelfAttention(_config(groups, normalization), dlm)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():  # norm weights (and biases) away from 1 / 0: a wrong slice shows
         for name, param in reference.named_parameters():
             if "layernorm" in name:
                 param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    model = DiffLMSelfAttention(_config(groups, normalization, 2), dlm, pg=state.groups)
+    model = DiffLMSelfAttention(_config(groups, normalization), dlm, pg=state.groups)
     _load_from(reference, model)
     hidden = torch.randn(6, 2, 32, generator=generator)
     weights = torch.randn(6, 2, 32, generator=generator)

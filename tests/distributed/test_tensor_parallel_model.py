@@ -54,8 +54,7 @@ def _dropout_worker(rank: int, port: int, out: str) -> None:
         torch.manual_seed(3)
         config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                    ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
-                                   attention_backend="math", tensor_model_parallel_size=2,
-                                   sequence_parallel=sequence_parallel)
+                                   attention_backend="math", sequence_parallel=sequence_parallel)
         model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
         residual = []  # each layer's output: the residual stream, before any gather
         hooks = [layer.register_forward_hook(lambda _, __, output: residual.append(output.detach().clone()))
@@ -127,7 +126,7 @@ def _recompute_worker(rank: int, port: int, out: str) -> None:
         torch.manual_seed(3)
         config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                    ffn_hidden_size=64, vocab_size=64, attention_dropout=0.3, hidden_dropout=0.3,
-                                   attention_backend="math", tensor_model_parallel_size=2, sequence_parallel=True,
+                                   attention_backend="math", sequence_parallel=True,
                                    **recompute)
         model = GPTModel(config, DLMConfig(mask_token_id=63), pg=state.groups).train()
         for _ in range(2):  # the second micro-batch must not reuse the first one's masks

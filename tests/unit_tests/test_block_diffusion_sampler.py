@@ -75,8 +75,8 @@ def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_p
     pytest.importorskip("transformers")
     from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
     from tests.unit_tests.test_hf_conversion import VOCAB as HF_VOCAB, export, load_hf, save_checkpoint, tiny_config
-    from megatron.training.checkpoint_files import inference_metadata
-    from tools.weights_conversion import checkpoint_io, hf_to_megatron
+    from megatron.training.checkpoint_files import configs_from_metadata, inference_metadata
+    from tools.weights_conversion import hf_to_megatron
 
     dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
                        mask_token_id=HF_VOCAB - 1)
@@ -104,7 +104,7 @@ def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_p
     assert scores[0] == pytest.approx(scores[1], abs=1e-4)
     assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                                 "--no-progress"]) == 0
-    _, back = checkpoint_io.configs_from_metadata(inference_metadata(str(tmp_path / "back")))
+    _, back = configs_from_metadata(inference_metadata(str(tmp_path / "back")))
     assert back.block_diffusion and back.block_size == B
 
 

@@ -20,8 +20,8 @@ DLM = DLMConfig(mask_token_id=512)
 
 
 def check(saved: TransformerConfig, run: TransformerConfig, finetune=False, saved_sha="a", run_sha="a",
-          saved_dlm=DLM, run_dlm=DLM, saved_tokenizer=None, run_tokenizer=None):
-    metadata = {"format_version": FORMAT_VERSION, "transformer_config": dataclasses.asdict(saved),
+          saved_dlm=DLM, run_dlm=DLM, saved_tokenizer=None, run_tokenizer=None, saved_extra=None):
+    metadata = {"format_version": FORMAT_VERSION, "transformer_config": dataclasses.asdict(saved) | (saved_extra or {}),
                 "dlm_config": dataclasses.asdict(saved_dlm),
                 "tokenizer": {"sha256": saved_sha, **(saved_tokenizer or {})}}
     record = RunRecord(transformer_config=run, dlm_config=run_dlm, seq_length=16,
@@ -104,7 +104,8 @@ def test_moe_shapes_and_routing_are_checked():
     def moe(**changes):
         return config(moe=MoEConfig(num_experts=4, router_topk=2, **changes))
 
-    check(moe(), moe().replace(expert_model_parallel_size=2))
+    # Earlier releases stored the parallel sizes in the transformer config: another layout still loads.
+    check(moe(), moe(), saved_extra=dict(expert_model_parallel_size=2, tensor_model_parallel_size=2))
     with pytest.raises(ValueError, match=r"moe.num_experts=4 but this run has None \(--num-experts\)"):
         check(moe(), config())
     with pytest.raises(ValueError, match=r"moe.ffn_hidden_size=None but this run has 16 \(--moe-ffn-hidden-size\)"):
@@ -133,3 +134,22 @@ def test_use_checkpoint_args_rebuilds_the_moe_config():
     for field in ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_intermediate_size", "layer_flags",
                   "router_score_function", "router_enable_expert_bias"):
         assert getattr(rebuilt, field) == getattr(saved, field), field
+
+
+def test_a_checkpoints_configs_rebuild_for_one_process_from_an_earlier_releases_metadata():
+    """What generation, evaluation and the converters load (checkpoint_files.configs_from_metadata): an MoE
+    config stored as a dict, and fields the configs no longer have (the parallel sizes of earlier
+    releases), rebuild the single-process fp32 model's configs."""
+    from megatron.core.transformer.moe.config import MoEConfig
+    from megatron.training.checkpoint_files import configs_from_metadata
+
+    saved = config(moe=MoEConfig(num_experts=4, router_topk=2, layer_freq="[0]+[1]"), bf16=True,
+                   sequence_parallel=True)
+    stored = {key: str(value) if key == "params_dtype" else value for key, value in dataclasses.asdict(saved).items()}
+    metadata = {"transformer_config": stored | {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
+                "dlm_config": dataclasses.asdict(DLM) | {"a_removed_lever": True}}
+    model, dlm = configs_from_metadata(metadata)
+    assert isinstance(model.moe, MoEConfig) and model.moe.layer_flags == [0, 1] and model.moe.num_experts == 4
+    assert (model.bf16, model.sequence_parallel) == (False, False)
+    assert (model.vocab_size, model.unpadded_vocab_size) == (513, 513)
+    assert dlm == DLM

@@ -318,7 +318,7 @@ def test_bad_labels_fail_before_the_decoder_runs(check_token_ids, monkeypatch):
     (dict(rotary_percent=1.5), "rotary_percent"),
     (dict(recompute_granularity="full"), "recompute_method"),
     (dict(recompute_granularity="partial"), "recompute_granularity"),
-    (dict(sequence_parallel=True), "sequence_parallel"),
+    (dict(cp_comm_type="ring"), "cp_comm_type"),
     (dict(hidden_size=0), "hidden_size"),
 ])
 def test_invalid_transformer_config_names_its_field(changes, field):

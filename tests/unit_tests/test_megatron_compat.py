@@ -335,7 +335,7 @@ def test_override_opt_param_scheduler_keeps_the_flags_schedule_and_the_position(
 
 
 def test_loss_scale_follows_megatrons_hysteresis_window_floor_and_static_rules():
-    from megatron.training.loss_scale import LossScale
+    from megatron.core.precision.loss_scale import LossScale
 
     def scales(overflows, **kwargs):
         scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
@@ -357,10 +357,17 @@ def test_loss_scale_follows_megatrons_hysteresis_window_floor_and_static_rules()
 
 
 def test_loss_scale_flags_reach_the_trainer_and_notes_without_fp16(capsys):
+    from megatron.core.precision.loss_scale import LossScale
+    from megatron.training.precision_args import precision_config
+
     args = parse_args(TINY + ["--fp16", "--loss-scale", "128", "--hysteresis", "3"], add_difflm_args, world_size=1)
-    assert args.training_config.loss_scale == 128.0 and args.training_config.hysteresis == 3
+    rule = LossScale.build(precision_config(args).loss_scale, torch.device("cpu"))  # as the Trainer builds it
+    assert rule.scaler.is_enabled() and rule.scaler.get_scale() == 128.0 and rule.static == 128.0
+    assert rule.state.hysteresis_tracker == 3
     capsys.readouterr()
-    parse_args(TINY + ["--bf16", "--loss-scale", "128"], add_difflm_args, world_size=1)
+    args = parse_args(TINY + ["--bf16", "--loss-scale", "128"], add_difflm_args, world_size=1)
+    assert precision_config(args).loss_scale is None
+    assert not LossScale.build(None, torch.device("cpu")).scaler.is_enabled()
     assert any(line.startswith("note: --loss-scale has no effect without --fp16") for line in notes(capsys))
 
 
@@ -449,6 +456,12 @@ def _profiling(args):
     return ProfilingConfig.from_args(args)
 
 
+def _loss_scale(args):
+    from megatron.training.precision_args import precision_config
+
+    return precision_config(args).loss_scale
+
+
 # (flags on top of TINY, where their value lands, the value): flags whose behaviour other tests cover by
 # field; this table pins that the command-line spelling reaches that field.
 FLAG_FIELDS = [
@@ -463,8 +476,8 @@ FLAG_FIELDS = [
     (["--profile", "--profile-ranks", "0", "1", "--pytorch-profiler-collect-callstack"],
      lambda a: (tuple(_profiling(a).profile_ranks), _profiling(a).pytorch_profiler_collect_callstack), ((0, 1), True)),
     (["--fp16", "--loss-scale-window", "7", "--min-loss-scale", "4", "--initial-loss-scale", "64"],
-     lambda a: (a.training_config.loss_scale_window, a.training_config.min_loss_scale,
-                a.training_config.initial_loss_scale), (7, 4.0, 64.0)),
+     lambda a: (_loss_scale(a).loss_scale_window, _loss_scale(a).min_loss_scale, _loss_scale(a).initial_loss_scale),
+     (7, 4.0, 64.0)),
     (["--use-rope-scaling", "--rope-scaling-low-freq-factor", "2", "--rope-scaling-high-freq-factor", "8"],
      lambda a: (a.transformer_config.rope_scaling_low_freq_factor, a.transformer_config.rope_scaling_high_freq_factor),
      (2.0, 8.0)),

@@ -183,6 +183,25 @@ def test_experts_are_the_single_process_weights_in_every_layout():
         assert piece.global_shape == (4, 16, 8) and piece.global_offset == (2 * p, 0, 4 * q)
 
 
+def test_the_layout_the_experts_need_is_checked_on_the_flags_before_any_build(capsys):
+    from megatron.training.arguments import parse_args
+    from tests.unit_tests.test_training import TINY
+
+    moe = MoEConfig(num_experts=4, router_topk=2)
+    moe.check_layout(32, tp_size=2, ep_size=4, etp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 3 does not divide the 4 experts"):
+        moe.check_layout(32, tp_size=1, ep_size=3, etp_size=1, sequence_parallel=False)
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 3 does not divide the expert ffn size 32"):
+        moe.check_layout(32, tp_size=1, ep_size=1, etp_size=3, sequence_parallel=False)
+    with pytest.raises(ValueError, match="add --sequence-parallel"):
+        moe.check_layout(32, tp_size=2, ep_size=1, etp_size=1, sequence_parallel=False)
+    flags = TINY + ["--train-iters", "1", "--num-experts", "4", "--moe-router-topk", "2",
+                    "--expert-model-parallel-size", "3"]
+    with pytest.raises(SystemExit):
+        parse_args(flags, world_size=3)
+    assert "--expert-model-parallel-size 3 does not divide the 4 experts" in capsys.readouterr().err
+
+
 def test_layer_freq_forms():
     assert parse_layer_freq(2, 5) == [1, 0, 1, 0, 1]
     assert parse_layer_freq("[0]*1+[1]*3", 4) == [0, 1, 1, 1]

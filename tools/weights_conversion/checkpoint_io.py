@@ -39,38 +39,14 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
-from megatron.core.transformer.moe.config import MoEConfig
 from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 from megatron.training.checkpoint_files import (FORMAT_VERSION, TRACKER, CheckpointError, check_shard_files,
-                                                dcp_index, install_checkpoint, iteration_dir, latest_iteration,
-                                                read_metadata, resolve_checkpoint, write_tracker)
+                                                configs_from_metadata, dcp_index, install_checkpoint, iteration_dir,
+                                                latest_iteration, read_metadata, resolve_checkpoint, write_tracker)
 from megatron.training.tokenizer import vocab_size_with_padding
 
 MODEL_PREFIX = "model."
-
-
-def _known_fields(cls, values: dict) -> dict:
-    names = {field.name for field in dataclasses.fields(cls)}
-    return {key: value for key, value in values.items() if key in names}
-
-
-def configs_from_metadata(metadata: dict) -> Tuple[TransformerConfig, DLMConfig]:
-    """The model's configs for one fp32 process: no parallelism, the unpadded vocabulary."""
-    saved = _known_fields(TransformerConfig, metadata["transformer_config"])
-    vocab = saved.get("unpadded_vocab_size") or saved["vocab_size"]
-    if isinstance(saved.get("moe"), dict):  # metadata.json holds the MoEConfig as a dict
-        saved["moe"] = MoEConfig(**{key: value for key, value in _known_fields(MoEConfig, saved["moe"]).items()
-                                    if key != "layer_flags"})  # derived again from layer_freq
-    config = TransformerConfig(**{**saved, "params_dtype": torch.float32, "bf16": False, "fp16": False,
-                                  "vocab_size": vocab, "unpadded_vocab_size": vocab,
-                                  "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                                  "context_parallel_size": 1, "expert_model_parallel_size": 1,
-                                  "expert_tensor_parallel_size": 1,
-                                  "sequence_parallel": False, "recompute_granularity": None,
-                                  "recompute_method": None, "recompute_num_layers": None})
-    dlm = DLMConfig(**_known_fields(DLMConfig, metadata.get("dlm_config") or {"model_running_mode": "vanilla"}))
-    return config, dlm
 
 
 def stored_shapes(iter_dir: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -142,7 +118,7 @@ def padded_config(config: TransformerConfig, tensor_parallel: int, divisible_by:
     """The config a TP=N training run would build: vocabulary padded to a multiple of divisible_by * N."""
     vocab = config.unpadded_vocab_size or config.vocab_size
     return config.replace(vocab_size=vocab_size_with_padding(vocab, divisible_by, tensor_parallel),
-                          unpadded_vocab_size=vocab, tensor_model_parallel_size=tensor_parallel)
+                          unpadded_vocab_size=vocab)
 
 
 def check_save_target(save: str, iteration: int) -> None:
@@ -222,8 +198,7 @@ def _reshard_worker(rank: int, world_size: int, port: int, source: str, target: 
         base, dlm = configs_from_metadata(metadata)
         saved = metadata["transformer_config"]
         # MoE layers under tensor parallelism need sequence parallelism (which changes no stored shape).
-        config = base.replace(vocab_size=saved["vocab_size"], tensor_model_parallel_size=world_size,
-                              sequence_parallel=base.moe is not None)
+        config = base.replace(vocab_size=saved["vocab_size"], sequence_parallel=base.moe is not None)
         with torch.device("meta"):  # no random init: every weight is read from `source`
             model = GPTModel(config, dlm, pg=state.groups)
         model.to_empty(device="cpu")

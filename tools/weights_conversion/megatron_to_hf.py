@@ -42,7 +42,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.errors import InputError  # noqa: E402
-from megatron.training.checkpoint_files import check_shard_files, read_metadata, resolve_checkpoint  # noqa: E402
+from megatron.training.checkpoint_files import (check_shard_files, configs_from_metadata, read_metadata,  # noqa: E402
+                                                resolve_checkpoint)
 from megatron.training.tokenizer.identity import rebuild_training_tokenizer  # noqa: E402
 from tools.weights_conversion import checkpoint_io, hf_config, mapping  # noqa: E402
 from tools.weights_conversion.safetensors_io import INDEX_FILE, ShardedWriter, parse_size  # noqa: E402
@@ -209,7 +210,7 @@ def convert(args: argparse.Namespace) -> dict:
     iter_dir, iteration = resolve_checkpoint(args.load, args.iteration)
     metadata = read_metadata(iter_dir)
     check_shard_files(iter_dir)
-    config, dlm = checkpoint_io.configs_from_metadata(metadata)
+    config, dlm = configs_from_metadata(metadata)
     identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}
     source = dict(iter_dir=iter_dir, iteration=iteration, metadata=metadata, config=config, dlm=dlm,
                   identity=identity, kind=hf_config.choose_export(config, dlm, args.hf_architecture),

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron.core.fp8.float8_matmul import float8_gemms_on_cpu
 from megatron.core.fp8.float8_scaling import DelayedScalingConfig
+from megatron.core.precision.loss_scale import LossScaleConfig
 from megatron.core.precision.weight_copies import WeightCopies
 
 __all__ = ["PrecisionConfig", "apply_precision"]
@@ -26,8 +27,10 @@ __all__ = ["PrecisionConfig", "apply_precision"]
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """The training-side precision settings the model config does not hold (the compute dtype, fp16/bf16,
-    and gradient-accumulation fusion stay in TransformerConfig, where Megatron keeps them)."""
+    """The precision training applies from outside the model: working copies, float8 and fp16's loss
+    scaling. What the model is built with (params_dtype, the bf16/fp16 autocast, gradient-accumulation
+    fusion) is TransformerConfig's, where Megatron keeps it; the Adam moments' storage is OptimizerConfig's
+    (Megatron's precision-aware optimizer) and the gradient reduction's DataParallelConfig's."""
 
     cache_low_precision_weights: bool = False
     """Linear layers read working copies of their weights, refreshed once per step
@@ -38,6 +41,8 @@ class PrecisionConfig:
     """How the float8 scales are chosen (--fp8-recipe)."""
     fp8_delayed_scaling: Optional[DelayedScalingConfig] = None
     """--fp8-recipe delayed's amax history (--fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin)."""
+    loss_scale: Optional[LossScaleConfig] = None
+    """fp16's loss scaling (--fp16 with --initial-loss-scale, --loss-scale, ...); None under bf16 and fp32."""
 
 
 def apply_precision(model: nn.Module, config: PrecisionConfig, compute_dtype: torch.dtype, optimizer=None,

@@ -51,7 +51,12 @@ def _check_positive(owner: str, name: str, value) -> None:
 
 @dataclass
 class TransformerConfig:
-    """Shape, numerics and execution options of a decoder-only transformer."""
+    """Shape, numerics and execution options of a decoder-only transformer.
+
+    The parallel sizes are not fields: a layer's layout is the process groups it is built with
+    (`ProcessGroups`), and the run's is `ParallelConfig` (run_config.py). What the layout needs of
+    the shapes is checked where the sizes are known: on the flags (parallel_args.py, moe_args.py)
+    and on the groups when a layer is built."""
 
     num_layers: int = 2
     """Number of transformer layers."""
@@ -166,23 +171,14 @@ class TransformerConfig:
     then aborts the process with the assert's message). pretrain_difflm.py checks each batch on the
     host before copying it to the device and builds its model with False."""
 
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel degree (filled by the parallel layer of the framework)."""
-    pipeline_model_parallel_size: int = 1
-    """Pipeline-parallel degree."""
-    context_parallel_size: int = 1
-    """Context-parallel degree."""
     cp_comm_type: str = "all_gather"
     """How context parallelism attends over the whole sequence: 'all_gather' (keys and values
     gathered to every rank) or 'a2a' (Ulysses: all-to-all from sequence to head shards and back)."""
-    expert_model_parallel_size: int = 1
-    """Expert-parallel degree: the routed experts of a layer are split over this many ranks."""
-    expert_tensor_parallel_size: int = 1
-    """Tensor-parallel degree of each expert (its own grid: etp x ep x expert-dp x pp)."""
     moe: Optional[MoEConfig] = None
     """Mixture-of-experts layers in the MLP slot (None: every layer is dense)."""
     sequence_parallel: bool = False
-    """Shard norm/dropout regions along the sequence across tensor-parallel ranks."""
+    """Shard norm/dropout regions along the sequence across tensor-parallel ranks (acts only where
+    the tensor-parallel group has more than one rank; --sequence-parallel, this run's one home of it)."""
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -241,29 +237,10 @@ class TransformerConfig:
         self._validate_rope_scaling()
         if self.sliding_window is not None:
             _check_positive(owner, "sliding_window", self.sliding_window)
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
-            _check_positive(owner, name, getattr(self, name))
         _check_choice(owner, "cp_comm_type", self.cp_comm_type, ("all_gather", "a2a"))
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError(f"{owner}.sequence_parallel needs tensor_model_parallel_size > 1; "
-                             "drop --sequence-parallel or raise the tensor-parallel size")
         if self.moe is not None:
-            self._validate_moe()
+            self.moe.validate(self.ffn_hidden_size)
         return self
-
-    def _validate_moe(self) -> None:
-        owner, moe = "TransformerConfig", self.moe
-        moe.validate(self.ffn_hidden_size)
-        if moe.num_experts % self.expert_model_parallel_size:
-            raise ValueError(f"{owner}.expert_model_parallel_size={self.expert_model_parallel_size} does not divide "
-                             f"the {moe.num_experts} experts; choose a divisor of --num-experts")
-        if moe.expert_ffn_size(self.ffn_hidden_size) % self.expert_tensor_parallel_size:
-            raise ValueError(f"{owner}.expert_tensor_parallel_size={self.expert_tensor_parallel_size} does not "
-                             f"divide the expert ffn size {moe.expert_ffn_size(self.ffn_hidden_size)}")
-        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
-            raise ValueError(f"{owner}.sequence_parallel is needed with MoE layers and tensor parallelism "
-                             "(each tensor-parallel rank routes its own slice of the tokens); add --sequence-parallel")
 
     def _validate_rope_scaling(self) -> None:
         owner = "TransformerConfig"

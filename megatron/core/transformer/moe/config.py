@@ -144,6 +144,22 @@ class MoEConfig:
             raise ValueError(f"{owner}.ffn_hidden_size must be positive")
         return self
 
+    def check_layout(self, ffn_hidden_size: int, tp_size: int, ep_size: int, etp_size: int,
+                     sequence_parallel: bool) -> None:
+        """What the process layout needs of the experts: `ep_size` ranks split the experts evenly,
+        `etp_size` ranks each expert's FFN; tensor parallelism routes each rank's sequence slice (so
+        it needs sequence parallelism). Checked on the flags (moe_args.py) and again on the process
+        groups an MoE layer is built with."""
+        if self.num_experts % ep_size:
+            raise ValueError(f"--expert-model-parallel-size {ep_size} does not divide the {self.num_experts} experts; "
+                             "choose a divisor of --num-experts")
+        if self.expert_ffn_size(ffn_hidden_size) % etp_size:
+            raise ValueError(f"--expert-tensor-parallel-size {etp_size} does not divide the expert ffn size "
+                             f"{self.expert_ffn_size(ffn_hidden_size)}")
+        if tp_size > 1 and not sequence_parallel:
+            raise ValueError("MoE layers with tensor parallelism need sequence parallelism (each tensor-parallel "
+                             "rank routes its own slice of the tokens); add --sequence-parallel")
+
     def expert_ffn_size(self, dense_ffn_hidden_size: int) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else dense_ffn_hidden_size
 

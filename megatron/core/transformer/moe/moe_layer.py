@@ -32,6 +32,8 @@ class MoELayer(MegatronModule):
         pg = pg if pg is not None else ProcessGroups()
         self.layer_number = layer_number
         sequence_parallel = getattr(pg, "sequence_parallel", False)
+        moe.check_layout(config.ffn_hidden_size, group_size(pg.tp), group_size(pg.ep), group_size(pg.expert_tp),
+                         sequence_parallel)
         seq_group = sequence_group(pg, sequence_parallel)
         self.router = build_router(config, layer_number, seq_group,
                                    partial_over_tp=sequence_parallel and group_size(pg.tp) > 1)

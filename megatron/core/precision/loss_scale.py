@@ -17,6 +17,22 @@ from typing import Optional
 import torch
 
 
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16's loss scaling (PrecisionConfig.loss_scale: present exactly under --fp16)."""
+
+    initial_loss_scale: float = 2.0 ** 16
+    """The first dynamic scale (--initial-loss-scale)."""
+    loss_scale: Optional[float] = None
+    """A static scale; None: dynamic (--loss-scale)."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never halves below this (--min-loss-scale)."""
+    loss_scale_window: int = 1000
+    """Clean steps in a row before the dynamic scale doubles (--loss-scale-window)."""
+    hysteresis: int = 2
+    """Overflowing steps before the dynamic scale halves (--hysteresis)."""
+
+
 @dataclass
 class LossScaleState:
     growth_tracker: int = 0
@@ -26,6 +42,16 @@ class LossScaleState:
 
 
 class LossScale:
+    @classmethod
+    def build(cls, config: Optional[LossScaleConfig], device: torch.device) -> "LossScale":
+        """The scale of `config` on `device`; None (not fp16): a disabled GradScaler, scale 1."""
+        enabled = config is not None
+        config = config or LossScaleConfig()
+        scaler = torch.amp.GradScaler(device.type, init_scale=config.loss_scale or config.initial_loss_scale,
+                                      enabled=enabled)
+        return cls(scaler, config.loss_scale, config.min_loss_scale, config.loss_scale_window, config.hysteresis,
+                   device)
+
     def __init__(self, scaler: torch.amp.GradScaler, static: Optional[float] = None, min_scale: float = 1.0,
                  window: int = 1000, hysteresis: int = 2, device: torch.device = torch.device("cpu")) -> None:
         self.scaler, self.static, self.min_scale, self.device = scaler, static, min_scale, device
