@@ -7,7 +7,8 @@ build `megatron.core.transformer.transformer_config.DLMConfig`.
 import argparse
 
 from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, LOSS_NORMALIZERS, LOSS_WEIGHTS,
-                                                          MASK_TYPE_ALIASES, RUNNING_MODES, T_SAMPLINGS)
+                                                          MASK_TYPE_ALIASES, RUNNING_MODES, T_DISTRIBUTIONS,
+                                                          T_SAMPLINGS)
 
 
 def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,6 +50,24 @@ def _add_corruption_args(g) -> None:
                    help="Noise levels t are drawn in [t-min, t-max) (dFactory's SFT: 0.3 to 0.8; BD3-LM's clipped "
                         "schedule, whose 1/p weight becomes 1 under --difflm-block-diffusion when t-min > 0.5).")
     g.add_argument("--difflm-t-max", type=float, default=1.0, help="See --difflm-t-min.")
+    g.add_argument("--difflm-t-distribution", default="uniform", choices=T_DISTRIBUTIONS,
+                   help="How t is distributed over [t-min, t-max): uniform (MDLM, LLaDA), logit_normal, or beta (a "
+                        "bell for a, b > 1), mixed with --difflm-t-uniform-mix of uniform t. A non-uniform t's loss "
+                        "is importance-weighted by 1/q(t), so it stays an unbiased ELBO estimate over uniform t; see "
+                        "--difflm-t-no-importance-weight.")
+    g.add_argument("--difflm-t-logit-normal-mean", type=float, default=0.0,
+                   help="logit_normal: the mean of logit(t) (0: centred on the middle of the range).")
+    g.add_argument("--difflm-t-logit-normal-std", type=float, default=1.0,
+                   help="logit_normal: the standard deviation of logit(t).")
+    g.add_argument("--difflm-t-beta", type=float, nargs=2, default=[2.0, 2.0], metavar=("A", "B"),
+                   help="beta: its parameters a and b, each >= 1 (2 2: a symmetric bell).")
+    g.add_argument("--difflm-t-uniform-mix", type=float, default=0.1,
+                   help="Share of uniform t mixed into a non-uniform one: the importance weight 1/q(t) stays at "
+                        "most 1/mix (0: the pure shape, whose weights have unbounded variance).")
+    g.add_argument("--difflm-t-no-importance-weight", dest="difflm_t_importance_weight", action="store_false",
+                   help="Train a non-uniform t without the 1/q(t) weight: a biased surrogate of the ELBO that spends "
+                        "the training signal near q's mode (as logit-normal timesteps do in rectified flows); the "
+                        "logged loss is then not an ELBO estimate.")
     g.add_argument("--difflm-varilen-prob", type=float, default=0.0,
                    help="Probability that a training micro-batch is cut to a random length (LLaDA: 0.01).")
     g.add_argument("--difflm-varilen-multiple", type=int, default=8,

@@ -84,6 +84,15 @@ FLAG_NEEDS = (
     ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
     ("difflm_loss_kernel", "--difflm-compile-loss", lambda a: a.difflm_compile_loss),
     ("difflm_varilen_multiple", "--difflm-varilen-prob > 0", lambda a: a.difflm_varilen_prob > 0),
+    ("difflm_t_logit_normal_mean", "--difflm-t-distribution logit_normal",
+     lambda a: a.difflm_t_distribution == "logit_normal"),
+    ("difflm_t_logit_normal_std", "--difflm-t-distribution logit_normal",
+     lambda a: a.difflm_t_distribution == "logit_normal"),
+    ("difflm_t_beta", "--difflm-t-distribution beta", lambda a: a.difflm_t_distribution == "beta"),
+    ("difflm_t_uniform_mix", "--difflm-t-distribution logit_normal or beta",
+     lambda a: a.difflm_t_distribution != "uniform"),
+    ("difflm_t_importance_weight", "--difflm-t-distribution logit_normal or beta",
+     lambda a: a.difflm_t_distribution != "uniform"),
     ("num_query_groups", "--group-query-attention", lambda a: a.group_query_attention),
     ("recompute_method", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
     ("recompute_num_layers", "--recompute-granularity full", lambda a: a.recompute_granularity == "full"),
@@ -117,9 +126,9 @@ FLAG_NOTES = (
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
 DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
-                  "difflm_t_min", "difflm_t_max", "difflm_block_diffusion", "difflm_ignore_bos",
-                  "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob", "difflm_varilen_multiple",
-                  "difflm_per_document_t", "difflm_eval_mc_samples")
+                  "difflm_t_min", "difflm_t_max", "difflm_t_distribution", "difflm_block_diffusion",
+                  "difflm_ignore_bos", "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob",
+                  "difflm_varilen_multiple", "difflm_per_document_t", "difflm_eval_mc_samples")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
 TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
                          "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
@@ -572,6 +581,10 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
         block_diffusion=args.difflm_block_diffusion, ignore_bos=args.difflm_ignore_bos,
         t_sampling=args.difflm_t_sampling, t_min=args.difflm_t_min, t_max=args.difflm_t_max,
+        t_distribution=args.difflm_t_distribution, t_logit_normal_mean=args.difflm_t_logit_normal_mean,
+        t_logit_normal_std=args.difflm_t_logit_normal_std, t_beta_a=args.difflm_t_beta[0],
+        t_beta_b=args.difflm_t_beta[1], t_uniform_mix=args.difflm_t_uniform_mix,
+        t_importance_weight=args.difflm_t_importance_weight,
         loss_weight=args.difflm_loss_weight,
         loss_normalizer=args.difflm_loss_normalizer, varilen_prob=args.difflm_varilen_prob,
         varilen_multiple=args.difflm_varilen_multiple,

@@ -1,7 +1,8 @@
 """Block diffusion (--difflm-block-diffusion) and the two-sided sliding window under TP=2 with
 sequence parallelism, DP=2, PP=2 and CP=2 equal one process: losses and step-1 gradients to 1e-5,
 with Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t
-uniform and antithetic, cut lengths."""
+uniform and antithetic, cut lengths; a bell-shaped (beta) t per block and a logit-normal t per row, each
+importance-weighted, under TP=2+SP, PP=2 and CP=2."""
 
 import pytest
 
@@ -18,13 +19,19 @@ MODES = {
                                      "--difflm-varilen-prob", "0.5"],
     "two_sided_window": ["--attention-mask-type", "sliding_window_two_sided", "--sliding-window", "5",
                          "--reset-attention-mask", "--reset-position-ids"],
+    # Non-uniform t (t_distribution.py): a bell per block, importance-weighted; logit-normal per row.
+    "beta_t_blocks": BD3 + ["--difflm-t-distribution", "beta", "--difflm-t-beta", "3", "2",
+                            "--difflm-t-sampling", "antithetic"],
+    "logit_normal_t": ["--difflm-t-distribution", "logit_normal", "--difflm-t-logit-normal-mean", "0.5"],
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
-SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
+T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ())]
+SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES + T_CASES,
+                                False),
                      "dp2": (2, [], CASES, True),
-                     "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES[:2], False),
-                     "cp2": (2, ["--context-parallel-size", "2"], [CASES[0], CASES[2]], False)},
+                     "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES[:2] + T_CASES, False),
+                     "cp2": (2, ["--context-parallel-size", "2"], [CASES[0], CASES[2]] + T_CASES, False)},
                     lambda config, mode, extra: BASE + CONFIGS[config] + MODES[mode])
 
 references = SUITE.references_fixture()

@@ -8,6 +8,7 @@ dataclasses; nothing in megatron/core reads global arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,7 @@ WINDOW_MASK_TYPES = ("sliding_window", "sliding_window_two_sided")
 # window under a name that says so.
 MASK_TYPE_ALIASES = {"causal_bottom_right": "causal", "sliding_window_causal": "sliding_window"}
 T_SAMPLINGS = ("uniform", "antithetic")
+T_DISTRIBUTIONS = ("uniform", "logit_normal", "beta")
 LOSS_WEIGHTS = ("inverse_p", "inverse_empirical", "none")
 LOSS_NORMALIZERS = ("tokens", "masked", "sequence")
 LOSS_KERNELS = ("triton", "inductor")
@@ -311,6 +313,26 @@ class DLMConfig:
     """Lowest noise level: t is drawn in [t_min, t_max) (dFactory's SFT uses [0.3, 0.8])."""
     t_max: float = 1.0
     """Highest noise level (see t_min); the default range [0, 1) is LLaDA's."""
+    t_distribution: str = "uniform"
+    """How t is distributed over [t_min, t_max): uniform (MDLM, LLaDA), logit_normal (logit(t) ~ N(mean,
+    std^2) on the range) or beta (a bell for a, b > 1); models/difflm/t_distribution.py. Per row, per
+    block (block diffusion) and per document alike; antithetic sampling stratifies its quantiles."""
+    t_logit_normal_mean: float = 0.0
+    """logit_normal's mean of logit(t)."""
+    t_logit_normal_std: float = 1.0
+    """logit_normal's standard deviation of logit(t)."""
+    t_beta_a: float = 2.0
+    """beta's a (>= 1)."""
+    t_beta_b: float = 2.0
+    """beta's b (>= 1)."""
+    t_uniform_mix: float = 0.1
+    """Share of uniform t in a non-uniform t's density, q = mix + (1 - mix) q_shape (a defensive mixture):
+    the importance weight 1 / q stays at most 1 / mix; 0 gives the pure shape, whose weights have unbounded
+    variance (logit-normal always, beta for a or b >= 2)."""
+    t_importance_weight: bool = True
+    """Under a non-uniform t, multiply each masked token's weight by 1 / q(t) so the loss stays an unbiased
+    estimate of the ELBO over uniform t (higher variance in q's tails); False: the unweighted, biased
+    surrogate that concentrates training near q's mode (its loss is not an ELBO estimate)."""
     loss_weight: str = "inverse_p"
     """Per-token weight of masked positions: inverse_p (1/p, LLaDA/MDLM), inverse_empirical
     (1 / realised masked fraction of the sequence, MegaDLMs) or none."""
@@ -374,6 +396,7 @@ class DLMConfig:
             raise ValueError(f"{owner}.eps={self.eps} must be in [0, 1)")
         if not 0.0 <= self.t_min < self.t_max <= 1.0:
             raise ValueError(f"{owner}.t_min={self.t_min} and t_max={self.t_max} must satisfy 0 <= t_min < t_max <= 1")
+        self._validate_t_distribution()
         if not 0.0 <= self.varilen_prob <= 1.0:
             raise ValueError(f"{owner}.varilen_prob={self.varilen_prob} must be in [0, 1]")
         _check_positive(owner, "loss_chunk_size", self.loss_chunk_size)
@@ -416,3 +439,19 @@ class DLMConfig:
                              f"attention_mask_type at no_mask, not {self.attention_mask_type!r}")
         if self.per_document_t:
             raise ValueError(f"{owner}.block_diffusion draws t per block; it cannot also draw it per document")
+
+    def _validate_t_distribution(self) -> None:
+        owner = "DLMConfig"
+        _check_choice(owner, "t_distribution", self.t_distribution, T_DISTRIBUTIONS)
+        if self.t_distribution == "logit_normal":
+            if not math.isfinite(self.t_logit_normal_mean):
+                raise ValueError(f"{owner}.t_logit_normal_mean={self.t_logit_normal_mean} must be finite")
+            if not 0.0 < self.t_logit_normal_std < float("inf"):
+                raise ValueError(f"{owner}.t_logit_normal_std={self.t_logit_normal_std} must be a finite number > 0")
+        if not 0.0 <= self.t_uniform_mix < 1.0:
+            raise ValueError(f"{owner}.t_uniform_mix={self.t_uniform_mix} must be in [0, 1)")
+        if self.t_distribution == "beta":
+            for name in ("t_beta_a", "t_beta_b"):
+                if not 1.0 <= getattr(self, name) < float("inf"):
+                    raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number >= 1 (a bell, "
+                                     "or flat at an end; below 1 the density has no bound and 1/q no floor)")

@@ -24,6 +24,7 @@ from typing import Optional, Union
 
 import torch
 
+from megatron.core.models.difflm import t_distribution
 from megatron.core.transformer.transformer_config import DLMConfig
 
 __all__ = ["CorruptionKey", "Corruption", "keyed_bits", "keyed_uniform", "sample_t", "sample_block_t",
@@ -151,7 +152,9 @@ class CorruptionKey:
 
 
 def _t_range(cfg: DLMConfig, u: torch.Tensor) -> torch.Tensor:
-    """u in [0, 1) -> t in [t_min, t_max): the identity (no op at all) for the default range."""
+    """u in [0, 1) -> t in [t_min, t_max), distributed as cfg.t_distribution (t_distribution.py): the
+    identity (no op at all) for the default uniform t on [0, 1)."""
+    u = t_distribution.quantile(cfg, u)
     if cfg.t_min == 0.0 and cfg.t_max == 1.0:
         return u
     return u * (cfg.t_max - cfg.t_min) + cfg.t_min
@@ -211,22 +214,26 @@ def mask_probability(cfg: DLMConfig, t: torch.Tensor) -> torch.Tensor:
 def expected_mask_probability(cfg: DLMConfig) -> float:
     """E[p], the expected fraction of maskable positions masked: (1 - eps) E[t] + eps with
     E[t] = (t_min + t_max) / 2. Every way of drawing t gives each row (block, document) a t that is
-    uniform on [t_min, t_max) on its own (antithetic sampling stratifies the batch, not the marginal),
-    so the expectation is the same for all. Not counted: inverse_empirical's one forced mask in a row
+    distributed on [t_min, t_max) as cfg.t_distribution says on its own (antithetic sampling stratifies
+    the batch, not the marginal), so the expectation is the same for all: E[t] = t_min + (t_max - t_min) E[s]
+    (t_distribution.mean, 1/2 for uniform t). Not counted: inverse_empirical's one forced mask in a row
     that drew none (over t in [0, 1) a row of n positions draws none with probability (1 - eps)^n / (n + 1):
     4e-6 at n = 4096)."""
-    return (1.0 - cfg.eps) * (cfg.t_min + cfg.t_max) / 2.0 + cfg.eps
+    mean_t = cfg.t_min + (cfg.t_max - cfg.t_min) * t_distribution.mean(cfg)
+    return (1.0 - cfg.eps) * mean_t + cfg.eps
 
 
 @dataclass
 class Corruption:
     """Result of `corrupt`. `maskable` is the mask it was given (all True when None), kept so
-    `loss_weights` can normalise by the same positions without the caller passing it again."""
+    `loss_weights` can normalise by the same positions without the caller passing it again.
+    `t_weight`: 1 / q(t) per position under a non-uniform, importance-weighted t (None otherwise)."""
 
     noisy_input_ids: torch.Tensor
     masked_positions: torch.Tensor
     p_mask: torch.Tensor
     maskable: Optional[torch.Tensor] = None
+    t_weight: Optional[torch.Tensor] = None
 
 
 def _check_corrupt_args(input_ids, cfg, key, maskable, document_ids, t) -> None:
@@ -303,7 +310,10 @@ def corrupt(input_ids: torch.Tensor, cfg: DLMConfig, key: CorruptionKey,
     if cfg.loss_weight == "inverse_empirical":
         masked = _force_one_mask(masked, maskable, bits)
     noisy = torch.where(masked, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
-    return Corruption(noisy, masked, p.to(torch.float32).contiguous(), maskable)
+    t_weight = None
+    if t is None and cfg.t_distribution != "uniform" and cfg.t_importance_weight:
+        t_weight = t_distribution.importance_weight(cfg, t_tok).contiguous()
+    return Corruption(noisy, masked, p.to(torch.float32).contiguous(), maskable, t_weight)
 
 
 def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torch.Tensor] = None,
@@ -314,7 +324,8 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
     as BD3-LM's clipped schedule does); inverse_empirical n_maskable / n_masked
     of the row (per row even with per-document t); none 1. Normalizers: tokens = maskable tokens
     (B*L without padding, LLaDA); masked = masked tokens; sequence = weights divided by each
-    row's maskable count, normalizer = rows with a maskable token (mean over sequences).
+    row's maskable count, normalizer = rows with a maskable token (mean over sequences). Under a
+    non-uniform, importance-weighted t every weight is multiplied by the corruption's 1 / q(t).
     Sum and normalizer are returned apart so the training loop can sum both over micro-batches
     and DP ranks and divide once: accumulation then equals one big batch exactly. For that, pass
     clamp_normalizer=False and clamp the total; by default the normalizer is clamped to >= 1 so
@@ -344,6 +355,8 @@ def loss_weights(corruption: Corruption, cfg: DLMConfig, maskable: Optional[torc
     else:
         raise ValueError(f"DLMConfig.loss_weight={cfg.loss_weight!r} is not one of "
                          "['inverse_p', 'inverse_empirical', 'none']")
+    if corruption.t_weight is not None:  # t drawn from q: the ELBO over uniform t, importance-weighted
+        weights = weights * corruption.t_weight
     if cfg.loss_normalizer == "tokens":
         normalizer = maskable.sum()
     elif cfg.loss_normalizer == "masked":
