@@ -77,7 +77,7 @@ def train_valid_test_datasets_provider(config: RunConfig, num_samples: List[int]
 def get_batch(data_iterator: Iterator, config: RunConfig, ctx: StepContext,
               device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
     """Tokens, targets, loss mask and packing metadata of one micro-batch on `device`."""
-    sample, data, dlm = next(data_iterator), config.data, config.dlm
+    sample, data, dlm = next(data_iterator), config.data, config.dlm.at_iteration(ctx.schedule_iteration)
     # Still on the host: the range check costs no device sync here (the model skips its own).
     check_token_ids("tokens", sample["tokens"], data.padded_vocab_size)
     tokens = sample["tokens"].to(device, non_blocking=True)
@@ -136,7 +136,7 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, co
     same corruption; a stage after the first takes its input from the previous one."""
     device = next(model.parameters()).device
     batch = get_batch(data_iterator, config, ctx, device)
-    dlm = config.dlm
+    dlm = config.dlm.at_iteration(ctx.schedule_iteration)  # the block-size curriculum's size of this step
     key = None
     if dlm.is_diffusion:
         key = diffusion.CorruptionKey(
@@ -151,9 +151,10 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, co
     # MoE balancing losses enter the summed loss with the micro-batch's normalizer as weight
     # (megatron/core/transformer/moe/aux_losses.py), times fp16's loss scale like the loss itself.
     aux_loss_scale = normalizer if ctx.loss_scale is None else normalizer * ctx.loss_scale
+    scheduled = {} if dlm is config.dlm else {"block_size": dlm.block_size}
     output = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
                    loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"],
-                   aux_loss_scale=aux_loss_scale)
+                   aux_loss_scale=aux_loss_scale, **scheduled)
     # The last stage returns (per-token losses, loss sum); the others their hidden states.
     return (output[1] if isinstance(output, tuple) else output), partial(loss_func, normalizer)
 

@@ -11,6 +11,17 @@ from megatron.core.transformer.transformer_config import (ATTENTION_MASK_TYPES, 
                                                           T_SAMPLINGS)
 
 
+def block_size_schedule(text: str) -> tuple:
+    """`0:1,2000:4` -> ((0, 1), (2000, 4)) (argparse type of --difflm-block-size-schedule)."""
+    try:
+        entries = tuple(tuple(int(part) for part in entry.split(":")) for entry in text.split(","))
+    except ValueError:
+        entries = ()
+    if not entries or any(len(entry) != 2 for entry in entries):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ITER:SIZE pairs separated by commas (e.g. 0:1,2000:4)")
+    return entries
+
+
 def add_difflm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("difflm", "masked-diffusion objective")
     _add_mode_args(g)
@@ -33,6 +44,12 @@ def _add_mode_args(g) -> None:
     g.add_argument("--mask-token", type=int, help="Id of the mask token (default: the tokenizer's).")
     g.add_argument("--difflm-block-size", type=int,
                    help="Block length of block_causal attention and of --difflm-block-diffusion.")
+    g.add_argument("--difflm-block-size-schedule", type=block_size_schedule, metavar="ITER:SIZE,...",
+                   help="A block-size curriculum: from each 0-based iteration on, the block size after it (e.g. "
+                        "0:1,2000:4,4000:32,8000:4096,40000:32, LLaDA 2.0's warmup-stable-decay shape; a size equal "
+                        "to --seq-length is one block, plain MDLM). Starts at 0; each size divides --seq-length. "
+                        "The log line and tensorboard show the current size; a checkpoint records the size it ends "
+                        "at, which sampling and the Hugging Face export use.")
     g.add_argument("--difflm-block-diffusion", action="store_true",
                    help="BD3-LM block diffusion: the model reads [x_t ; x_0] under one mask (each noisy block sees "
                         "itself and the clean blocks before it), t is drawn per block, the loss is on x_t; sampling "

@@ -80,6 +80,8 @@ FLAG_NEEDS = (
                                                            "sliding_window_two_sided")),
     ("difflm_block_size", "--attention-mask-type block_causal or --difflm-block-diffusion",
      lambda a: a.attention_mask_type == "block_causal" or a.difflm_block_diffusion),
+    ("difflm_block_size_schedule", "--attention-mask-type block_causal or --difflm-block-diffusion",
+     lambda a: a.attention_mask_type == "block_causal" or a.difflm_block_diffusion),
     ("difflm_per_document_t", "--reset-attention-mask (packed documents)", lambda a: a.reset_attention_mask),
     ("difflm_loss_chunk_size", "--difflm-masked-only-loss", lambda a: a.difflm_masked_only_loss),
     ("difflm_loss_kernel", "--difflm-compile-loss", lambda a: a.difflm_compile_loss),
@@ -125,10 +127,10 @@ FLAG_NOTES = (
 # What only the diffusion objective reads: with --model-running-mode vanilla (causal attention,
 # next-token loss, no corruption) these do nothing. (--mask-token and --add-mask-token are not
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
-DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_eps", "difflm_t_sampling",
-                  "difflm_t_min", "difflm_t_max", "difflm_t_distribution", "difflm_block_diffusion",
-                  "difflm_ignore_bos", "difflm_loss_weight", "difflm_loss_normalizer", "difflm_varilen_prob",
-                  "difflm_varilen_multiple", "difflm_per_document_t", "difflm_eval_mc_samples")
+DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_block_size_schedule",
+                  "difflm_eps", "difflm_t_sampling", "difflm_t_min", "difflm_t_max", "difflm_t_distribution",
+                  "difflm_block_diffusion", "difflm_ignore_bos", "difflm_loss_weight", "difflm_loss_normalizer",
+                  "difflm_varilen_prob", "difflm_varilen_multiple", "difflm_per_document_t", "difflm_eval_mc_samples")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
 TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
                          "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
@@ -576,9 +578,11 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
     """DLM fields come from custom_args/difflm.py; without them the model is autoregressive."""
     if not hasattr(args, "model_running_mode"):
         return DLMConfig(model_running_mode="vanilla", seed=args.seed)
+    schedule = args.difflm_block_size_schedule  # its first size is the block size unless one is given
     return DLMConfig(
         model_running_mode=args.model_running_mode, attention_mask_type=args.attention_mask_type,
-        mask_token_id=args.mask_token, block_size=args.difflm_block_size, eps=args.difflm_eps,
+        mask_token_id=args.mask_token, eps=args.difflm_eps, block_size_schedule=schedule,
+        block_size=args.difflm_block_size if args.difflm_block_size or not schedule else schedule[0][1],
         block_diffusion=args.difflm_block_diffusion, ignore_bos=args.difflm_ignore_bos,
         t_sampling=args.difflm_t_sampling, t_min=args.difflm_t_min, t_max=args.difflm_t_max,
         t_distribution=args.difflm_t_distribution, t_logit_normal_mean=args.difflm_t_logit_normal_mean,

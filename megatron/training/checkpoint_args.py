@@ -122,7 +122,9 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
                 raise _mismatch(source, field, flag, saved[field], current[field], changeable=True)
         _check_rope(saved, current, source)
         saved_dlm = _dlm_function(metadata.get("dlm_config") or {}, saved.get("sliding_window"))
-        current_dlm = _dlm_function(dataclasses.asdict(record.dlm_config), current["sliding_window"])
+        # A block-size curriculum compares the size this run trains the checkpoint's last step with.
+        at_saved = record.dlm_config.at_iteration(max(int(metadata.get("iteration") or 0) - 1, 0))
+        current_dlm = _dlm_function(dataclasses.asdict(at_saved), current["sliding_window"])
         for field, flag in DLM_FUNCTION_FIELDS.items():
             if saved_dlm.get(field) != current_dlm.get(field):
                 raise _mismatch(source, field, flag, saved_dlm.get(field), current_dlm.get(field), changeable=True)

@@ -133,7 +133,8 @@ def checkpoint_metadata(record: RunRecord, trainer, iteration: int) -> dict:
             "adam_step": trainer.scheduler.num_updates,  # applied updates (num_steps may count samples)
             "transformer_config": {k: str(v) if isinstance(v, torch.dtype) else v
                                    for k, v in dataclasses.asdict(record.transformer_config).items()},
-            "dlm_config": dataclasses.asdict(record.dlm_config),
+            # Under a block-size curriculum, the size the checkpoint ends at: what sampling and export use.
+            "dlm_config": dataclasses.asdict(record.dlm_config.at_iteration(max(iteration - 1, 0))),
             "layout": {"world_size": record.world_size,
                        "tensor_model_parallel_size": record.tensor_model_parallel_size,
                        "data_parallel_size": record.data_parallel_size,

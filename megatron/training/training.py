@@ -73,6 +73,9 @@ class StepContext:
     loss_scale: Optional[torch.Tensor] = None
     """fp16's current loss scale (None otherwise): forward steps multiply the MoE balancing losses'
     scale by it, as the schedule multiplies the loss (moe/aux_losses.py)."""
+    schedule_iteration: int = 0
+    """The step whose scheduled settings apply (DLMConfig.at_iteration: the block-size curriculum): the
+    iteration itself in training; in evaluation, whose iteration keys fixed draws, the last trained step's."""
 
 
 def validation_stream(draw: int) -> int:
@@ -190,7 +193,8 @@ class Trainer:
                 global_batch_size)
 
         def forward_step(iterator: Iterator, model: nn.Module, microbatch: int):
-            ctx = StepContext(iteration, first_sample, global_batch_size, microbatch, training, stream, loss_scale)
+            ctx = StepContext(iteration, first_sample, global_batch_size, microbatch, training, stream, loss_scale,
+                              iteration if training else max(self.state.iteration - 1, 0))
             return self.forward_step(iterator, model, ctx)
 
         # the level-2 timers time a pipeline stage's compute (its measured bubble, timers.py)

@@ -172,7 +172,11 @@ class TrainingLogger:
         line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates, batch,
                           numerics.console_parts() if numerics is not None else ())
         moe = getattr(result, "moe", None)
-        self.print(line + (f" {moe.summary()} |" if moe is not None else ""))
+        # A block-size curriculum's size of the window's last step (DLMConfig.at_iteration; 0-based).
+        block = self.record.dlm_config.block_size_at(state.iteration - 1)
+        scheduled = bool(self.record.dlm_config.block_size_schedule)
+        self.print(line + (f" {moe.summary()} |" if moe is not None else "") + (f" block size: {block} |"
+                                                                                 if scheduled else ""))
         report = self.timers.report(timers, self.window_steps)
         if report:
             self.print(report)
@@ -183,6 +187,8 @@ class TrainingLogger:
             values["throughput/mfu"] = rates["mfu"]
         if moe is not None:  # the last step of the window (Megatron logs MoE losses per step too)
             values.update(moe.scalars())
+        if scheduled:
+            values["block-size"] = block
         if numerics is not None:
             values.update(numerics.all_scalars())
         if self.runtime.device.type == "cuda":

@@ -2,7 +2,7 @@
 sequence parallelism, DP=2, PP=2 and CP=2 equal one process: losses and step-1 gradients to 1e-5,
 with Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t
 uniform and antithetic, cut lengths; a bell-shaped (beta) t per block and a logit-normal t per row, each
-importance-weighted, under TP=2+SP, PP=2 and CP=2."""
+importance-weighted, and a block-size curriculum under TP=2+SP, PP=2 and CP=2."""
 
 import pytest
 
@@ -23,10 +23,13 @@ MODES = {
     "beta_t_blocks": BD3 + ["--difflm-t-distribution", "beta", "--difflm-t-beta", "3", "2",
                             "--difflm-t-sampling", "antithetic"],
     "logit_normal_t": ["--difflm-t-distribution", "logit_normal", "--difflm-t-logit-normal-mean", "0.5"],
+    # A block-size curriculum: each of the 3 steps with another block size (4, 8, then 32: one block).
+    "block_curriculum": ["--difflm-block-diffusion", "--difflm-block-size-schedule", "0:4,1:8,2:32",
+                         "--difflm-t-sampling", "antithetic"],
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
-T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ())]
+T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ()), ("megatron", "block_curriculum", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES + T_CASES,
                                 False),
                      "dp2": (2, [], CASES, True),

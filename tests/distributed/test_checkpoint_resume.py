@@ -1,6 +1,8 @@
 """--save/--load: bit-exact resume, signals and crashes (layout changes: test_checkpoint_reshard.py)."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,6 +53,9 @@ SMALLER = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128
            "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]  # quickstart's model, cut to test speed
 RESUME_CASES = {  # name: (processes, flags)
     "one_process_dlm_varilen": (1, ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"]),
+    # A block-size curriculum whose sizes change before and after the resume (steps 4 and 8, 0-based).
+    "one_process_block_curriculum": (1, ["--model-running-mode", "difflm-noshift", "--difflm-block-diffusion",
+                                         "--difflm-block-size-schedule", "0:8,4:16,8:32"]),
     "tp2_sp_dp2_zero1_dlm": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--use-distributed-optimizer", "--micro-batch-size", "2"]),
     # One layer per stage, 2 micro-batches per step; evaluation runs the forward-only schedule.
@@ -86,6 +91,11 @@ def test_resume_with_dropout_and_evaluation_is_bit_exact(case, tmp_path):
     if "--num-experts" in flags:  # the routers' statistics, on the console and in tensorboard, every step
         assert out.count("moe z loss:") == 6 and "expert load max/min:" in out
         assert sorted(tensorboard_scalars(tmp_path / "tb", "moe/layer-1/max-load"))[-6:] == list(range(7, 13))
+    if "--difflm-block-size-schedule" in flags:  # the size of each logged step; the checkpoint records its own
+        assert re.search(r"iteration +8/.*block size: 16 \|", out)
+        assert re.search(r"iteration +9/.*block size: 32 \|", out)
+        metadata = json.loads((Path(ckpt) / "iter_0000006" / "metadata.json").read_text())
+        assert metadata["dlm_config"]["block_size"] == 16
     assert second == {step: straight[step] for step in range(7, 13)}, "lm loss must match the uninterrupted run"
     expected, resumed = final_weights(tmp_path / "straight"), final_weights(ckpt)
     assert expected.keys() == resumed.keys()

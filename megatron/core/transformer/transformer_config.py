@@ -297,7 +297,14 @@ class DLMConfig:
     mask_token_id: Optional[int] = None
     """Token id written into corrupted positions. Required in the DLM modes."""
     block_size: Optional[int] = None
-    """Block length for block_causal attention and block diffusion; must divide the sequence length."""
+    """Block length for block_causal attention and block diffusion; must divide the sequence length.
+    Under a block_size_schedule, the size of forwards outside training's steps (sampling, in-loop
+    lm-eval): by default the schedule's first; a checkpoint records the size it ends at."""
+    block_size_schedule: Optional[tuple] = None
+    """A block-size curriculum (LLaDA 2.0, SDAR): ((first iteration, block size), ...), iterations
+    increasing from 0 (--difflm-block-size-schedule 0:1,2000:4,...). Step k (0-based: the iterations
+    completed before it) trains with the size of the last entry at or before k (`at_iteration`); a pure
+    function of k, so every rank and stage agrees and a resumed run replays it. None: block_size always."""
     block_diffusion: bool = False
     """BD3-LM: the model reads [x_t ; x_0] (2L tokens, positions repeated) under the block_diffusion
     mask (attention_mask.block_diffusion_allowed), t is drawn per block, the loss is on x_t only.
@@ -376,6 +383,25 @@ class DLMConfig:
     def is_diffusion(self) -> bool:
         return self.model_running_mode != "vanilla"
 
+    def block_size_at(self, iteration: int) -> Optional[int]:
+        """The block size of step `iteration` (0-based) under the schedule; block_size without one."""
+        if not self.block_size_schedule:
+            return self.block_size
+        size = self.block_size
+        for first, scheduled in self.block_size_schedule:
+            if first > iteration:
+                break
+            size = int(scheduled)
+        return size
+
+    def at_iteration(self, iteration: int) -> "DLMConfig":
+        """This config with step `iteration`'s block size (itself when that is block_size)."""
+        return self.with_block_size(self.block_size_at(iteration))
+
+    def with_block_size(self, size: Optional[int]) -> "DLMConfig":
+        """This config with blocks of `size` (itself for None or its own size)."""
+        return self if size is None or size == self.block_size else dataclasses.replace(self, block_size=size)
+
     @property
     def effective_mask_type(self) -> str:
         if self.block_diffusion:
@@ -421,6 +447,8 @@ class DLMConfig:
             if seq_length is not None and seq_length % self.block_size:
                 raise ValueError(f"{owner}.block_size={self.block_size} does not divide the sequence length "
                                  f"{seq_length}; choose a block size that divides it")
+        if self.block_size_schedule:
+            self._validate_block_size_schedule(owner, seq_length)
         if self.effective_mask_type in WINDOW_MASK_TYPES and not sliding_window:
             raise ValueError(f"{owner}.attention_mask_type={self.effective_mask_type!r} needs "
                              "TransformerConfig.sliding_window; pass --sliding-window <tokens>")
@@ -455,3 +483,16 @@ class DLMConfig:
                 if not 1.0 <= getattr(self, name) < float("inf"):
                     raise ValueError(f"{owner}.{name}={getattr(self, name)} must be a finite number >= 1 (a bell, "
                                      "or flat at an end; below 1 the density has no bound and 1/q no floor)")
+
+    def _validate_block_size_schedule(self, owner: str, seq_length: Optional[int]) -> None:
+        if self.effective_mask_type not in ("block_causal", "block_diffusion"):
+            raise ValueError(f"{owner}.block_size_schedule needs block diffusion or block_causal attention; add "
+                             "--difflm-block-diffusion or --attention-mask-type block_causal")
+        firsts = [int(first) for first, _ in self.block_size_schedule]
+        if firsts[0] != 0 or any(later <= earlier for earlier, later in zip(firsts, firsts[1:])):
+            raise ValueError(f"{owner}.block_size_schedule={self.block_size_schedule} must start at iteration 0 "
+                             "and increase (e.g. 0:1,2000:4,4000:32)")
+        for first, size in self.block_size_schedule:
+            if int(size) < 1 or (seq_length is not None and seq_length % int(size)):
+                raise ValueError(f"{owner}.block_size_schedule: the block size {size} (from iteration {first}) "
+                                 f"must be a positive divisor of the sequence length {seq_length}")

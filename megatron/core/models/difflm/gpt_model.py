@@ -111,22 +111,27 @@ class GPTModel(MegatronModule):
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_weights: Optional[torch.Tensor] = None,
                 loss_normalizer: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                decoder_input: Optional[torch.Tensor] = None, aux_loss_scale=None) -> ForwardResult:
+                decoder_input: Optional[torch.Tensor] = None, aux_loss_scale=None,
+                block_size: Optional[int] = None) -> ForwardResult:
         """Without labels: logits [b, s, V] (hidden states [s, b, h] on non-final stages).
         With labels: (per_token_loss [b, s], loss), the loss being
         sum(per_token_loss * loss_weights) / loss_normalizer (default: number of nonzero weights).
         `aux_loss_scale`: the weight of the MoE balancing losses' gradients (moe/aux_losses.py; the
-        training loop passes the micro-batch's normalizer; None: 1)."""
+        training loop passes the micro-batch's normalizer; None: 1). `block_size`: this forward's
+        blocks (a block-size curriculum's current size; default DLMConfig.block_size)."""
         set_aux_loss_scale(self.routers, aux_loss_scale)
-        path = self.vanilla_forward if self.running_mode == "vanilla" else self.difflm_forward
-        return path(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids, decoder_input)
+        if self.running_mode == "vanilla":
+            return self.vanilla_forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                                        decoder_input)
+        return self.difflm_forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                                   decoder_input, block_size=block_size)
 
     def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                        loss_normalizer=None, document_ids=None, decoder_input=None, *,
-                       checked: bool = False) -> ForwardResult:
-        """Bidirectional (or the DLMConfig's mask); `checked`: the caller already ran `check_inputs`."""
+                       checked: bool = False, block_size: Optional[int] = None) -> ForwardResult:
+        """Bidirectional (or the DLMConfig's mask, of `block_size` blocks if given); `checked`: see _forward."""
         return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                             decoder_input, causal=False, checked=checked)
+                             decoder_input, False, checked, self.dlm_config.with_block_size(block_size))
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                         loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
@@ -134,8 +139,9 @@ class GPTModel(MegatronModule):
                              decoder_input, causal=True)
 
     def _forward(self, input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                 decoder_input, causal: bool, checked: bool = False) -> ForwardResult:
-        """`checked`: the caller already ran `check_inputs` on these ids."""
+                 decoder_input, causal: bool, checked: bool = False, dlm: Optional[DLMConfig] = None) -> ForwardResult:
+        """`checked`: the caller already ran `check_inputs` on these ids; `dlm`: the mask's (default the model's)."""
+        dlm = dlm or self.dlm_config
         if not checked:
             self.check_inputs(input_ids, position_ids, labels)
         shift = not causal and self.running_mode == "difflm-shift"
@@ -151,7 +157,7 @@ class GPTModel(MegatronModule):
             input_ids, position_ids, labels, loss_weights, *held = context_parallel_inputs(
                 self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
             positions, shift = dict(zip(("query_positions", "key_positions"), held)), False
-        mask = build_attention_mask(self.config, self.dlm_config, document_ids, noisy_length=noisy_length,
+        mask = build_attention_mask(self.config, dlm, document_ids, noisy_length=noisy_length,
                                     mask_type=mask_type, **positions)
         targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
         if self.post_process and labels is not None:
