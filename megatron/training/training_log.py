@@ -166,16 +166,19 @@ class TrainingLogger:
         loss = self.window_loss / max(self.window_counted, 1)
         batch = getattr(result, "global_batch_size", 0) or self.training.global_batch_size  # a ramp's current one
         tokens = batch * self.training.seq_length
-        rates = flops.throughput_metrics(self.flops_per_iteration * batch / self.training.global_batch_size, tokens,
+        # A block-size curriculum's size of the window's last step (DLMConfig.at_iteration; 0-based), whose
+        # attention the FLOPs count.
+        dlm = self.record.dlm_config.at_iteration(state.iteration - 1)
+        scheduled = bool(dlm.block_size_schedule)
+        per_iteration = self.flops_per_iteration if not scheduled else flops.executed_flops_per_iteration(
+            self.record.transformer_config, dlm, self.training.seq_length, self.training.global_batch_size)
+        rates = flops.throughput_metrics(per_iteration * batch / self.training.global_batch_size, tokens,
                                          seconds, self.record.world_size, self.peak)
         numerics = getattr(result, "numerics", None)  # params norm, zeros in the gradients (rerun.py)
         line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates, batch,
                           numerics.console_parts() if numerics is not None else ())
         moe = getattr(result, "moe", None)
-        # A block-size curriculum's size of the window's last step (DLMConfig.at_iteration; 0-based).
-        block = self.record.dlm_config.block_size_at(state.iteration - 1)
-        scheduled = bool(self.record.dlm_config.block_size_schedule)
-        self.print(line + (f" {moe.summary()} |" if moe is not None else "") + (f" block size: {block} |"
+        self.print(line + (f" {moe.summary()} |" if moe is not None else "") + (f" block size: {dlm.block_size} |"
                                                                                  if scheduled else ""))
         report = self.timers.report(timers, self.window_steps)
         if report:
@@ -188,7 +191,7 @@ class TrainingLogger:
         if moe is not None:  # the last step of the window (Megatron logs MoE losses per step too)
             values.update(moe.scalars())
         if scheduled:
-            values["block-size"] = block
+            values["block-size"] = dlm.block_size
         if numerics is not None:
             values.update(numerics.all_scalars())
         if self.runtime.device.type == "cuda":

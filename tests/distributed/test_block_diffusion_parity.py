@@ -23,9 +23,10 @@ MODES = {
     "beta_t_blocks": BD3 + ["--difflm-t-distribution", "beta", "--difflm-t-beta", "3", "2",
                             "--difflm-t-sampling", "antithetic"],
     "logit_normal_t": ["--difflm-t-distribution", "logit_normal", "--difflm-t-logit-normal-mean", "0.5"],
-    # A block-size curriculum: each of the 3 steps with another block size (4, 8, then 32: one block).
+    # A block-size curriculum on packed documents: each of the 3 steps with another block size (4, 8, then 32:
+    # one block).
     "block_curriculum": ["--difflm-block-diffusion", "--difflm-block-size-schedule", "0:4,1:8,2:32",
-                         "--difflm-t-sampling", "antithetic"],
+                         "--difflm-t-sampling", "antithetic", "--reset-attention-mask", "--reset-position-ids"],
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]

@@ -94,6 +94,8 @@ def test_resume_with_dropout_and_evaluation_is_bit_exact(case, tmp_path):
     if "--difflm-block-size-schedule" in flags:  # the size of each logged step; the checkpoint records its own
         assert re.search(r"iteration +8/.*block size: 16 \|", out)
         assert re.search(r"iteration +9/.*block size: 32 \|", out)
+        scalars = tensorboard_scalars(tmp_path / "tb", "block-size")
+        assert (scalars[4], scalars[5], scalars[8], scalars[9]) == (8.0, 16.0, 16.0, 32.0)
         metadata = json.loads((Path(ckpt) / "iter_0000006" / "metadata.json").read_text())
         assert metadata["dlm_config"]["block_size"] == 16
     assert second == {step: straight[step] for step in range(7, 13)}, "lm loss must match the uninterrupted run"
