@@ -72,3 +72,36 @@ def test_a_forward_of_the_scheduled_size_is_a_model_of_that_size(block_diffusion
     own, _ = small(ids, labels=labels)
     torch.testing.assert_close(scheduled, expected, rtol=0, atol=0)
     assert not torch.allclose(own, expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_layers_follow_each_scheduled_size(device):
+    """The launch scripts compile the layers: a size change reaches the compiled attention (a new block
+    mask, no stale graph), losses and gradients as eager's, sizes going up and back down."""
+    from megatron.core.transformer.compilation import compile_transformer_layers
+    from tests.unit_tests.test_compilation import inductor_available
+
+    if device == "cpu" and not inductor_available():
+        pytest.skip("torch.compile (inductor) cannot build CPU kernels here")
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
+                               attention_backend="auto")
+    dlm = DLMConfig(mask_token_id=MASK, block_diffusion=True, block_size=4)
+    ids = torch.randint(0, MASK, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    labels = torch.randint(0, MASK, (2, 32), generator=torch.Generator().manual_seed(2)).to(device)
+    models = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        models.append(GPTModel(config, dlm).to(device).train())
+        if compiled:
+            assert compile_transformer_layers(models[-1]) == 2
+    for size in (4, 8, 4, 16):
+        results = []
+        for model in models:
+            model.zero_grad(set_to_none=True)
+            _, loss = model(ids, labels=labels, block_size=size)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        (expected_loss, expected), (got_loss, got) = results
+        torch.testing.assert_close(got_loss, expected_loss, rtol=1e-5, atol=0, msg=f"block size {size}")
+        for grad, reference in zip(got, expected):
+            torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
