@@ -212,8 +212,8 @@ def mask_probability(cfg: DLMConfig, t: torch.Tensor) -> torch.Tensor:
 
 
 def expected_mask_probability(cfg: DLMConfig) -> float:
-    """E[p], the expected fraction of maskable positions masked: (1 - eps) E[t] + eps with
-    E[t] = (t_min + t_max) / 2. Every way of drawing t gives each row (block, document) a t that is
+    """E[p], the expected fraction of maskable positions masked: (1 - eps) E[t] + eps, with
+    E[t] = (t_min + t_max) / 2 for uniform t. Every way of drawing t gives each row (block, document) a t that is
     distributed on [t_min, t_max) as cfg.t_distribution says on its own (antithetic sampling stratifies
     the batch, not the marginal), so the expectation is the same for all: E[t] = t_min + (t_max - t_min) E[s]
     (t_distribution.mean, 1/2 for uniform t). Not counted: inverse_empirical's one forced mask in a row
