@@ -30,7 +30,8 @@ MODES = {
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
-T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ()), ("megatron", "block_curriculum", ())]
+T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ()), ("megatron", "block_curriculum", ()),
+           ("llama", "block_curriculum", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES + T_CASES,
                                 False),
                      "dp2": (2, [], CASES, True),

@@ -40,7 +40,7 @@ def quantile(cfg, u: torch.Tensor) -> torch.Tensor:
     """u in [0, 1) (float64) -> s in [0, 1) distributed as cfg.t_distribution; identity for uniform."""
     if cfg.t_distribution == "uniform":
         return u
-    grid, cdf = _cdf_table(*_shape(cfg))
+    grid, cdf = _cdf_table(*_shape(cfg), float(cfg.t_uniform_mix))
     u = u.clamp(_U_MARGIN, 1.0 - _U_MARGIN)
     return _interpolate(u, cdf.to(u.device), grid.to(u.device))
 
@@ -49,7 +49,7 @@ def density(cfg, s: torch.Tensor) -> torch.Tensor:
     """q(s), the density of s in (0, 1) (float64; 1 for uniform): mix + (1 - mix) q_shape(s)."""
     if cfg.t_distribution == "uniform":
         return torch.ones_like(s)
-    return cfg.t_uniform_mix + (1.0 - cfg.t_uniform_mix) * _shape_density(_shape(cfg)[:3], s)
+    return cfg.t_uniform_mix + (1.0 - cfg.t_uniform_mix) * _shape_density(*_shape(cfg), s)
 
 
 def importance_weight(cfg, t: torch.Tensor) -> torch.Tensor:
@@ -68,23 +68,22 @@ def mean(cfg) -> float:
         shape_mean = cfg.t_beta_a / (cfg.t_beta_a + cfg.t_beta_b)
     else:
         s = (torch.arange(_GRID, dtype=torch.float64) + 0.5) / _GRID
-        shape_mean = float((s * _shape_density(_shape(cfg)[:3], s)).mean())
+        shape_mean = float((s * _shape_density(*_shape(cfg), s)).mean())
     return cfg.t_uniform_mix / 2.0 + (1.0 - cfg.t_uniform_mix) * shape_mean
 
 
 def _shape(cfg) -> tuple:
-    """(distribution, its two parameters, uniform share): the key of the tabulated CDF."""
+    """(distribution, its two parameters): with the uniform share, the key of the tabulated CDF."""
     if cfg.t_distribution == "logit_normal":
         params = (float(cfg.t_logit_normal_mean), float(cfg.t_logit_normal_std))
     elif cfg.t_distribution == "beta":
         params = (float(cfg.t_beta_a), float(cfg.t_beta_b))
     else:
         raise ValueError(f"DLMConfig.t_distribution={cfg.t_distribution!r} is not one of {list(T_DISTRIBUTIONS)}")
-    return (cfg.t_distribution, *params, float(cfg.t_uniform_mix))
+    return (cfg.t_distribution, *params)
 
 
-def _shape_density(shape: tuple, s: torch.Tensor) -> torch.Tensor:
-    kind, first, second = shape
+def _shape_density(kind: str, first: float, second: float, s: torch.Tensor) -> torch.Tensor:
     if kind == "logit_normal":
         z = (torch.logit(s) - first) / second
         return torch.exp(-0.5 * z * z) / (second * math.sqrt(2.0 * math.pi) * s * (1.0 - s))
@@ -101,8 +100,9 @@ def _cdf_table(kind: str, first: float, second: float, mix: float):
         shape_cdf = torch.cat([grid[:1], torch.special.ndtr((torch.logit(inner) - first) / second), grid[-1:]])
     else:  # trapezoid rule on the density, bounded for a, b >= 1, normalised to end at exactly 1
         pdf = torch.zeros_like(grid)
-        pdf[1:-1] = _shape_density((kind, first, second), inner)
-        pdf[0], pdf[-1] = (first if first == 1.0 else 0.0) * second, (second if second == 1.0 else 0.0) * first
+        pdf[1:-1] = _shape_density(kind, first, second, inner)
+        # The ends: beta(1, b) starts at b = 1 / B(1, b), beta(a, 1) ends at a; a, b > 1 give 0 there.
+        pdf[0], pdf[-1] = (second if first == 1.0 else 0.0), (first if second == 1.0 else 0.0)
         cumulative = torch.cumsum((pdf[1:] + pdf[:-1]) / (2 * _GRID), 0)
         shape_cdf = torch.cat([grid[:1], cumulative / cumulative[-1]])
     return grid, mix * grid + (1.0 - mix) * shape_cdf
