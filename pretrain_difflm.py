@@ -125,9 +125,14 @@ def _sft_batch(sample: Dict[str, torch.Tensor], config: RunConfig, inputs: torch
             "document_ids": documents, "index": sample["index"].to(device)}
 
 
-def loss_func(normalizer: torch.Tensor, loss_sum: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted token losses, loss tokens): the loop divides once per global batch."""
-    return loss_sum, normalizer
+def loss_func(normalizer: torch.Tensor, output) -> Tuple[torch.Tensor, ...]:
+    """(sum of weighted token losses, loss tokens): the loop divides once per global batch. Under the
+    joint AR + DLM objective `output` is (loss sum, AR term's sum): then also the sums of
+    objective.loss_parts, (diffusion term, AR term), for the log."""
+    if not isinstance(output, tuple):
+        return output, normalizer
+    loss_sum, ar_sum = output
+    return loss_sum, normalizer, torch.stack([loss_sum.detach() - ar_sum, ar_sum])
 
 
 def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, config: RunConfig):
@@ -152,11 +157,15 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, co
     # (megatron/core/transformer/moe/aux_losses.py), times fp16's loss scale like the loss itself.
     aux_loss_scale = normalizer if ctx.loss_scale is None else normalizer * ctx.loss_scale
     scheduled = {} if dlm is config.dlm else {"block_size": dlm.block_size}
+    ar_weights = objective.joint_ar_weights(batch["inputs"], dlm, batch["loss_mask"])  # joint AR + DLM only
+    joint = {} if ar_weights is None else {"ar_loss_weights": ar_weights}
     output = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
                    loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"],
-                   aux_loss_scale=aux_loss_scale, **scheduled)
-    # The last stage returns (per-token losses, loss sum); the others their hidden states.
-    return (output[1] if isinstance(output, tuple) else output), partial(loss_func, normalizer)
+                   aux_loss_scale=aux_loss_scale, **scheduled, **joint)
+    # The last stage returns (per-token losses, loss sum[, AR term's sum]); the others their hidden states.
+    if isinstance(output, tuple):
+        output = output[1] if len(output) == 2 else output[1:]
+    return output, partial(loss_func, normalizer)
 
 
 def main(argv: Optional[List[str]] = None):

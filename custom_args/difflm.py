@@ -54,6 +54,12 @@ def _add_mode_args(g) -> None:
                    help="BD3-LM block diffusion: the model reads [x_t ; x_0] under one mask (each noisy block sees "
                         "itself and the clean blocks before it), t is drawn per block, the loss is on x_t; sampling "
                         "goes block by block with an exact KV cache. Needs --difflm-block-size.")
+    g.add_argument("--difflm-ar-loss-weight", type=float, default=0.0, metavar="W",
+                   help="Joint AR + DLM objective: add W times the next-token loss of the clean tokens to the "
+                        "diffusion loss (Megatron-Bridge's Nemotron Diffusion weighs DLM 0.3 and AR 1.0, i.e. "
+                        "W = 3.33 up to the learning rate). Rides on --difflm-block-diffusion's clean half, which "
+                        "becomes token-causal: no second forward, the model decodes both autoregressively and by "
+                        "diffusion. Each term is logged. Needs --difflm-loss-normalizer tokens.")
     g.add_argument("--difflm-ignore-bos", action="store_true",
                    help="Never mask the first token of a row (BD3-LM's ignore_bos): always clean, no loss.")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, List, NoReturn, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from megatron.core.distributed.data_parallel import (
 )
 from megatron.core.distributed.loss_normalization import GlobalBatchLoss
 from megatron.core.errors import InputError, user_message
+from megatron.core.models.difflm import objective
 from megatron.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron.core.optimizer.optimizer import build_optimizer, clip_grad_norm, forget_gradient_scale
 from megatron.core.parallel_state import ParallelContext, ParallelState, ProcessGroups, initialize_model_parallel
@@ -116,6 +117,8 @@ class StepResult:
     """Samples of the step (it changes along --rampup-batch-size); 0: the configured one."""
     numerics: Optional[NumericsReport] = None
     """Logged steps: params norm, zero gradients and the re-run counts (rerun.py)."""
+    parts: Dict[str, float] = field(default_factory=dict)
+    """The loss's named terms (GlobalBatchLoss parts: the joint AR + DLM objective's), adding up to `loss`."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -144,8 +147,10 @@ class Trainer:
                  runtime: Runtime, logger: Optional[TrainingLogger] = None,
                  groups: Optional[ProcessGroups] = None, links: Optional[PipelineLinks] = None,
                  hooks: Optional[LoopHooks] = None, rerun_config: Optional[RerunConfig] = None,
-                 loss_scale: Optional[LossScaleConfig] = None) -> None:
+                 loss_scale: Optional[LossScaleConfig] = None, loss_parts: Tuple[str, ...] = ()) -> None:
         self.config, self.model, self.optimizer, self.scheduler = config, model, optimizer, scheduler
+        self.loss_parts = loss_parts
+        """The named terms forward_step's loss adds up (objective.loss_parts), logged apart."""
         self.groups = groups or ProcessGroups()
         self.model_config = getattr(unwrap(model_chunks(model)[0]), "config", None)
         """The TransformerConfig of the model (MoE statistics need its layer count and experts)."""
@@ -200,7 +205,7 @@ class Trainer:
         # the level-2 timers time a pipeline stage's compute (its measured bubble, timers.py)
         clock = self.hooks.timers.compute_clock() if training and self.pipelined else None
         loss = self.schedule(forward_step, data_iterator, self.model, num_microbatches,
-                             GlobalBatchLoss(self.runtime.device), forward_only=not training,
+                             GlobalBatchLoss(self.runtime.device, self.loss_parts), forward_only=not training,
                              scale_loss=None if loss_scale is None else (lambda loss_sum: loss_sum * loss_scale),
                              clock=clock)
         # Tensor-parallel peers hold the same values: sum over the data-parallel replicas (the loss
@@ -263,7 +268,9 @@ class Trainer:
             # One host sync per execution (a re-run happens only on an anomaly): the decision must be
             # the same on every rank, and it is, because the loss is all-reduced and the gradients
             # are synchronised before the norm (rerun.py).
-            loss, norm = (float(v) for v in torch.stack([batch_loss.loss.float(), grad_norm.float()]).cpu())
+            values = torch.cat([torch.stack([batch_loss.loss.float(), grad_norm.float()]),
+                                batch_loss.part_losses.float()]).tolist()
+            loss, norm = values[:2]
             verdict = execution.judge(loss, norm)
             if not verdict.rerun:
                 break
@@ -285,7 +292,7 @@ class Trainer:
         self.hooks.phase_end("optimizer")
         numerics = self.rerun.report(zeros, self.rerun.params_norm(self.model, self._norm_groups())) if logged else None
         return StepResult(loss, norm, float(batch_loss.normalizer), verdict.skip, verdict.nan, moe, batch[0],
-                          numerics)
+                          numerics, dict(zip(self.loss_parts, values[2:])))
 
     def account(self, result: StepResult) -> None:
         """Count a finished train_step in the run's progress (iteration, samples, tokens, skips), as train()
@@ -371,28 +378,34 @@ class Trainer:
             return True
         return config.exit_duration_in_mins is not None and float(flags[0]) > config.exit_duration_in_mins
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss over the first --eval-iters global batches of the validation set,
         with fixed corruption draws (keyed by validation sample index): --difflm-eval-mc-samples
         draws per row, their loss sums pooled over their normalizers (validation_stream)."""
+        return self._validation_losses()[0]
+
+    @torch.no_grad()
+    def _validation_losses(self) -> Tuple[float, Dict[str, float]]:
+        """`evaluate`'s loss and its named terms (loss_parts)."""
         self.model.eval()
-        loss_sum = normalizer = 0.0
+        totals = None  # [normalizer, loss sum, part sums...] pooled over draws and batches
         for draw in range(self.config.difflm_eval_mc_samples):
             data_iterator = self.valid_loader()
             for step in range(self.config.eval_iters):
                 first = step * self.config.global_batch_size
                 batch_loss = self._forward_backward(data_iterator, False, 0, first, stream=validation_stream(draw))
-                loss_sum = loss_sum + float(batch_loss.loss_sum)
-                normalizer = normalizer + float(batch_loss.normalizer)
+                totals = batch_loss.totals.clone() if totals is None else totals + batch_loss.totals
         self.model.train()
-        return loss_sum / max(normalizer, 1.0)
+        if totals is None:
+            return 0.0, {}
+        values = (totals[1:] / totals[0].clamp(min=1.0)).tolist()
+        return values[0], dict(zip(self.loss_parts, values[1:]))
 
     def evaluate_and_log(self) -> float:
         with self.hooks.evaluation(self.state.iteration):
-            loss = self.evaluate()
+            loss, parts = self._validation_losses()
         if self.logger is not None:
-            self.logger.on_validation(self.state, loss)
+            self.logger.on_validation(self.state, loss, parts)
         return loss
 
 
@@ -530,7 +543,7 @@ def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
         runtime=runtime, logger=logger, groups=layout.groups, links=links,
         hooks=LoopHooks.from_config(config, logger, runtime), rerun_config=config.rerun,
-        loss_scale=config.precision.loss_scale)
+        loss_scale=config.precision.loss_scale, loss_parts=objective.loss_parts(config.dlm))
     trainer.weight_copies = copies
     trainer.lm_eval = build_in_loop_evaluation(config.lm_eval, model, config.data.tokenizer, runtime.device, logger)
     return trainer

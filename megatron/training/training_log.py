@@ -109,6 +109,7 @@ class TrainingLogger:
     def _reset_window(self) -> None:
         self.window_start = time.perf_counter()
         self.window_loss = self.window_steps = self.window_counted = 0
+        self.window_parts: Dict[str, float] = {}  # the loss's named terms, summed as window_loss
 
     def print(self, message: str) -> None:
         if self.runtime.is_main:
@@ -154,6 +155,8 @@ class TrainingLogger:
         if not result.skipped:
             self.window_loss += result.loss
             self.window_counted += 1
+            for name, value in getattr(result, "parts", {}).items():
+                self.window_parts[name] = self.window_parts.get(name, 0.0) + value
         self.window_steps += 1
         if state.iteration % self.config.tensorboard_log_interval == 0:
             self._step_scalars(state, result, learning_rate, loss_scale)
@@ -175,8 +178,9 @@ class TrainingLogger:
         rates = flops.throughput_metrics(per_iteration * batch / self.training.global_batch_size, tokens,
                                          seconds, self.record.world_size, self.peak)
         numerics = getattr(result, "numerics", None)  # params norm, zeros in the gradients (rerun.py)
+        terms = tuple(f"{name}: {value / max(self.window_counted, 1):.6E}" for name, value in self.window_parts.items())
         line = self._line(state, seconds, learning_rate, loss, loss_scale, result.grad_norm, rates, batch,
-                          numerics.console_parts() if numerics is not None else ())
+                          (*terms, *(numerics.console_parts() if numerics is not None else ())))
         moe = getattr(result, "moe", None)
         self.print(line + (f" {moe.summary()} |" if moe is not None else "") + (f" block size: {dlm.block_size} |"
                                                                                  if scheduled else ""))
@@ -234,6 +238,7 @@ class TrainingLogger:
                   "nan-iterations": state.nan_iterations}
         if math.isfinite(result.loss):
             values["lm loss"] = result.loss
+            values.update(getattr(result, "parts", {}))
         if config.log_learning_rate_to_tensorboard:
             values["learning-rate"] = learning_rate
         if config.log_batch_size_to_tensorboard:
@@ -255,11 +260,14 @@ class TrainingLogger:
         if self.config.log_timers_to_tensorboard:
             self._scalars({f"{name}-time": seconds}, iteration)
 
-    def on_validation(self, state, loss: float) -> None:
+    def on_validation(self, state, loss: float, parts: Optional[Dict[str, float]] = None) -> None:
+        """The validation line and scalars; `parts`: the loss's named terms (the joint objective's)."""
         ppl = math.exp(min(loss, 20.0))
-        line = f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        terms = "".join(f" {name} value: {value:.6E} |" for name, value in (parts or {}).items())
+        line = (f" validation loss at iteration {state.iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |{terms}")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        values = {"lm loss validation": loss}
+        values = {"lm loss validation": loss, **{f"{name} validation": value for name, value in (parts or {}).items()}}
         if self.config.log_validation_ppl_to_tensorboard:  # for a DLM: exp of the ELBO bound
             values["lm loss validation ppl"] = ppl
         self._scalars(values, state.iteration)

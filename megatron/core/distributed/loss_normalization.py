@@ -14,8 +14,10 @@ is the batch's *normalizer*: valid tokens (LLaDA's B*L), masked tokens, or seque
    the scale, the skip decision and the log. Context parallelism will sum loss sums over
    dp x cp but normalizers over dp only: the groups are arguments, so layouts change a call,
    not this class;
-3. `loss` for the log, and `gradient_scale(replicas)` for the gradients. DDP and FSDP2 average
-   gradients over the replicas, so the summed gradients are multiplied by
+3. `loss` for the log (and `part_losses`, the terms of a loss of several, each over the same
+   normalizer: the joint AR + DLM objective's diffusion and next-token terms), and
+   `gradient_scale(replicas)` for the gradients. DDP and FSDP2 average gradients over the
+   replicas, so the summed gradients are multiplied by
    replicas / normalizer. That factor is never applied to the gradients here: it goes to
    `clip_grad_norm(scale=...)`, which folds it into the clipping factor, and with a fused AdamW
    (which multiplies by `1 / optimizer.grad_scale` as it reads each gradient, the hook torch's
@@ -25,7 +27,7 @@ is the batch's *normalizer*: valid tokens (LLaDA's B*L), masked tokens, or seque
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,15 +36,25 @@ from megatron.core.tensor_parallel.utils import group_size
 
 
 class GlobalBatchLoss:
-    """Running (sum of weighted token losses, normalizer) of one global batch, in float64."""
+    """Running (sum of weighted token losses, normalizer) of one global batch, in float64; with
+    `parts`, also the sums of the loss's named terms (they add up to the loss sum)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+    def __init__(self, device: torch.device, parts: Tuple[str, ...] = ()) -> None:
+        self.parts = tuple(parts)
+        # [normalizer, loss sum, part sums...]: what sums over the loss group is one contiguous slice
+        self.totals = torch.zeros(2 + len(self.parts), dtype=torch.float64, device=device)
         self.reduced = False
 
-    def add(self, loss_sum: torch.Tensor, normalizer: torch.Tensor) -> None:
-        """One micro-batch's values (detached: the backward already has the loss)."""
-        self.totals += torch.stack([loss_sum.detach().double(), normalizer.detach().double()])
+    def add(self, loss_sum: torch.Tensor, normalizer: torch.Tensor,
+            part_sums: Optional[torch.Tensor] = None) -> None:
+        """One micro-batch's values (detached: the backward already has the loss); `part_sums`, one
+        per part, is required exactly when the loss has parts."""
+        if (part_sums is None) != (not self.parts) or (part_sums is not None and part_sums.numel() != len(self.parts)):
+            raise ValueError(f"GlobalBatchLoss of parts {self.parts} needs one sum per part, got {part_sums}")
+        values = [normalizer.detach().double().reshape(1), loss_sum.detach().double().reshape(1)]
+        if part_sums is not None:
+            values.append(part_sums.detach().double().reshape(-1))
+        self.totals += torch.cat(values)
 
     def reduce(self, loss_group: Optional[dist.ProcessGroup] = None,
                normalizer_group: Optional[dist.ProcessGroup] = None,
@@ -54,9 +66,9 @@ class GlobalBatchLoss:
             if group_size(loss_group) > 1:
                 dist.all_reduce(self.totals, group=loss_group)
         else:
-            for index, group in ((0, loss_group), (1, normalizer_group)):
+            for values, group in ((self.totals[1:], loss_group), (self.totals[:1], normalizer_group)):
                 if group_size(group) > 1:
-                    dist.all_reduce(self.totals[index:index + 1], group=group)
+                    dist.all_reduce(values, group=group)
         if group_size(pipeline_group) > 1:
             dist.all_reduce(self.totals, group=pipeline_group)
         self.reduced = True
@@ -64,19 +76,29 @@ class GlobalBatchLoss:
 
     @property
     def loss_sum(self) -> torch.Tensor:
-        return self.totals[0]
+        return self.totals[1]
 
     @property
     def normalizer(self) -> torch.Tensor:
-        return self.totals[1]
+        return self.totals[0]
+
+    @property
+    def part_sums(self) -> torch.Tensor:
+        """[len(parts)] float64: each part's summed weighted token losses."""
+        return self.totals[2:]
+
+    @property
+    def part_losses(self) -> torch.Tensor:
+        """[len(parts)]: each part's sum / the normalizer (they add up to `loss`)."""
+        return self.totals[2:] / self.totals[0].clamp(min=1.0)
 
     @property
     def loss(self) -> torch.Tensor:
         """The batch's loss: sum / normalizer (an empty batch counts as normalizer 1)."""
-        return self.totals[0] / self.totals[1].clamp(min=1.0)
+        return self.totals[1] / self.totals[0].clamp(min=1.0)
 
     def gradient_scale(self, replicas: int) -> torch.Tensor:
         """The factor that turns the (replica-averaged) summed gradients into gradients of `loss`."""
         if not self.reduced:
             raise RuntimeError("GlobalBatchLoss.gradient_scale before reduce(): the normalizer is partial")
-        return replicas / self.totals[1].float().clamp(min=1.0)
+        return replicas / self.totals[0].float().clamp(min=1.0)

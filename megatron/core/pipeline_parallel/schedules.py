@@ -3,7 +3,8 @@
 The contract every schedule keeps (Megatron's `forward_backward_func`):
 - `forward_step(data_iterator, model, microbatch) -> (output, loss_func)` runs one micro-batch's
   forward; `loss_func(output) -> (loss_sum, normalizer)`: the sum of its weighted token losses
-  and what that sum will be divided by (see distributed/loss_normalization.py);
+  and what that sum will be divided by (see distributed/loss_normalization.py), or
+  `(loss_sum, normalizer, part_sums)` for a loss of several terms, each term's sum to log;
 - the loss exists on the last stage only (with one stage, everywhere); each micro-batch's
   `loss_sum` is backpropagated as it is (through `scale_loss`, fp16's loss scaling), never
   divided: the division happens once per global batch;
@@ -42,7 +43,7 @@ from megatron.core.pipeline_parallel.compute_clock import ComputeClock
 from megatron.core.pipeline_parallel.p2p_communication import PipelineLinks
 from megatron.core.tensor_parallel.fp32_weight_grad import accumulating_into_grad
 
-LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
+LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, ...]]
 ForwardStep = Callable[[Iterator, nn.Module, int], Tuple[torch.Tensor, LossFunc]]
 Action = Tuple[str, int, int]
 """("F" or "B", model chunk, micro-batch): one forward or backward of a rank's schedule."""
@@ -58,10 +59,10 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Ite
         last = microbatch == num_microbatches - 1
         with no_sync(model, last_microbatch=last or forward_only):
             output, loss_func = forward_step(data_iterator, model, microbatch)
-            loss_sum, normalizer = loss_func(output)
+            loss_sum, normalizer, *parts = loss_func(output)
             if not forward_only:
                 (scale_loss(loss_sum) if scale_loss is not None else loss_sum).backward()
-        loss.add(loss_sum, normalizer)
+        loss.add(loss_sum, normalizer, *parts)
     return loss
 
 
@@ -166,8 +167,8 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
             with computing("forward-compute"), in_place:
                 output, loss_func = forward_step(iterators[chunk], chunks[chunk], microbatch)
                 if last:
-                    loss_sum, normalizer = loss_func(output)
-                    loss.add(loss_sum, normalizer)
+                    loss_sum, normalizer, *parts = loss_func(output)
+                    loss.add(loss_sum, normalizer, *parts)
                     output = scale_loss(loss_sum) if scale_loss is not None else loss_sum
             if not last:
                 links.send_forward(output)

@@ -216,8 +216,8 @@ def _structure_mask_mod(mask: AttentionMask):
         window = mask.window
         return lambda b, h, q_idx, kv_idx: (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
     if mask.mask_type == "block_diffusion":
-        noisy, block = mask.noisy_length, mask.block_size
-        return lambda b, h, q_idx, kv_idx: block_diffusion_allowed(q_idx, kv_idx, noisy, block)
+        noisy, block, causal_clean = mask.noisy_length, mask.block_size, mask.causal_clean
+        return lambda b, h, q_idx, kv_idx: block_diffusion_allowed(q_idx, kv_idx, noisy, block, causal_clean)
     return None
 
 

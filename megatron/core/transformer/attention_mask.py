@@ -50,6 +50,10 @@ class AttentionMask:
     noisy_length: Optional[int] = None
     """``block_diffusion`` only: L, the length of the noisy half; the sequence is 2L tokens."""
 
+    causal_clean: bool = False
+    """``block_diffusion`` only: the clean half is token-causal (query j sees clean keys <= j) instead of
+    block-causal; the joint AR + DLM objective's mask (DLMConfig.causal_clean_half)."""
+
     window: Optional[int] = None
     """``sliding_window``: the keys visible (the query's own included); ``sliding_window_two_sided``:
     the largest distance seen, plus one, on either side."""
@@ -85,6 +89,8 @@ class AttentionMask:
                 )
         if (self.mask_type == "block_diffusion") != (self.noisy_length is not None):
             raise ValueError("AttentionMask.noisy_length must be given exactly when mask_type='block_diffusion'")
+        if self.causal_clean and self.mask_type != "block_diffusion":
+            raise ValueError("AttentionMask.causal_clean applies to mask_type='block_diffusion' only")
         if (self.mask_type == "explicit") != (self.allowed is not None):
             raise ValueError("AttentionMask.allowed must be given exactly when mask_type='explicit'")
         if self.mask_type == "explicit" and (self.document_ids is not None or self.has_positions):
@@ -131,7 +137,7 @@ class AttentionMask:
         if self.mask_type == "block_causal":
             return (self.mask_type, self.block_size)
         if self.mask_type == "block_diffusion":
-            return (self.mask_type, self.block_size, self.noisy_length)
+            return (self.mask_type, self.block_size, self.noisy_length, self.causal_clean)
         if self.mask_type in WINDOW_MASK_TYPES:
             return (self.mask_type, self.window)
         return (self.mask_type,)
@@ -213,7 +219,7 @@ class AttentionMask:
         elif self.mask_type == "block_causal":
             allowed = (k_pos // self.block_size) <= (q_pos // self.block_size)
         elif self.mask_type == "block_diffusion":
-            allowed = block_diffusion_allowed(q_pos, k_pos, self.noisy_length, self.block_size)
+            allowed = block_diffusion_allowed(q_pos, k_pos, self.noisy_length, self.block_size, self.causal_clean)
         elif self.mask_type == "sliding_window_two_sided":
             allowed = (q_pos - k_pos).abs() < self.window
         else:  # sliding_window
@@ -249,17 +255,21 @@ class AttentionMask:
                      self.key_positions is not None))
 
 
-def block_diffusion_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, noisy_length: int, block_size: int):
+def block_diffusion_allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, noisy_length: int, block_size: int,
+                            causal_clean: bool = False):
     """BD3-LM's vectorised training mask over [x_t ; x_0] (positions < noisy_length are noisy):
     a noisy block sees itself (block-diagonal) and the clean blocks before it (offset block-causal);
     a clean block sees the clean blocks up to itself (block-causal) and no noisy token. So one
     forward gives every block's denoiser conditioned on the clean prefix, as sampling sees it.
+    `causal_clean`: a clean token sees the clean tokens up to itself (causal), so the clean half is
+    an AR model's forward (the joint AR + DLM objective); the noisy half's rule is unchanged.
     Works on broadcastable integer tensors (the dense mask, FlexAttention's mask_mod)."""
     q_noisy, k_noisy = q_pos < noisy_length, k_pos < noisy_length
     q_block = torch.where(q_noisy, q_pos, q_pos - noisy_length) // block_size
     k_block = torch.where(k_noisy, k_pos, k_pos - noisy_length) // block_size
+    clean_rule = (k_pos <= q_pos) if causal_clean else (k_block <= q_block)
     return ((q_noisy & k_noisy & (q_block == k_block)) | (q_noisy & ~k_noisy & (k_block < q_block))
-            | (~q_noisy & ~k_noisy & (k_block <= q_block)))
+            | (~q_noisy & ~k_noisy & clean_rule))
 
 
 def _same_tensor(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
@@ -280,5 +290,6 @@ def build_attention_mask(config: TransformerConfig, dlm_config: DLMConfig,
     return AttentionMask(mask_type=mask_type,
                          block_size=dlm_config.block_size if mask_type in ("block_causal", "block_diffusion") else None,
                          noisy_length=noisy_length if mask_type == "block_diffusion" else None,
+                         causal_clean=mask_type == "block_diffusion" and dlm_config.causal_clean_half,
                          window=config.sliding_window if mask_type in WINDOW_MASK_TYPES else None,
                          document_ids=document_ids, query_positions=query_positions, key_positions=key_positions)

@@ -309,6 +309,12 @@ class DLMConfig:
     """BD3-LM: the model reads [x_t ; x_0] (2L tokens, positions repeated) under the block_diffusion
     mask (attention_mask.block_diffusion_allowed), t is drawn per block, the loss is on x_t only.
     Sampling goes block by block with an exact KV cache of the clean blocks."""
+    ar_loss_weight: float = 0.0
+    """Joint AR + DLM objective (Megatron-Bridge's Nemotron Diffusion recipe): W > 0 adds W times the
+    next-token loss of the clean tokens to the diffusion loss, in one forward. Needs block_diffusion:
+    the clean half of [x_t ; x_0] is then token-causal (`causal_clean_half`), so its output at i is an
+    AR model's prediction of token i + 1; the noisy blocks see the clean blocks before them as before.
+    The AR sum is divided by the diffusion term's normalizer (loss_normalizer tokens: per loss token)."""
     ignore_bos: bool = False
     """Never mask the first token of a row (BD3-LM's ignore_bos): it is always clean and has no loss."""
     eps: float = 1e-3
@@ -410,6 +416,11 @@ class DLMConfig:
             return self.attention_mask_type
         return "causal"
 
+    @property
+    def causal_clean_half(self) -> bool:
+        """Block diffusion whose clean half is token-causal (the joint AR + DLM objective's mask)."""
+        return self.block_diffusion and self.ar_loss_weight > 0
+
     def validate(self, vocab_size: Optional[int] = None, seq_length: Optional[int] = None,
                  sliding_window: Optional[int] = None) -> "DLMConfig":
         owner = "DLMConfig"
@@ -442,6 +453,8 @@ class DLMConfig:
                                  f"[0, {vocab_size}); use an id of the tokenizer or add a mask token")
         if self.block_diffusion:
             self._validate_block_diffusion(owner)
+        if self.ar_loss_weight:
+            self._validate_ar_loss(owner)
         if self.effective_mask_type in ("block_causal", "block_diffusion"):
             _check_positive(owner, "block_size", self.block_size)
             if seq_length is not None and seq_length % self.block_size:
@@ -467,6 +480,16 @@ class DLMConfig:
                              f"attention_mask_type at no_mask, not {self.attention_mask_type!r}")
         if self.per_document_t:
             raise ValueError(f"{owner}.block_diffusion draws t per block; it cannot also draw it per document")
+
+    def _validate_ar_loss(self, owner: str) -> None:
+        if not 0.0 < self.ar_loss_weight < float("inf"):
+            raise ValueError(f"{owner}.ar_loss_weight={self.ar_loss_weight} must be a finite number >= 0")
+        if not self.block_diffusion:
+            raise ValueError(f"{owner}.ar_loss_weight rides on block diffusion's clean half; add "
+                             "--difflm-block-diffusion (a block size equal to --seq-length is plain MDLM)")
+        if self.loss_normalizer != "tokens":
+            raise ValueError(f"{owner}.ar_loss_weight divides the AR sum by the diffusion term's normalizer, a "
+                             f"per-token mean only under loss_normalizer 'tokens', not {self.loss_normalizer!r}")
 
     def _validate_t_distribution(self) -> None:
         owner = "DLMConfig"

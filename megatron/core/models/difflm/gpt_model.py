@@ -42,7 +42,7 @@ from megatron.core.transformer.rope import RotaryEmbedding
 from megatron.core.transformer.transformer_block import DiffLMTransformerBlock
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
-ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class GPTModel(MegatronModule):
@@ -112,47 +112,61 @@ class GPTModel(MegatronModule):
                 labels: Optional[torch.Tensor] = None, loss_weights: Optional[torch.Tensor] = None,
                 loss_normalizer: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None, aux_loss_scale=None,
-                block_size: Optional[int] = None) -> ForwardResult:
+                block_size: Optional[int] = None, ar_loss_weights: Optional[torch.Tensor] = None) -> ForwardResult:
         """Without labels: logits [b, s, V] (hidden states [s, b, h] on non-final stages).
         With labels: (per_token_loss [b, s], loss), the loss being
         sum(per_token_loss * loss_weights) / loss_normalizer (default: number of nonzero weights).
         `aux_loss_scale`: the weight of the MoE balancing losses' gradients (moe/aux_losses.py; the
         training loop passes the micro-batch's normalizer; None: 1). `block_size`: this forward's
-        blocks (a block-size curriculum's current size; default DLMConfig.block_size)."""
+        blocks (a block-size curriculum's current size; default DLMConfig.block_size).
+        A joint AR + DLM model (DLMConfig.ar_loss_weight) returns (per_token_loss, loss, ar_loss): the
+        loss includes ar_loss, the next-token term, weighted by `ar_loss_weights` [b, L]
+        (block_diffusion.ar_loss_weights; default the weight at every position but the last)."""
         set_aux_loss_scale(self.routers, aux_loss_scale)
         if self.running_mode == "vanilla":
             return self.vanilla_forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
                                         decoder_input)
         return self.difflm_forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                                   decoder_input, block_size=block_size)
+                                   decoder_input, block_size=block_size, ar_loss_weights=ar_loss_weights)
 
     def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                        loss_normalizer=None, document_ids=None, decoder_input=None, *,
-                       checked: bool = False, block_size: Optional[int] = None) -> ForwardResult:
+                       checked: bool = False, block_size: Optional[int] = None,
+                       ar_loss_weights: Optional[torch.Tensor] = None) -> ForwardResult:
         """Bidirectional (or the DLMConfig's mask, of `block_size` blocks if given); `checked`: see _forward."""
-        return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                             decoder_input, False, checked, self.dlm_config.with_block_size(block_size))
+        dlm = self.dlm_config.with_block_size(block_size)
+        if not checked:
+            self.check_inputs(input_ids, position_ids, labels)
+        if not (dlm.block_diffusion and labels is not None):
+            mask_type = None
+            if dlm.block_diffusion:  # logits of ids read as clean blocks (causal: a joint model's), as the HF export's
+                mask_type = "causal" if dlm.causal_clean_half else "block_causal"
+            return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
+                                 decoder_input, dlm, mask_type)
+        # [x_t ; x_0]: 2L tokens, the diffusion loss on x_t (and a joint model's next-token loss on x_0)
+        noisy_length = block_diffusion.noisy_length(input_ids, labels)
+        if dlm.causal_clean_half and ar_loss_weights is None:
+            ar_loss_weights = block_diffusion.ar_loss_weights(dlm.ar_loss_weight, None, labels)
+        ids, positions, labels, weights, documents = block_diffusion.model_inputs(
+            input_ids, position_ids, labels, loss_weights, document_ids, ar_loss_weights)
+        return self._forward(ids, positions, labels, weights, loss_normalizer, documents, decoder_input, dlm,
+                             noisy_length=noisy_length, scores_clean=ar_loss_weights is not None)
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                         loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
+        self.check_inputs(input_ids, position_ids, labels)
         return self._forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                             decoder_input, causal=True)
+                             decoder_input, self.dlm_config, self.dlm_config.effective_mask_type, ar_mode=True)
 
     def _forward(self, input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
-                 decoder_input, causal: bool, checked: bool = False, dlm: Optional[DLMConfig] = None) -> ForwardResult:
-        """`checked`: the caller already ran `check_inputs` on these ids; `dlm`: the mask's (default the model's)."""
-        dlm = dlm or self.dlm_config
-        if not checked:
-            self.check_inputs(input_ids, position_ids, labels)
-        shift = not causal and self.running_mode == "difflm-shift"
-        positions, noisy_length = {}, None
-        mask_type = self.dlm_config.effective_mask_type if causal else None
-        if self.dlm_config.block_diffusion and not causal and labels is None:
-            mask_type = "block_causal"  # logits of ids read as clean blocks, as the HF export's forward
-        elif self.dlm_config.block_diffusion and not causal:  # [x_t ; x_0]: 2L tokens, loss on x_t
-            noisy_length = block_diffusion.noisy_length(input_ids, labels)
-            input_ids, position_ids, labels, loss_weights, document_ids = block_diffusion.model_inputs(
-                input_ids, position_ids, labels, loss_weights, document_ids)
+                 decoder_input, dlm: DLMConfig, mask_type: Optional[str] = None, noisy_length: Optional[int] = None,
+                 scores_clean: bool = False, ar_mode: bool = False) -> ForwardResult:
+        """The checked inputs through the model under `dlm`'s mask (or `mask_type`). `ar_mode`: the labels
+        are next tokens already (vanilla), never shifted; `noisy_length`: block diffusion's L of its
+        [x_t ; x_0] input; `scores_clean`: its clean half carries the joint objective's next-token loss,
+        returned apart as a third value."""
+        shift = self.running_mode == "difflm-shift" and not ar_mode
+        positions = {}
         if self.context.active:  # whole sequences in, this rank's positions out (shift folded into labels)
             input_ids, position_ids, labels, loss_weights, *held = context_parallel_inputs(
                 self.context, input_ids, position_ids, labels, loss_weights, document_ids, shift)
@@ -171,7 +185,14 @@ class GPTModel(MegatronModule):
             return self.head.logits(hidden, self._output_weight())
         owner = self.output_weight_owner()
         per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, owner.gemm.working_copy(), tied)
-        return (per_token if noisy_length is None else per_token[:, :noisy_length]), loss
+        if noisy_length is None:
+            return per_token, loss
+        if not scores_clean:
+            return per_token[:, :noisy_length], loss
+        query = mask.positions(per_token.shape[1], device=per_token.device)[0]
+        clean_weights = torch.where(query >= noisy_length, loss_weights, torch.zeros_like(loss_weights))
+        ar_loss = (per_token.detach() * clean_weights).sum() / targets.normalizer
+        return per_token[:, :noisy_length], loss, ar_loss
 
     def output_weight_owner(self) -> nn.Module:
         """The module holding the output layer's weight: the word embedding when tied (last stage only)."""

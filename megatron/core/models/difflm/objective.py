@@ -29,7 +29,7 @@ from typing import List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
-from megatron.core.models.difflm import diffusion
+from megatron.core.models.difflm import block_diffusion, diffusion
 from megatron.core.models.difflm.batch import VOCAB_FIX, check_id_ranges
 from megatron.core.models.difflm.diffusion import Corruption, CorruptionKey
 from megatron.core.transformer.moe.moe_layer import set_aux_loss_scale
@@ -37,7 +37,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 __all__ = ["LossOutput", "LossInputs", "ScoredModel", "Corruption", "CorruptionKey", "maskable_positions",
-           "output_layer_positions", "default_corruption_key", "loss_inputs", "next_token_labels",
+           "output_layer_positions", "default_corruption_key", "loss_inputs", "loss_parts", "joint_ar_weights",
+           "next_token_labels",
            "difflm_forward_process", "compute_loss"]
 
 
@@ -52,7 +53,7 @@ class ScoredModel(Protocol):
     def check_inputs(self, input_ids, position_ids=None, labels=None) -> None: ...
 
     def difflm_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None, loss_normalizer=None,
-                       document_ids=None, decoder_input=None, *, checked: bool = False): ...
+                       document_ids=None, decoder_input=None, *, checked: bool = False, ar_loss_weights=None): ...
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None, loss_normalizer=None,
                         document_ids=None, decoder_input=None): ...
@@ -73,6 +74,8 @@ class LossOutput:
     DLMConfig.masked_only_loss wherever the loss weight is 0)."""
     corruption: Optional[Corruption] = None
     """The corrupted batch (DLM modes)."""
+    ar_loss: Optional[torch.Tensor] = None
+    """The joint AR + DLM objective's next-token term, included in `loss` (DLMConfig.ar_loss_weight)."""
 
 
 class LossInputs(NamedTuple):
@@ -105,13 +108,15 @@ def _first_position_stays_clean(dlm: DLMConfig) -> bool:
 def output_layer_positions(dlm: DLMConfig, seq_length: int) -> float:
     """Expected positions of a `seq_length` row (block diffusion: of its L noisy tokens) at which the
     output layer runs: all of them, or under DLMConfig.masked_only_loss in the DLM modes the masked
-    ones, E[p] (diffusion.expected_mask_probability) of the maskable positions. Counted at nominal
+    ones, E[p] (diffusion.expected_mask_probability) of the maskable positions; the joint AR + DLM
+    objective adds the L - 1 clean positions carrying the next-token loss. Counted at nominal
     length with every position a loss position (no padding, prompt or --eod-mask-loss), as Megatron
     counts padded tokens; vanilla's masked-only path runs at every loss position, so at all of them."""
+    ar_positions = seq_length - 1 if dlm.causal_clean_half else 0  # the joint objective's next-token loss
     if not (dlm.is_diffusion and dlm.masked_only_loss):
-        return float(seq_length)
+        return float(seq_length + ar_positions)
     maskable = seq_length - 1 if _first_position_stays_clean(dlm) else seq_length  # as maskable_positions
-    return maskable * diffusion.expected_mask_probability(dlm)
+    return maskable * diffusion.expected_mask_probability(dlm) + ar_positions
 
 
 def default_corruption_key(input_ids: torch.Tensor, dlm: DLMConfig) -> CorruptionKey:
@@ -148,6 +153,24 @@ def loss_inputs(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[Corruptio
     weights, normalizer = diffusion.loss_weights(corruption, dlm, corruption.maskable,
                                                  clamp_normalizer=clamp_normalizer)
     return LossInputs(corruption.noisy_input_ids, weights, normalizer, corruption)
+
+
+JOINT_LOSS_PARTS = ("diffusion loss", "ar loss")
+"""The named terms of the joint AR + DLM objective's loss, as logged."""
+
+
+def loss_parts(dlm: DLMConfig) -> Tuple[str, ...]:
+    """The named terms the training loss adds up (GlobalBatchLoss parts): none but under the joint objective."""
+    return JOINT_LOSS_PARTS if dlm.causal_clean_half else ()
+
+
+def joint_ar_weights(input_ids: torch.Tensor, dlm: DLMConfig,
+                     loss_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The joint AR + DLM objective's next-token weights of a clean [b, L] batch
+    (block_diffusion.ar_loss_weights under DLMConfig.ar_loss_weight; None without the joint term)."""
+    if not dlm.causal_clean_half:
+        return None
+    return block_diffusion.ar_loss_weights(dlm.ar_loss_weight, loss_mask, input_ids)
 
 
 def next_token_labels(input_ids: torch.Tensor,
@@ -192,8 +215,10 @@ def compute_loss(model: ScoredModel, input_ids: torch.Tensor, key: Optional[Corr
                                                                clamp_normalizer=True)
     set_aux_loss_scale(model.routers, None)  # MoE balancing: the mean loss's own weight
     if dlm.is_diffusion:
-        per_token, loss = model.difflm_forward(model_input, position_ids, input_ids, weights, normalizer,
-                                               document_ids, checked=True)
+        per_token, loss, *ar_loss = model.difflm_forward(
+            model_input, position_ids, input_ids, weights, normalizer, document_ids, checked=True,
+            ar_loss_weights=joint_ar_weights(input_ids, dlm, loss_mask))
     else:
         per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, normalizer, document_ids)
-    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption)
+        ar_loss = ()
+    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption, *ar_loss)

@@ -1,0 +1,130 @@
+"""The joint AR + DLM objective (--difflm-ar-loss-weight W): its loss against a hand-computed reference
+(the diffusion term on x_t plus W times the next-token term on the causal clean half), the clean half
+as an AR model's forward, the weights, the mask on every backend, the training loop's two logged terms
+and the refusals (every layout: tests/distributed/test_block_diffusion_parity.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.models.difflm import objective
+from megatron.core.transformer.attention_backends import core_attention
+from megatron.core.transformer.attention_mask import AttentionMask
+from tests.unit_tests.test_bad_inputs_training import TINY as BAD_TINY, parse_error
+from tests.unit_tests.test_gpt_model import build, dlm_config, tokens
+from tests.unit_tests.test_training import assert_same_gradients, make_trainer, record_gradients
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+L, B, W = 16, 4, 0.7
+
+
+def joint_mask(length: int, block: int) -> torch.Tensor:
+    """[2L, 2L] visibility over [x_t ; x_0], rule by rule: BD3-LM's noisy half, a token-causal clean half."""
+    allowed = torch.zeros(2 * length, 2 * length, dtype=torch.bool)
+    for q in range(2 * length):
+        for k in range(2 * length):
+            q_noisy, k_noisy = q < length, k < length
+            qb, kb = (q % length) // block, (k % length) // block
+            if q_noisy and k_noisy:      # a noisy block sees itself
+                allowed[q, k] = qb == kb
+            elif q_noisy:                # and the clean blocks before it
+                allowed[q, k] = kb < qb
+            elif not k_noisy:            # a clean token sees the clean tokens up to itself
+                allowed[q, k] = k <= q
+    return allowed
+
+
+def joint_model(**changes):
+    return build(dlm=dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=W, **changes))
+
+
+def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term():
+    model = joint_model()
+    x0 = tokens(batch=3, seq=L)
+    key = objective.CorruptionKey.for_batch(5, iteration=2, global_batch_size=6, first_sample_index=9, batch_size=3)
+    ours = objective.compute_loss(model, x0, key)
+    corruption = ours.corruption
+    x_in = torch.cat([corruption.noisy_input_ids, x0], dim=1)
+    positions = torch.arange(L).repeat(2).expand(3, 2 * L)
+    logits = model.inference_forward(x_in, positions, joint_mask(L, B).expand(3, 2 * L, 2 * L)).float()
+    vocab = logits.shape[-1]
+    noisy_ce = F.cross_entropy(logits[:, :L].reshape(-1, vocab), x0.reshape(-1), reduction="none").view(3, L)
+    diffusion_term = (noisy_ce * corruption.masked_positions / corruption.p_mask).sum() / (3 * L)
+    next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1), reduction="sum")
+    ar_term = W * next_ce / (3 * L)  # the last clean token has no next token; one normalizer, B * L
+    torch.testing.assert_close(ours.ar_loss, ar_term, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.loss, diffusion_term + ar_term, rtol=1e-6, atol=1e-7)
+    # The clean half is an AR model's forward: the same logits as a causal forward of x_0 alone.
+    causal = torch.ones(L, L, dtype=torch.bool).tril().expand(3, L, L)
+    ar_logits = model.inference_forward(x0, torch.arange(L).expand(3, L), causal).float()
+    torch.testing.assert_close(logits[:, L:], ar_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ar_weights_follow_the_loss_mask_of_the_next_token():
+    dlm = dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=2.0)
+    mask = torch.tensor([[True, True, False, True, True], [False, True, True, True, False]])
+    weights = objective.joint_ar_weights(torch.zeros(2, 5, dtype=torch.long), dlm, mask)
+    # position i carries 2.0 where token i + 1 may have a loss; the last position has no next token
+    assert weights.tolist() == [[2.0, 0.0, 2.0, 2.0, 0.0], [2.0, 2.0, 2.0, 0.0, 0.0]]
+    assert objective.joint_ar_weights(torch.zeros(2, 5, dtype=torch.long), dlm_config(), mask) is None
+
+
+def test_the_mask_on_flex_equals_the_dense_rule_and_plain_block_diffusion_differs():
+    mask = AttentionMask("block_diffusion", block_size=B, noisy_length=L, causal_clean=True)
+    assert torch.equal(mask.dense(2 * L)[0, 0], joint_mask(L, B))
+    plain = AttentionMask("block_diffusion", block_size=B, noisy_length=L)
+    assert plain != mask and not torch.equal(plain.dense(2 * L), mask.dense(2 * L))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 2 * L, 8, generator=generator) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(core_attention(q, k, v, mask, backend="flex"),
+                                   core_attention(q, k, v, mask, backend="math"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_the_mask_on_cuda_kernels_matches_math_with_gradients(backend):
+    mask = AttentionMask("block_diffusion", block_size=B, noisy_length=64, causal_clean=True)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 128, 16, generator=generator).cuda() for _ in range(4))
+
+    def run(name):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = core_attention(*leaves, mask, backend=name)
+        return out.detach(), torch.autograd.grad((out * grad).sum(), leaves)
+
+    (out, grads), (ref, ref_grads) = run(backend), run("math")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+JOINT = ["--difflm-block-diffusion", "--difflm-block-size", "8", "--difflm-ar-loss-weight", str(W)]
+
+
+def test_training_logs_both_terms_and_accumulation_equals_one_big_batch(runtime):
+    runs = []
+    for micro in ("2", "8"):
+        trainer = make_trainer(runtime, *JOINT, "--micro-batch-size", micro, "--global-batch-size", "8",
+                               "--train-iters", "2", "--eod-mask-loss")
+        grads = record_gradients(trainer)
+        trainer.train()
+        runs.append((trainer.history, grads))
+    (history_a, grads_a), (history_b, grads_b) = runs
+    for step in range(2):
+        parts = history_a[step].parts
+        assert set(parts) == {"diffusion loss", "ar loss"} and parts["ar loss"] > 0
+        assert parts["diffusion loss"] + parts["ar loss"] == pytest.approx(history_a[step].loss, rel=1e-6)
+        for name in parts:
+            assert history_b[step].parts[name] == pytest.approx(parts[name], rel=1e-6)
+    assert_same_gradients(grads_a[0], grads_b[0])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--difflm-ar-loss-weight", "0.5"], "rides on block diffusion"),
+    (JOINT + ["--difflm-loss-normalizer", "masked"], "loss_normalizer 'tokens'"),
+    (["--difflm-block-diffusion", "--difflm-block-size", "8", "--difflm-ar-loss-weight", "-1"], ">= 0"),
+])
+def test_bad_joint_flags_are_one_line(extra, message, capsys):
+    assert message in parse_error(BAD_TINY + extra, capsys)
