@@ -138,7 +138,8 @@ def _train_and_capture(argv: list, runtime) -> dict:
     trainer.optimizer.step = capturing_step
     trainer.train()
     return {"losses": [r.loss for r in trainer.history], "norms": [r.grad_norm for r in trainer.history],
-            "microbatches": config.training.num_microbatches, "shards": shards, "named": named,
+            "parts": [r.parts for r in trainer.history], "microbatches": config.training.num_microbatches,
+            "shards": shards, "named": named,
             "optimizer_state": optimizer_state_numel(trainer.optimizer),
             "float8_layers": sum(isinstance(module, Float8Gemm) for module in model.modules())}
 
@@ -170,7 +171,8 @@ def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
         ranks = [runs[index] for runs in per_rank]
         # By name: each rank's gradients gathered over its replicas; pipeline stages hold different names.
         named = {name: grad for rank in ranks for name, grad in rank["named"].items()}
-        results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "named": named,
+        results.append({"losses": ranks[0]["losses"], "norms": ranks[0]["norms"], "parts": ranks[0]["parts"],
+                        "named": named,
                         "microbatches": ranks[0]["microbatches"],
                         "float8_layers": [rank["float8_layers"] for rank in ranks],
                         "grads": _assemble({"shards": {f"{r}/{k}": v for r, rank in enumerate(ranks)
@@ -184,7 +186,8 @@ def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
 
 
 def assert_same_training(reference: dict, parallel: dict, by_name: bool = False) -> None:
-    """Per-step losses to 1e-5 relative; every step-1 gradient to 1e-5 relative of its scale.
+    """Per-step losses (and the terms of a loss of several: the joint AR + DLM objective's) to 1e-5
+    relative; every step-1 gradient to 1e-5 relative of its scale.
 
     Gradients are compared as assembled global tensors, or by parameter name (`by_name`,
     for data-parallel sharding where each rank's gradients are gathered over the replicas).
@@ -192,6 +195,10 @@ def assert_same_training(reference: dict, parallel: dict, by_name: bool = False)
     assert len(reference["losses"]) == len(parallel["losses"]) > 0
     for single, multi in zip(reference["losses"], parallel["losses"]):
         assert abs(multi - single) <= 1e-5 * abs(single), (reference["losses"], parallel["losses"])
+    for single, multi in zip(reference.get("parts", ()), parallel.get("parts", ())):
+        assert single.keys() == multi.keys(), (single, multi)
+        for name, value in single.items():
+            assert abs(multi[name] - value) <= 1e-5 * abs(value), (name, reference["parts"], parallel["parts"])
     expected, actual = (reference["named"], parallel["named"]) if by_name else (reference["grads"], parallel["grads"])
     assert set(actual) == set(expected) and expected
     for key, grad in expected.items():
