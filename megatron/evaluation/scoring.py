@@ -180,8 +180,10 @@ class Scorer:
             real, row_of, columns = real.repeat(2, 1), torch.cat([row_of, row_of + len(rows)]), columns.repeat(2)
         layout = canvas_layout(self._to_device(real), 0, self.opts)
         read = (self._to_device(row_of), self._to_device(columns))
-        picked = self._logits(self._to_device(ids), layout.positions, layout.attention_mask(0, width, width),
-                              read).float()
+        # Causal clean blocks (a joint AR + DLM model's): each row's blocks before its masked span are clean.
+        noisy_from = self._to_device(scored.int().argmax(dim=1).repeat(len(ids) // len(rows)))
+        picked = self._logits(self._to_device(ids), layout.positions,
+                              layout.attention_mask(0, width, width, noisy_from), read).float()
         wanted, row_of, pair_of = self._to_device(wanted), read[0][:wanted.numel()], [row.pair for row in rows]
         if self.running_mode == "vanilla":
             self._add_exact(len(rows), picked, wanted, row_of, pair_of, totals, greedy)

@@ -71,7 +71,10 @@ def test_block_length_other_than_the_models_blocks_is_refused():
         build().generate(torch.stack(prompts([4])), gen_length=8, block_length=8)
 
 
-def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_path):
+@pytest.mark.parametrize("ar_loss_weight", [0.0, 1.0])
+def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_path, ar_loss_weight):
+    """A joint AR + DLM model's export (ar_loss_weight > 0) also reads its input causally and decodes
+    autoregressively, as ours."""
     pytest.importorskip("transformers")
     from megatron.core.transformer.transformer_config import DLMConfig as OurDLMConfig
     from tests.unit_tests.test_hf_conversion import VOCAB as HF_VOCAB, export, load_hf, save_checkpoint, tiny_config
@@ -79,21 +82,27 @@ def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_p
     from tools.weights_conversion import hf_to_megatron
 
     dlm = OurDLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
-                       mask_token_id=HF_VOCAB - 1)
+                       mask_token_id=HF_VOCAB - 1, ar_loss_weight=ar_loss_weight)
     model = save_checkpoint(tmp_path / "ckpt", tiny_config(qk_layernorm=True, init_method_std=0.5), dlm)
     config = export(tmp_path / "ckpt", tmp_path / "hf")
     assert config["attention_mask_type"] == "block_diffusion" and config["attention_block_size"] == B
+    assert config["ar_loss_weight"] == ar_loss_weight
     hf = load_hf(tmp_path / "hf")
     prompt = torch.randint(0, HF_VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(2))
     for cache in (None, "prefix"):
         ours = model.generate(prompt, gen_length=9, cache=cache)
         assert torch.equal(hf.generate(prompt, gen_length=9, cache=cache), ours), cache
-    # A plain forward reads its ids as clean blocks (block-causal), ours and the export's alike.
+    if ar_loss_weight:
+        ours = model.generate(prompt, gen_length=5, autoregressive=True)
+        assert torch.equal(hf.generate(prompt, gen_length=5, autoregressive=True), ours)
+    # A plain forward reads its ids as clean blocks (block-causal; causal for a joint model), ours and the HF one.
     batch = torch.randint(0, HF_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours_logits, theirs_logits = model(batch)[..., :HF_VOCAB], hf(input_ids=batch).logits
     positions = torch.arange(12)
     blocks = (positions[None, :] // B <= positions[:, None] // B).expand(2, 12, 12)
+    if ar_loss_weight:
+        blocks = (positions[None, :] <= positions[:, None]).expand(2, 12, 12)
     plain = model.inference_forward(batch, positions.expand(2, 12), blocks)[..., :HF_VOCAB]
     torch.testing.assert_close(ours_logits, theirs_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(ours_logits, plain, rtol=0, atol=1e-5)
@@ -105,7 +114,7 @@ def test_the_hf_export_generates_and_reads_like_our_model_and_imports_back(tmp_p
     assert hf_to_megatron.main(["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "back"),
                                 "--no-progress"]) == 0
     _, back = configs_from_metadata(inference_metadata(str(tmp_path / "back")))
-    assert back.block_diffusion and back.block_size == B
+    assert back.block_diffusion and back.block_size == B and back.ar_loss_weight == ar_loss_weight
 
 
 def test_dlm_inference_with_the_cache_prints_what_it_prints_without(tmp_path, capsys):

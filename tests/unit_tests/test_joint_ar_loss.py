@@ -128,3 +128,59 @@ def test_training_logs_both_terms_and_accumulation_equals_one_big_batch(runtime)
 ])
 def test_bad_joint_flags_are_one_line(extra, message, capsys):
     assert message in parse_error(BAD_TINY + extra, capsys)
+
+
+def joint_sampler_model():
+    from megatron.core.models.difflm.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
+    from tests.unit_tests.test_generation import MASK_ID as SAMPLER_MASK, VOCAB
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, vocab_size=VOCAB, max_position_embeddings=64, qk_layernorm=True,
+                               attention_backend="math", init_method_std=0.5)
+    torch.manual_seed(0)
+    return GPTModel(config, DLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=B,
+                                      mask_token_id=SAMPLER_MASK, ar_loss_weight=1.0)).eval()
+
+
+def test_the_sampler_denoises_a_block_from_what_training_shows_it_and_its_cache_is_exact():
+    from megatron.core.inference.generation import canvas_layout
+    from megatron.core.inference.generation_options import resolve_options
+    from tests.unit_tests.test_generation import EOS_ID, MASK_ID as SAMPLER_MASK, prompts
+
+    model, length, k = joint_sampler_model(), 12, 2
+    clean = torch.randint(0, EOS_ID, (1, length), generator=torch.Generator().manual_seed(3))
+    noisy = clean.clone()
+    noisy[0, k * B + 1:] = SAMPLER_MASK                 # blocks < k committed, block k half denoised
+    opts = resolve_options("difflm-noshift", gen_length=length, **model.trained_pattern())
+    view = noisy[:, :(k + 1) * B]
+    layout = canvas_layout(torch.ones(1, 0, dtype=torch.bool), length, opts)
+    sampled = model.inference_forward(view, layout.positions[:, :view.shape[1]],
+                                      layout.attention_mask(0, view.shape[1], view.shape[1]))[:, k * B:]
+    x_t = torch.full_like(clean, SAMPLER_MASK)
+    x_t[0, :(k + 1) * B] = view[0]
+    both = torch.cat([x_t, clean], dim=1)
+    trained = model.inference_forward(both, torch.arange(length).repeat(2)[None],
+                                      joint_mask(length, B)[None])[:, k * B:(k + 1) * B]
+    torch.testing.assert_close(sampled, trained, rtol=1e-5, atol=1e-5)
+    prompt = torch.stack(prompts([6, 6]))
+    expected = model.generate(prompt, gen_length=13)
+    for cache in ("prefix", "dual"):  # committed blocks enter the cache token-causally, as computed without it
+        assert torch.equal(model.generate(prompt, gen_length=13, cache=cache), expected), cache
+
+
+def test_a_joint_model_also_decodes_autoregressively():
+    from tests.unit_tests.test_generation import prompts
+
+    model = joint_sampler_model()
+    prompt = torch.stack(prompts([5]))
+    decoded = model.generate(prompt, gen_length=6, autoregressive=True)
+    sequence = prompt.clone()
+    for _ in range(6):  # greedy next-token decoding with causal attention, written out
+        n = sequence.shape[1]
+        logits = model.inference_forward(sequence, torch.arange(n)[None], torch.ones(n, n).tril().bool()[None])
+        sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(decoded, sequence)
+    plain = build(dlm=dlm_config(block_diffusion=True, block_size=B))
+    with pytest.raises(ValueError, match="learned no next-token prediction"):
+        plain.generate(prompt, gen_length=2, autoregressive=True)

@@ -116,17 +116,18 @@ def test_batched_elbo_equals_one_pair_at_a_time_likelihood(dlm, cfg):
     assert pair_seed(5, pairs[0][0]) == pair_seed(5, pairs[1][0]) != pair_seed(5, pairs[2][0])  # common numbers
 
 
-@pytest.mark.parametrize("cfg", [0.0, 0.5])
-def test_block_diffusion_pairs_score_block_by_block_as_the_one_pair_likelihood(cfg):
+@pytest.mark.parametrize("cfg, ar_loss_weight", [(0.0, 0.0), (0.5, 0.0), (0.5, 1.0)])
+def test_block_diffusion_pairs_score_block_by_block_as_the_one_pair_likelihood(cfg, ar_loss_weight):
     """A BD3 model: the batched scorer (left padding, select, deduped masks) gives each pair the
     block-wise ELBO of likelihood.log_likelihood with the same draws; a pair whose continuation
-    spans blocks runs rows for each block."""
+    spans blocks runs rows for each block. A joint AR + DLM model's clean blocks are token-causal in both."""
     from megatron.core.models.difflm.gpt_model import GPTModel
     from megatron.evaluation.scoring import Scorer
     from tests.unit_tests.test_hf_conversion import perturb, tiny_config
 
     torch.manual_seed(0)
-    dlm = DLMConfig(model_running_mode="difflm-noshift", mask_token_id=89, block_diffusion=True, block_size=4)
+    dlm = DLMConfig(model_running_mode="difflm-noshift", mask_token_id=89, block_diffusion=True, block_size=4,
+                    ar_loss_weight=ar_loss_weight)
     model = GPTModel(tiny_config(), dlm).eval()
     perturb(model)
     pairs = [([3, 4, 5], [7, 8, 9, 10, 11]), ([3, 4, 5], [9]), ([10, 11, 12, 13, 14, 15], [12, 13])]
@@ -138,8 +139,14 @@ def test_block_diffusion_pairs_score_block_by_block_as_the_one_pair_likelihood(c
                                         cfg_scale=cfg, generator=torch.Generator().manual_seed(seed))
         assert score == pytest.approx(expected, rel=1e-5) and greedy is False
     joint = Scorer(model.inference_forward, "difflm-noshift", 89, CPU, batch_size=7, mc_num=8, cfg=cfg,
-                   pattern=dict(model.trained_pattern(), attention_mask_type="block_causal")).score(pairs, seeds)
+                   pattern=dict(model.trained_pattern(), attention_mask_type="block_causal", causal_clean=False)
+                   ).score(pairs, seeds)
     assert abs(joint[0][0] - scores[0][0]) > 1e-3  # one span over the whole answer is another estimate
+    if ar_loss_weight:  # block-causal clean blocks would be another model's reading
+        plain = dict(model.trained_pattern(), causal_clean=False)
+        other = Scorer(model.inference_forward, "difflm-noshift", 89, CPU, batch_size=7, mc_num=8, cfg=cfg,
+                       pattern=plain).score(pairs, seeds)
+        assert abs(other[0][0] - scores[0][0]) > 1e-4
 
 
 @pytest.mark.parametrize("running_mode, cfg", [("difflm-noshift", 0.5), ("difflm-shift", 0.5), ("vanilla", 0.0)])

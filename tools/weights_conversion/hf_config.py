@@ -185,6 +185,7 @@ def _dlm_fields(config: TransformerConfig, dlm: DLMConfig, special_ids: Dict[str
                                      else None),
             "sliding_window": config.sliding_window if dlm.effective_mask_type in WINDOW_MASK_TYPES else None,
             "mask_token_id": dlm.mask_token_id if dlm.is_diffusion else special_ids.get("mask_token_id"),
+            "ar_loss_weight": dlm.ar_loss_weight if dlm.causal_clean_half else 0.0,
             "auto_map": {"AutoConfig": "configuration_dlm.DLMConfig",
                          "AutoModel": "modeling_dlm.DLMModel",
                          "AutoModelForCausalLM": "modeling_dlm.DLMForCausalLM"}}
@@ -319,7 +320,8 @@ def _dlm_import(hf: dict, fields: dict) -> dict:
     dlm_fields = {"model_running_mode": mode, "attention_mask_type": mask_type,
                   "mask_token_id": hf.get("mask_token_id"), "block_size": hf.get("attention_block_size")}
     if mask_type == "block_diffusion":  # its own mask over [x_t ; x_0]; the flag carries it
-        dlm_fields.update(attention_mask_type="no_mask", block_diffusion=True)
+        dlm_fields.update(attention_mask_type="no_mask", block_diffusion=True,
+                          ar_loss_weight=float(hf.get("ar_loss_weight") or 0.0))
     dlm_fields.update((hf.get("megadlms") or {}).get("dlm_config") or {})
     return dlm_fields
 

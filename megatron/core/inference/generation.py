@@ -175,8 +175,11 @@ class CanvasLayout:
     def repeat(self, times: int) -> "CanvasLayout":
         return CanvasLayout(self.real.repeat(times, 1), self.positions.repeat(times, 1), self.opts)
 
-    def attention_mask(self, q0: int, q1: int, key_length: int) -> torch.Tensor:
-        """[B, q1 - q0, key_length] bool for queries at canvas slots [q0, q1) over keys [0, key_length)."""
+    def attention_mask(self, q0: int, q1: int, key_length: int, noisy_from=None) -> torch.Tensor:
+        """[B, q1 - q0, key_length] bool for queries at canvas slots [q0, q1) over keys [0, key_length).
+        Block diffusion with causal clean blocks (GenerationOptions.causal_clean): the blocks before the
+        one holding slot `noisy_from` (an int, or a [B] tensor of one slot a row; default the last
+        query's) are clean, token-causal inside; from it on, bidirectional inside each block."""
         query = self.positions[:, q0:q1, None]
         key = self.positions[:, None, :key_length]
         mask_type = self.opts.attention_mask_type
@@ -187,6 +190,10 @@ class CanvasLayout:
         elif mask_type in ("block_causal", "block_diffusion"):  # a block diffusion canvas holds clean blocks
             block = self.opts.attention_block_size
             allowed = (key // block) <= (query // block)
+            if self.opts.causal_clean:
+                slots = torch.as_tensor(q1 - 1 if noisy_from is None else noisy_from, device=query.device)
+                noisy = self.positions.gather(1, slots.expand(query.shape[0])[:, None])[:, :, None] // block
+                allowed = allowed & ((key // block < query // block) | (key <= query) | (query // block >= noisy))
         elif mask_type == "sliding_window_two_sided":
             allowed = (query - key).abs() < self.opts.sliding_window
         else:

@@ -64,6 +64,9 @@ class GenerationOptions:
     or block_diffusion (BD3-LM); None means no_mask for DLMs and causal for AR."""
     attention_block_size: Optional[int] = None
     """Block size of block_causal attention or block diffusion (not the sampler's block_length)."""
+    causal_clean: bool = False
+    """block_diffusion only: the clean (committed) blocks are token-causal, as the joint AR + DLM
+    objective trains them (DLMConfig.causal_clean_half); the block being denoised stays bidirectional."""
     sliding_window: Optional[int] = None
     """Window of sliding_window attention."""
     generator: Optional[torch.Generator] = None
@@ -165,6 +168,8 @@ def _check_attention(running_mode: str, opts: GenerationOptions) -> None:
                          "vanilla models use 'causal' (or 'sliding_window')")
     if mask_type in ("block_causal", "block_diffusion"):
         _check_int(f"attention_block_size (needed by attention_mask_type={mask_type!r})", opts.attention_block_size)
+    if opts.causal_clean and mask_type != "block_diffusion":
+        raise ValueError(f"causal_clean applies to block_diffusion attention only, not {mask_type!r}")
     if mask_type == "block_diffusion" and running_mode != "difflm-noshift":
         raise ValueError(f"a block-diffusion model samples in difflm-noshift mode, not {running_mode!r}")
     if mask_type in ("sliding_window", "sliding_window_two_sided"):

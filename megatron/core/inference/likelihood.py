@@ -44,7 +44,7 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
                    mask_token_id: Optional[int] = None, mc_num: int = 128, batch_size: int = 32,
                    cfg_scale: float = 0.0, generator: Optional[torch.Generator] = None,
                    attention_mask_type: Optional[str] = None, attention_block_size: Optional[int] = None,
-                   sliding_window: Optional[int] = None) -> float:
+                   sliding_window: Optional[int] = None, causal_clean: bool = False) -> float:
     """log p(answer | prompt) in nats (a Monte Carlo ELBO for DLMs, exact for AR); see the module doc.
 
     ``prompt`` [P] and ``answer`` [A] are 1-D tensors of token ids on the model's device.
@@ -58,7 +58,8 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
     if answer.numel() == 0:
         raise ValueError("answer is empty: there is nothing to score")
     opts = resolve_options(running_mode, gen_length=answer.numel(), attention_mask_type=attention_mask_type,
-                           attention_block_size=attention_block_size, sliding_window=sliding_window)
+                           attention_block_size=attention_block_size, sliding_window=sliding_window,
+                           causal_clean=causal_clean)
     sequence = torch.cat([prompt, answer]).long()[None]
     layout = canvas_layout(torch.ones_like(prompt, dtype=torch.bool)[None], answer.numel(), opts)
     mask = layout.attention_mask(0, sequence.shape[1], sequence.shape[1])
@@ -70,6 +71,9 @@ def log_likelihood(model_fn: ModelFn, prompt: torch.Tensor, answer: torch.Tensor
     _check_diffusion(running_mode, prompt, mask_token_id, mc_num, batch_size, cfg_scale, answer)
     spans = answer_spans(prompt.numel(), sequence.shape[1], opts.attention_block_size
                          if opts.attention_mask_type == "block_diffusion" else None)
+    if opts.causal_clean:  # each span's rows: the blocks before its own are clean (token-causal)
+        mask = torch.cat([layout.attention_mask(0, sequence.shape[1], sequence.shape[1], noisy_from=start)
+                          .expand(batch_size, -1, -1) for start, _ in spans])
     total = torch.zeros((), dtype=torch.float64, device=answer.device)
     for _ in range(mc_num // batch_size):
         total += _elbo_batch(model_fn, sequence, layout.positions, mask, spans, running_mode == "difflm-shift",
@@ -140,7 +144,8 @@ def _elbo_batch(model_fn: ModelFn, sequence: torch.Tensor, positions: torch.Tens
         ids = torch.cat([noisy, noisy.clone().index_fill_(1, torch.arange(prompt_length, device=device),
                                                           mask_token_id)])
     rows = ids.shape[0]
-    logits = model_fn(ids, positions.expand(rows, -1), mask.expand(rows, -1, -1), None, 0).float()
+    mask = mask.expand(rows, -1, -1) if mask.shape[0] == 1 else mask.repeat(rows // mask.shape[0], 1, 1)
+    logits = model_fn(ids, positions.expand(rows, -1), mask, None, 0).float()
     if cfg_scale > 0:
         logits = guided(*logits.chunk(2), cfg_scale)
     if shift:  # the logits at i score token i + 1

@@ -29,6 +29,9 @@ class DLMConfig(PretrainedConfig):
         sliding_window_two_sided (DLMs: key j visible when |i - j| < sliding_window), or
         block_diffusion (BD3-LM, with attention_block_size: generate() denoises block by block over
         an exact cache of the clean blocks; a plain forward reads its input as clean blocks).
+    ar_loss_weight: > 0 for a block-diffusion model trained with the joint AR + DLM objective: its clean
+        blocks are token-causal (a plain forward is then an AR model's), and generate(autoregressive=True)
+        decodes it token by token.
     rope_scaling_type: none, llama3 or yarn, with that type's settings under MegaDLMs'
         TransformerConfig names (rope_scaling_factor, ..., yarn_rotary_scaling_factor, ...); their
         formulas are rope_scaling.py, the file training uses.
@@ -54,7 +57,8 @@ class DLMConfig(PretrainedConfig):
                  qk_norm_scope="head", num_experts=None, num_experts_per_tok=None, moe_intermediate_size=None,
                  shared_expert_intermediate_size=None, moe_layer_flags=None, router_type="token_choice",
                  router_score_function="softmax", router_pre_softmax=False, router_expert_bias=False,
-                 router_topk_scaling_factor=None, expert_capacity_factor=None, rope_scaling_type="none", **kwargs):
+                 router_topk_scaling_factor=None, expert_capacity_factor=None, rope_scaling_type="none",
+                 ar_loss_weight=0.0, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -79,6 +83,7 @@ class DLMConfig(PretrainedConfig):
             attention_mask_type = "causal" if model_running_mode == "vanilla" else "no_mask"
         self.attention_mask_type = attention_mask_type
         self.attention_block_size = attention_block_size
+        self.ar_loss_weight = ar_loss_weight
         self.sliding_window = sliding_window
         self.mask_token_id = mask_token_id
         self.qk_norm_scope = qk_norm_scope

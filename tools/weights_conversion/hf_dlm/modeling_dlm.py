@@ -256,6 +256,8 @@ def pattern_mask(config, length, device):
     key = torch.arange(length, device=device).unsqueeze(0)
     if kind == "causal":
         return key <= query
+    if kind == "block_diffusion" and getattr(config, "ar_loss_weight", 0.0) > 0:  # a joint model's clean half
+        return key <= query
     if kind in ("block_causal", "block_diffusion"):  # block diffusion: the input read as clean blocks
         size = config.attention_block_size
         return key // size <= query // size
@@ -404,8 +406,11 @@ class DLMForCausalLM(DLMPreTrainedModel):
 
     def trained_pattern(self):
         config = self.config
-        return dict(attention_mask_type=config.attention_mask_type, attention_block_size=config.attention_block_size,
-                    sliding_window=config.sliding_window)
+        pattern = dict(attention_mask_type=config.attention_mask_type, attention_block_size=config.attention_block_size,
+                       sliding_window=config.sliding_window)
+        if config.attention_mask_type == "block_diffusion" and getattr(config, "ar_loss_weight", 0.0) > 0:
+            pattern["causal_clean"] = True  # the joint AR + DLM objective's clean blocks
+        return pattern
 
     def log_likelihood(self, prompt, answer, **options):
         """log p(answer | prompt) for 1-D id tensors (likelihood.py): LLaDA's Monte Carlo ELBO in the
@@ -413,8 +418,9 @@ class DLMForCausalLM(DLMPreTrainedModel):
         return _log_likelihood(self.dlm_forward, prompt, answer, running_mode=self.config.model_running_mode,
                                mask_token_id=self.config.mask_token_id, **(self.trained_pattern() | options))
 
-    def generate(self, input_ids, attention_mask=None, cuda_graphs=False, **options):
-        """MegaDLMs' sampler (generation.py) in this model's running mode and attention pattern.
+    def generate(self, input_ids, attention_mask=None, cuda_graphs=False, autoregressive=False, **options):
+        """MegaDLMs' sampler (generation.py) in this model's running mode and attention pattern
+        (`autoregressive`: token by token, causal, for a joint AR + DLM model, config.ar_loss_weight > 0).
         Options are those of generation.generate (steps, block length, temperature, remasking, ...).
         `cuda_graphs`: replay a captured CUDA graph per forward shape (cuda_graphs.py); the graphs
         stay with the model for later calls of the same sizes."""
@@ -428,6 +434,12 @@ class DLMForCausalLM(DLMPreTrainedModel):
         defaults = dict(running_mode=config.model_running_mode, mask_token_id=config.mask_token_id,
                         eos_token_id=special("eos_token_id"), pad_token_id=special("pad_token_id"),
                         **self.trained_pattern())
+        if autoregressive and config.model_running_mode != "vanilla":
+            if not self.trained_pattern().get("causal_clean"):
+                raise ValueError("autoregressive=True needs a vanilla model or a joint AR + DLM one "
+                                 "(ar_loss_weight > 0)")
+            defaults.update(running_mode="vanilla", attention_mask_type="causal", attention_block_size=None,
+                            causal_clean=False)
         model_fn = self.dlm_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.dlm_forward, getattr(self, "_graph_runner", None))

@@ -279,8 +279,11 @@ class GPTModel(MegatronModule):
     def trained_pattern(self) -> dict:
         """The attention pattern it was trained under (mask type, block size, window): what scoring and
         sampling use unless told otherwise."""
-        return dict(attention_mask_type=self.dlm_config.effective_mask_type,
-                    attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
+        pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
+                       attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
+        if self.dlm_config.causal_clean_half:  # a joint AR + DLM model's clean blocks are token-causal
+            pattern["causal_clean"] = True
+        return pattern
 
     def log_likelihood(self, prompt: torch.Tensor, answer: torch.Tensor, **options) -> float:
         """log p(answer | prompt) for 1-D id tensors: LLaDA's Monte Carlo ELBO in the diffusion
@@ -291,9 +294,11 @@ class GPTModel(MegatronModule):
                                          **(self.trained_pattern() | options))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 cuda_graphs: bool = False, **options) -> torch.Tensor:
+                 cuda_graphs: bool = False, autoregressive: bool = False, **options) -> torch.Tensor:
         """Generate in this model's running mode; see megatron.core.inference.generation.generate
         for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained.
+        `autoregressive`: decode token by token with causal attention (a vanilla model's way), which a
+        joint AR + DLM model (DLMConfig.ar_loss_weight) was trained for as well.
 
         `cuda_graphs`: replay a captured CUDA graph per forward shape (megatron.core.inference.
         cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them
@@ -301,9 +306,14 @@ class GPTModel(MegatronModule):
         model_fn = self.inference_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.inference_forward, self._graph_runner)
-        return generation.generate(model_fn, input_ids, attention_mask,
-                                   running_mode=self.running_mode, mask_token_id=self.dlm_config.mask_token_id,
-                                   **(self.trained_pattern() | options))
+        running_mode, pattern = self.running_mode, self.trained_pattern()
+        if autoregressive and running_mode != "vanilla":
+            if not self.dlm_config.causal_clean_half:
+                raise ValueError("autoregressive=True decodes a vanilla model or a joint AR + DLM one (trained with "
+                                 "--difflm-ar-loss-weight); this model learned no next-token prediction")
+            running_mode, pattern = "vanilla", dict(attention_mask_type="causal")
+        return generation.generate(model_fn, input_ids, attention_mask, running_mode=running_mode,
+                                   mask_token_id=self.dlm_config.mask_token_id, **(pattern | options))
 
     # ------------------------------------------------------------------ the objective (objective.py)
     def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,
