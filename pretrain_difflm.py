@@ -126,13 +126,13 @@ def _sft_batch(sample: Dict[str, torch.Tensor], config: RunConfig, inputs: torch
 
 
 def loss_func(normalizer: torch.Tensor, output) -> Tuple[torch.Tensor, ...]:
-    """(sum of weighted token losses, loss tokens): the loop divides once per global batch. Under the
-    joint AR + DLM objective `output` is (loss sum, AR term's sum): then also the sums of
-    objective.loss_parts, (diffusion term, AR term), for the log."""
+    """(sum of weighted token losses, loss tokens): the loop divides once per global batch. With
+    auxiliary terms (objective.auxiliary_terms) `output` is (loss sum, their sums): then also the sums
+    of objective.loss_parts, the diffusion term first, for the log."""
     if not isinstance(output, tuple):
         return output, normalizer
-    loss_sum, ar_sum = output
-    return loss_sum, normalizer, torch.stack([loss_sum.detach() - ar_sum, ar_sum])
+    loss_sum, terms = output
+    return loss_sum, normalizer, torch.cat([(loss_sum.detach() - terms.sum()).reshape(1), terms])
 
 
 def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, config: RunConfig):
@@ -162,7 +162,7 @@ def forward_step(data_iterator: Iterator, model: nn.Module, ctx: StepContext, co
     output = model(model_input, position_ids=batch["position_ids"], labels=batch["labels"],
                    loss_weights=weights, loss_normalizer=1.0, document_ids=batch["document_ids"],
                    aux_loss_scale=aux_loss_scale, **scheduled, **joint)
-    # The last stage returns (per-token losses, loss sum[, AR term's sum]); the others their hidden states.
+    # The last stage returns (per-token losses, loss sum[, auxiliary terms' sums]); the others hidden states.
     if isinstance(output, tuple):
         output = output[1] if len(output) == 2 else output[1:]
     return output, partial(loss_func, normalizer)

@@ -60,6 +60,11 @@ def _add_mode_args(g) -> None:
                         "W = 3.33 up to the learning rate). Rides on --difflm-block-diffusion's clean half, which "
                         "becomes token-causal: no second forward, the model decodes both autoregressively and by "
                         "diffusion. Each term is logged. Needs --difflm-loss-normalizer tokens.")
+    g.add_argument("--difflm-confidence-loss-weight", type=float, default=0.0, metavar="LAMBDA",
+                   help="LLaDA 2.0's confidence-aware (CAP) training: add LAMBDA times the entropy of the predicted "
+                        "distribution at the masked positions whose argmax is already right, so threshold decoding "
+                        "commits more tokens per step. Logged as its own term; not part of the ELBO. Needs the "
+                        "full-logits loss (not --difflm-masked-only-loss).")
     g.add_argument("--difflm-ignore-bos", action="store_true",
                    help="Never mask the first token of a row (BD3-LM's ignore_bos): always clean, no loss.")
 

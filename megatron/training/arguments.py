@@ -129,8 +129,8 @@ FLAG_NOTES = (
 # here: they shape the vocabulary and the tokenizer identity a checkpoint records.)
 DLM_ONLY_FLAGS = ("attention_mask_type", "sliding_window", "difflm_block_size", "difflm_block_size_schedule",
                   "difflm_eps", "difflm_t_sampling", "difflm_t_min", "difflm_t_max", "difflm_t_distribution",
-                  "difflm_block_diffusion", "difflm_ignore_bos", "difflm_ar_loss_weight", "difflm_loss_weight",
-                  "difflm_loss_normalizer",
+                  "difflm_block_diffusion", "difflm_ignore_bos", "difflm_ar_loss_weight",
+                  "difflm_confidence_loss_weight", "difflm_loss_weight", "difflm_loss_normalizer",
                   "difflm_varilen_prob", "difflm_varilen_multiple", "difflm_per_document_t", "difflm_eval_mc_samples")
 # The file and size flags each --tokenizer-type reads; given to another type they would be ignored.
 TOKENIZER_INPUT_FLAGS = {"NullTokenizer": ("vocab_size",), "SentencePieceTokenizer": ("tokenizer_model",),
@@ -585,7 +585,7 @@ def dlm_config_from_args(args: argparse.Namespace) -> DLMConfig:
         mask_token_id=args.mask_token, eps=args.difflm_eps, block_size_schedule=schedule,
         block_size=args.difflm_block_size if args.difflm_block_size or not schedule else schedule[0][1],
         block_diffusion=args.difflm_block_diffusion, ignore_bos=args.difflm_ignore_bos,
-        ar_loss_weight=args.difflm_ar_loss_weight,
+        ar_loss_weight=args.difflm_ar_loss_weight, confidence_loss_weight=args.difflm_confidence_loss_weight,
         t_sampling=args.difflm_t_sampling, t_min=args.difflm_t_min, t_max=args.difflm_t_max,
         t_distribution=args.difflm_t_distribution, t_logit_normal_mean=args.difflm_t_logit_normal_mean,
         t_logit_normal_std=args.difflm_t_logit_normal_std, t_beta_a=args.difflm_t_beta[0],

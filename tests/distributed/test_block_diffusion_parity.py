@@ -2,8 +2,8 @@
 sequence parallelism, DP=2, PP=2 and CP=2 equal one process: losses and step-1 gradients to 1e-5,
 with Megatron's default configuration (biases on, LayerNorm) and the Llama style, per-block t
 uniform and antithetic, cut lengths; a bell-shaped (beta) t per block and a logit-normal t per row, each
-importance-weighted, a block-size curriculum and the joint AR + DLM objective (its diffusion and
-next-token terms each compared) under TP=2+SP, PP=2 and CP=2."""
+importance-weighted, a block-size curriculum, the joint AR + DLM objective and the confidence-aware loss (each
+term of the loss compared) under TP=2+SP, PP=2 and CP=2."""
 
 import pytest
 
@@ -31,11 +31,16 @@ MODES = {
     # The joint AR + DLM objective on packed documents, with EOD's next-token loss masked.
     "joint_ar": BD3 + ["--difflm-ar-loss-weight", "0.5", "--reset-attention-mask", "--reset-position-ids",
                        "--eod-mask-loss"],
+    # The confidence-aware loss (the vocabulary-parallel entropy under TP), with the shift mode's alignment and
+    # on the joint objective's noisy half (in the Llama style some masked tokens are right by step 3).
+    "cap_shift": ["--model-running-mode", "difflm-shift", "--difflm-confidence-loss-weight", "0.5"],
+    "joint_ar_cap": BD3 + ["--difflm-ar-loss-weight", "0.5", "--difflm-confidence-loss-weight", "0.5"],
 }
 CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ()),
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
 T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ()), ("megatron", "block_curriculum", ()),
-           ("llama", "block_curriculum", ()), ("megatron", "joint_ar", ()), ("llama", "joint_ar", ())]
+           ("llama", "block_curriculum", ()), ("megatron", "joint_ar", ()), ("llama", "joint_ar", ()),
+           ("llama", "cap_shift", ()), ("llama", "joint_ar_cap", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES + T_CASES,
                                 False),
                      "dp2": (2, [], CASES, True),

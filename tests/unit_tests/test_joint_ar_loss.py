@@ -53,7 +53,7 @@ def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term():
     diffusion_term = (noisy_ce * corruption.masked_positions / corruption.p_mask).sum() / (3 * L)
     next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1), reduction="sum")
     ar_term = W * next_ce / (3 * L)  # the last clean token has no next token; one normalizer, B * L
-    torch.testing.assert_close(ours.ar_loss, ar_term, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.terms["ar loss"], ar_term, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours.loss, diffusion_term + ar_term, rtol=1e-6, atol=1e-7)
     # The clean half is an AR model's forward: the same logits as a causal forward of x_0 alone.
     causal = torch.ones(L, L, dtype=torch.bool).tril().expand(3, L, L)

@@ -5,7 +5,7 @@ rank) means no parallelism, and the layers then compute exactly what single-devi
 layers compute.
 """
 
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_confident_entropy, vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.utils import divide, group_rank, group_size, 
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "init_master_weight",
-    "set_tensor_model_parallel_attributes", "vocab_parallel_cross_entropy",
+    "set_tensor_model_parallel_attributes", "vocab_parallel_confident_entropy", "vocab_parallel_cross_entropy",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

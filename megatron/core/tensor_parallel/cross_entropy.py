@@ -76,3 +76,50 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     if check_targets:
         check_index_range(target, logits.shape[-1] * group_size(tp_group), "cross-entropy targets")
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group)
+
+
+class _VocabParallelConfidentEntropy(torch.autograd.Function):
+    """Per-token entropy of the softmax of vocab-sharded logits, and whether the target is its argmax."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]):
+        local_vocab = logits.shape[-1]
+        vocab_start = group_rank(group) * local_vocab
+        logits_max = all_reduce_in_place(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
+        shifted = logits.float() - logits_max.unsqueeze(-1)
+        foreign = (target < vocab_start) | (target >= vocab_start + local_vocab)
+        local_target = (target - vocab_start).masked_fill(foreign, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+        exp_logits = shifted.exp()
+        # sum_v e^z'_v z'_v with the padding's -inf columns (e^z' = 0) adding nothing, not NaN
+        weighted = torch.where(exp_logits > 0, exp_logits * shifted, torch.zeros_like(shifted)).sum(dim=-1)
+        sums = all_reduce_in_place(torch.stack([target_logit, exp_logits.sum(dim=-1), weighted]),
+                                   dist.ReduceOp.SUM, group)
+        target_logit, sum_exp, weighted = sums[0], sums[1], sums[2]
+        entropy = torch.log(sum_exp) - weighted / sum_exp  # H = log Z - E_p[z'], z' = z - max
+        correct = target_logit >= 0  # the target's logit is the maximum: it is the argmax (ties count)
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, shifted, entropy, torch.log(sum_exp))
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(correct)
+        return entropy, correct
+
+    @staticmethod
+    def backward(ctx, grad_entropy: torch.Tensor, _grad_correct):
+        softmax, shifted, entropy, log_sum = ctx.saved_tensors
+        # dH/dz_v = -p_v (log p_v + H), log p_v = z'_v - log Z; every rank forms its own slice
+        log_p = shifted - log_sum.unsqueeze(-1)
+        grad = torch.where(softmax > 0, -softmax * (log_p + entropy.unsqueeze(-1)), torch.zeros_like(softmax))
+        return (grad * grad_entropy.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_confident_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                     tp_group: Optional[dist.ProcessGroup]) -> tuple:
+    """(entropy [...] fp32, correct [...] bool) from local logits `[..., V/tp]` and global targets `[...]`:
+    the entropy of each token's predictive distribution (differentiable) and whether its target is the
+    argmax, as from the full logits, without forming them (LLaDA 2.0's confidence-aware loss reads both).
+    Targets are assumed checked (vocab_parallel_cross_entropy's check)."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} must agree "
+                         "on every dim but the last (vocabulary)")
+    return _VocabParallelConfidentEntropy.apply(logits, target, tp_group)

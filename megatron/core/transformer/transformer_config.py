@@ -315,6 +315,11 @@ class DLMConfig:
     the clean half of [x_t ; x_0] is then token-causal (`causal_clean_half`), so its output at i is an
     AR model's prediction of token i + 1; the noisy blocks see the clean blocks before them as before.
     The AR sum is divided by the diffusion term's normalizer (loss_normalizer tokens: per loss token)."""
+    confidence_loss_weight: float = 0.0
+    """LLaDA 2.0's confidence-aware (CAP) training: lambda > 0 adds lambda times the entropy of the
+    predictive distribution at each masked position whose argmax is already the clean token (the
+    correct ones only: sharper where right, so threshold decoding commits more tokens a step),
+    summed and divided by the diffusion term's normalizer. Not an ELBO term. Full-logits loss only."""
     ignore_bos: bool = False
     """Never mask the first token of a row (BD3-LM's ignore_bos): it is always clean and has no loss."""
     eps: float = 1e-3
@@ -455,6 +460,8 @@ class DLMConfig:
             self._validate_block_diffusion(owner)
         if self.ar_loss_weight:
             self._validate_ar_loss(owner)
+        if self.confidence_loss_weight:
+            self._validate_confidence_loss(owner)
         if self.effective_mask_type in ("block_causal", "block_diffusion"):
             _check_positive(owner, "block_size", self.block_size)
             if seq_length is not None and seq_length % self.block_size:
@@ -490,6 +497,17 @@ class DLMConfig:
         if self.loss_normalizer != "tokens":
             raise ValueError(f"{owner}.ar_loss_weight divides the AR sum by the diffusion term's normalizer, a "
                              f"per-token mean only under loss_normalizer 'tokens', not {self.loss_normalizer!r}")
+
+    def _validate_confidence_loss(self, owner: str) -> None:
+        if not 0.0 < self.confidence_loss_weight < float("inf"):
+            raise ValueError(f"{owner}.confidence_loss_weight={self.confidence_loss_weight} must be a finite number "
+                             ">= 0")
+        if not self.is_diffusion:
+            raise ValueError(f"{owner}.confidence_loss_weight sharpens masked predictions; it needs a difflm "
+                             "running mode, not 'vanilla'")
+        if self.masked_only_loss:
+            raise ValueError(f"{owner}.confidence_loss_weight reads the entropy from the full logits; drop "
+                             "masked_only_loss (--difflm-masked-only-loss)")
 
     def _validate_t_distribution(self) -> None:
         owner = "DLMConfig"

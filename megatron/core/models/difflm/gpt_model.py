@@ -45,6 +45,19 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+def confidence_weights(dlm: DLMConfig, loss_weights: Optional[torch.Tensor], labels: torch.Tensor,
+                       mask: AttentionMask, noisy_length: Optional[int]) -> Optional[torch.Tensor]:
+    """The confidence-aware loss's weight [b, s] of the label positions this rank holds: lambda at the
+    diffusion loss's positions (block diffusion: of the noisy half), 0 elsewhere; None without it."""
+    if not dlm.confidence_loss_weight:
+        return None
+    chosen = (torch.ones(labels.shape, dtype=torch.bool, device=labels.device) if loss_weights is None
+              else loss_weights != 0)
+    if noisy_length is not None:
+        chosen = chosen & (mask.positions(labels.shape[1], device=labels.device)[0] < noisy_length)
+    return chosen.to(torch.float32) * dlm.confidence_loss_weight
+
+
 class GPTModel(MegatronModule):
     """Embedding, a (slice of the) DiffLM decoder, final norm and output layer.
 
@@ -163,8 +176,9 @@ class GPTModel(MegatronModule):
                  scores_clean: bool = False, ar_mode: bool = False) -> ForwardResult:
         """The checked inputs through the model under `dlm`'s mask (or `mask_type`). `ar_mode`: the labels
         are next tokens already (vanilla), never shifted; `noisy_length`: block diffusion's L of its
-        [x_t ; x_0] input; `scores_clean`: its clean half carries the joint objective's next-token loss,
-        returned apart as a third value."""
+        [x_t ; x_0] input; `scores_clean`: its clean half carries the joint objective's next-token loss.
+        With auxiliary terms (that one, the confidence-aware loss) their values, included in the loss,
+        come third as one tensor (objective.auxiliary_terms names them)."""
         shift = self.running_mode == "difflm-shift" and not ar_mode
         positions = {}
         if self.context.active:  # whole sequences in, this rank's positions out (shift folded into labels)
@@ -175,7 +189,8 @@ class GPTModel(MegatronModule):
                                     mask_type=mask_type, **positions)
         targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
         if self.post_process and labels is not None:
-            targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift)
+            confidence = None if ar_mode else confidence_weights(dlm, loss_weights, labels, mask, noisy_length)
+            targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift, confidence)
         # One weight looked up and read by the loss: its two gradients are summed in place (tied_gradient.py).
         tied = TiedGradient() if targets is not None and self.tied_output and self.pre_process else None
         hidden = self._run(input_ids, position_ids, document_ids, decoder_input, mask, tied)
@@ -184,15 +199,18 @@ class GPTModel(MegatronModule):
         if labels is None:
             return self.head.logits(hidden, self._output_weight())
         owner = self.output_weight_owner()
-        per_token, loss = self.head.loss(hidden, owner.weight, labels, targets, owner.gemm.working_copy(), tied)
-        if noisy_length is None:
-            return per_token, loss
-        if not scores_clean:
-            return per_token[:, :noisy_length], loss
-        query = mask.positions(per_token.shape[1], device=per_token.device)[0]
-        clean_weights = torch.where(query >= noisy_length, loss_weights, torch.zeros_like(loss_weights))
-        ar_loss = (per_token.detach() * clean_weights).sum() / targets.normalizer
-        return per_token[:, :noisy_length], loss, ar_loss
+        per_token, loss, confidence = self.head.loss(hidden, owner.weight, labels, targets,
+                                                     owner.gemm.working_copy(), tied)
+        terms = []  # the auxiliary terms of the loss, in objective.auxiliary_terms' order
+        if scores_clean:  # the joint objective's next-token term, on the clean half
+            query = mask.positions(per_token.shape[1], device=per_token.device)[0]
+            clean_weights = torch.where(query >= noisy_length, loss_weights, torch.zeros_like(loss_weights))
+            terms.append((per_token.detach() * clean_weights).sum() / targets.normalizer)
+        if confidence is not None:
+            terms.append(confidence)
+        if noisy_length is not None:
+            per_token = per_token[:, :noisy_length]
+        return (per_token, loss, torch.stack(terms)) if terms else (per_token, loss)
 
     def output_weight_owner(self) -> nn.Module:
         """The module holding the output layer's weight: the word embedding when tied (last stage only)."""

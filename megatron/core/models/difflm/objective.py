@@ -24,8 +24,8 @@ The callers differ in two conventions, each kept on purpose:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Protocol, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -37,7 +37,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import DLMConfig, TransformerConfig
 
 __all__ = ["LossOutput", "LossInputs", "ScoredModel", "Corruption", "CorruptionKey", "maskable_positions",
-           "output_layer_positions", "default_corruption_key", "loss_inputs", "loss_parts", "joint_ar_weights",
+           "output_layer_positions", "default_corruption_key", "loss_inputs", "auxiliary_terms", "loss_parts",
+           "joint_ar_weights",
            "next_token_labels",
            "difflm_forward_process", "compute_loss"]
 
@@ -74,8 +75,9 @@ class LossOutput:
     DLMConfig.masked_only_loss wherever the loss weight is 0)."""
     corruption: Optional[Corruption] = None
     """The corrupted batch (DLM modes)."""
-    ar_loss: Optional[torch.Tensor] = None
-    """The joint AR + DLM objective's next-token term, included in `loss` (DLMConfig.ar_loss_weight)."""
+    terms: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """The loss's auxiliary terms by name (`auxiliary_terms`: the joint objective's next-token term, the
+    confidence-aware term), each included in `loss`."""
 
 
 class LossInputs(NamedTuple):
@@ -155,13 +157,19 @@ def loss_inputs(input_ids: torch.Tensor, dlm: DLMConfig, key: Optional[Corruptio
     return LossInputs(corruption.noisy_input_ids, weights, normalizer, corruption)
 
 
-JOINT_LOSS_PARTS = ("diffusion loss", "ar loss")
-"""The named terms of the joint AR + DLM objective's loss, as logged."""
+def auxiliary_terms(dlm: DLMConfig) -> Tuple[str, ...]:
+    """The names of the terms the model adds to the diffusion loss, in the order it returns them: the
+    joint AR + DLM objective's next-token term, LLaDA 2.0's confidence-aware term."""
+    return tuple(name for name, on in (("ar loss", dlm.causal_clean_half),
+                                       ("confidence loss", dlm.is_diffusion and dlm.confidence_loss_weight > 0))
+                 if on)
 
 
 def loss_parts(dlm: DLMConfig) -> Tuple[str, ...]:
-    """The named terms the training loss adds up (GlobalBatchLoss parts): none but under the joint objective."""
-    return JOINT_LOSS_PARTS if dlm.causal_clean_half else ()
+    """The named terms the training loss adds up (GlobalBatchLoss parts): the diffusion term and the
+    auxiliary ones, or none without auxiliary terms (the loss is the diffusion term)."""
+    terms = auxiliary_terms(dlm)
+    return ("diffusion loss", *terms) if terms else ()
 
 
 def joint_ar_weights(input_ids: torch.Tensor, dlm: DLMConfig,
@@ -215,10 +223,11 @@ def compute_loss(model: ScoredModel, input_ids: torch.Tensor, key: Optional[Corr
                                                                clamp_normalizer=True)
     set_aux_loss_scale(model.routers, None)  # MoE balancing: the mean loss's own weight
     if dlm.is_diffusion:
-        per_token, loss, *ar_loss = model.difflm_forward(
+        per_token, loss, *terms = model.difflm_forward(
             model_input, position_ids, input_ids, weights, normalizer, document_ids, checked=True,
             ar_loss_weights=joint_ar_weights(input_ids, dlm, loss_mask))
     else:
         per_token, loss = model.vanilla_forward(model_input, position_ids, labels, weights, normalizer, document_ids)
-        ar_loss = ()
-    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption, *ar_loss)
+        terms = ()
+    named = dict(zip(auxiliary_terms(dlm), terms[0])) if terms else {}
+    return LossOutput(loss, loss * normalizer, normalizer, per_token, corruption, named)

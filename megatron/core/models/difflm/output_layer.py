@@ -23,7 +23,7 @@ from torch import nn
 from megatron.core.tensor_parallel import (ColumnParallelLinear, copy_to_tensor_model_parallel_region,
                                            gather_from_sequence_parallel_region,
                                            gather_from_tensor_model_parallel_region, group_rank, group_size,
-                                           vocab_parallel_cross_entropy)
+                                           vocab_parallel_confident_entropy, vocab_parallel_cross_entropy)
 from megatron.core.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megatron.core.tensor_parallel.tied_gradient import TiedGradient
 from megatron.core.transformer.init import parameter_seed
@@ -46,6 +46,7 @@ class LossTargets(NamedTuple):
     normalizer: torch.Tensor
     shift: bool  # difflm-shift: the loss of target position j uses the hidden state at j - 1
     selected: Optional[Tuple[torch.Tensor, torch.Tensor]]  # (rows, positions) of the masked-only path
+    confidence: Optional[torch.Tensor] = None  # fp32 [b, s]: the confidence loss's weight a label position
 
 
 class OutputLayer(MegatronModule):
@@ -101,8 +102,10 @@ class OutputLayer(MegatronModule):
 
     # ------------------------------------------------------------------ loss
     def loss_targets(self, labels: torch.Tensor, loss_weights: Optional[torch.Tensor],
-                     loss_normalizer: Optional[torch.Tensor], shift: bool) -> LossTargets:
-        """The fp32 weights, the normalizer and, for the masked-only path, the selected positions.
+                     loss_normalizer: Optional[torch.Tensor], shift: bool,
+                     confidence: Optional[torch.Tensor] = None) -> LossTargets:
+        """The fp32 weights, the normalizer and, for the masked-only path, the selected positions;
+        `confidence`, the confidence-aware loss's weights [b, s] (DLMConfig.confidence_loss_weight).
 
         GPTModel calls this before the decoder runs: the selection's count is the masked-only loss's
         one host sync, and taken there it waits only for the previous step's tail, after which the
@@ -120,29 +123,38 @@ class OutputLayer(MegatronModule):
         selected = None
         if self.dlm_config.masked_only_loss and not (loss_weights is not None and loss_weights.requires_grad):
             selected = weights.nonzero(as_tuple=True)
-        return LossTargets(weights, loss_normalizer, shift, selected)
+        if confidence is not None and shift:
+            confidence = confidence.clone()
+            confidence[:, 0] = 0.0
+        return LossTargets(weights, loss_normalizer, shift, selected, confidence)
 
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, targets: LossTargets,
              weight_low: Optional[torch.Tensor] = None,
-             tied: Optional[TiedGradient] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(per-token loss [b, s], sum(per-token loss * weights) / normalizer) from the last hidden
-        states and `loss_targets`' answer for these labels. `weight_low`: the weight's working copy in
-        the compute dtype, which the masked-only path reads instead of casting `weight`; `tied`: the
-        tied embedding's gradient hand-over (tensor_parallel/tied_gradient.py), used by that path."""
+             tied: Optional[TiedGradient] = None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(per-token loss [b, s], sum(per-token loss * weights) / normalizer, confidence term) from the
+        last hidden states and `loss_targets`' answer for these labels; the loss includes the confidence
+        term, sum(confidence weight * entropy at correct predictions) / normalizer (None without
+        targets.confidence). `weight_low`: the weight's working copy in the compute dtype, which the
+        masked-only path reads instead of casting `weight`; `tied`: the tied embedding's gradient
+        hand-over (tensor_parallel/tied_gradient.py), used by that path."""
         batch = hidden.shape[1]
         seq = hidden.shape[0] * (group_size(self.tp_group) if self.sequence_parallel else 1)
         if labels.shape != (batch, seq):
             raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the batch {(batch, seq)}")
+        confidence = None
         if targets.selected is not None:
             per_token, loss_sum = self._selected_positions_loss(hidden, weight, labels, targets, weight_low, tied)
         else:
-            per_token = self._full_logits_loss(hidden, weight, labels, targets.shift)
+            per_token, confidence = self._full_logits_loss(hidden, weight, labels, targets.shift, targets.confidence)
             loss_sum = (per_token * targets.weights).sum()
-        return per_token, loss_sum / targets.normalizer
+        if confidence is None:
+            return per_token, loss_sum / targets.normalizer, None
+        return per_token, (loss_sum + confidence) / targets.normalizer, confidence.detach() / targets.normalizer
 
-    def _full_logits_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          shift: bool) -> torch.Tensor:
-        """Per-token fp32 cross-entropy [b, s] at every position, from the logits of all of them."""
+    def _full_logits_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, shift: bool,
+                          confidence: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(per-token fp32 cross-entropy [b, s] at every position, from the logits of all of them; the
+        confidence-aware sum, `confidence`-weighted entropies at the correctly predicted positions)."""
         logits = self._logits(hidden, weight)
         if shift:
             logits, targets = logits[:, :-1], labels[:, 1:]
@@ -156,7 +168,11 @@ class OutputLayer(MegatronModule):
         else:
             ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              reduction="none").view(targets.shape)
-        return nn.functional.pad(ce, (1, 0)) if shift else ce
+        confident = None
+        if confidence is not None:  # LLaDA 2.0's CAP: sharpen only what is already right
+            entropy, correct = vocab_parallel_confident_entropy(logits, targets, self.tp_group)
+            confident = (entropy * correct * (confidence[:, 1:] if shift else confidence)).sum()
+        return (nn.functional.pad(ce, (1, 0)) if shift else ce), confident
 
     def _selected_positions_loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  targets: LossTargets, weight_low: Optional[torch.Tensor] = None,
