@@ -17,22 +17,26 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.utils import all_reduce_in_place, check_index_range, group_rank, group_size
 
 
+def _shifted_logits(logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]):
+    """(logits minus each token's global maximum, fp32; each target's index in this rank's slice, and
+    whether another rank owns it; the target's shifted logit here, 0 where foreign): one max all-reduce."""
+    local_vocab = logits.shape[-1]
+    vocab_start = group_rank(group) * local_vocab
+    logits_max = all_reduce_in_place(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
+    # Subtracting an fp32 tensor promotes bf16/fp16 logits to fp32 in the same allocation.
+    shifted = logits - logits_max.unsqueeze(-1)
+    foreign = (target < vocab_start) | (target >= vocab_start + local_vocab)
+    local_target = (target - vocab_start).masked_fill(foreign, 0)
+    target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+    return shifted, local_target, foreign, target_logit
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token loss from vocab-sharded logits; saves the local softmax for backward."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]):
-        local_vocab = logits.shape[-1]
-        vocab_start = group_rank(group) * local_vocab
-
-        logits_max = all_reduce_in_place(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
-        # Subtracting an fp32 tensor promotes bf16/fp16 logits to fp32 in the same allocation.
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        foreign = (target < vocab_start) | (target >= vocab_start + local_vocab)
-        local_target = (target - vocab_start).masked_fill(foreign, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
-
+        shifted, local_target, foreign, target_logit = _shifted_logits(logits, target, group)
         exp_logits = shifted.exp_()
         # One all-reduce for both sums instead of two: they are independent [..] tensors.
         sums = all_reduce_in_place(torch.stack([target_logit, exp_logits.sum(dim=-1)]), dist.ReduceOp.SUM, group)
@@ -83,13 +87,7 @@ class _VocabParallelConfidentEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Optional[dist.ProcessGroup]):
-        local_vocab = logits.shape[-1]
-        vocab_start = group_rank(group) * local_vocab
-        logits_max = all_reduce_in_place(logits.amax(dim=-1).float(), dist.ReduceOp.MAX, group)
-        shifted = logits.float() - logits_max.unsqueeze(-1)
-        foreign = (target < vocab_start) | (target >= vocab_start + local_vocab)
-        local_target = (target - vocab_start).masked_fill(foreign, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(foreign, 0.0)
+        shifted, _, _, target_logit = _shifted_logits(logits, target, group)
         exp_logits = shifted.exp()
         # sum_v e^z'_v z'_v with the padding's -inf columns (e^z' = 0) adding nothing, not NaN
         weighted = torch.where(exp_logits > 0, exp_logits * shifted, torch.zeros_like(shifted)).sum(dim=-1)
