@@ -32,7 +32,7 @@ from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.parallel_state import ProcessGroups
 from megatron.training import pretrain
 from megatron.training.run_config import RunConfig
-from megatron.training.training import StepContext
+from megatron.training.step_state import StepContext
 
 
 def model_provider(config: RunConfig, pre_process: bool = True, post_process: bool = True,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
@@ -43,7 +42,7 @@ from megatron.core.precision.weight_copies import WeightCopies
 from megatron.core.tensor_parallel.random import stage_seed
 from megatron.core.tensor_parallel.utils import group_size
 from megatron.core.transformer.compilation import compile_transformer_layers, training_compile_options
-from megatron.core.transformer.moe.balancing import RouterStepStats, finish_router_step
+from megatron.core.transformer.moe.balancing import finish_router_step
 from megatron.evaluation.in_loop import InLoopEvaluation, build_in_loop_evaluation
 from megatron.training.arguments import ExtraArgsProvider, parse_args
 from megatron.training.checkpointing import Checkpointer, check_loadable, load_checkpoint
@@ -51,7 +50,8 @@ from megatron.training.configs import TrainingConfig
 from megatron.training.data_parallel_args import describe as describe_data_parallel
 from megatron.training.initialize import Runtime, initialize_distributed, set_deterministic_mode, set_random_seeds
 from megatron.training.loop_hooks import LoopHooks
-from megatron.training.rerun import NumericsReport, RerunConfig, RerunMachine
+from megatron.training.step_state import StepContext, StepResult, TrainState, validation_stream
+from megatron.training.rerun import RerunConfig, RerunMachine
 from megatron.training.run_config import RunConfig, run_config
 from megatron.training.save_lock import acquire_save_lock
 from megatron.training.training_log import TrainingLogger
@@ -59,66 +59,9 @@ from megatron.training.training_log import TrainingLogger
 LossFunc = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class StepContext:
-    """Where a micro-batch sits in the run; forward steps key the corruption on it."""
-
-    iteration: int
-    first_sample_index: int
-    """Stream index of the first sample of this global batch."""
-    global_batch_size: int
-    microbatch: int
-    training: bool = True
-    stream: int = 0
-    """0 for training batches, validation_stream(draw) for validation (fixed draws at every evaluation)."""
-    loss_scale: Optional[torch.Tensor] = None
-    """fp16's current loss scale (None otherwise): forward steps multiply the MoE balancing losses'
-    scale by it, as the schedule multiplies the loss (moe/aux_losses.py)."""
-    schedule_iteration: int = 0
-    """The step whose scheduled settings apply (DLMConfig.at_iteration: the block-size curriculum): the
-    iteration itself in training; in evaluation, whose iteration keys fixed draws, the last trained step's."""
-
-
-def validation_stream(draw: int) -> int:
-    """The corruption stream of the validation set's draw `draw` (--difflm-eval-mc-samples): draw 0 is
-    stream 1, the single draw of every evaluation so far; draw k > 0 puts k in the high 32-bit word, so
-    no draw meets training's stream 0 or any other split's small stream number."""
-    return 1 | (draw << 32)
-
-
 # forward_step(data_iterator, model, ctx, config: RunConfig) -> (output tensor, loss_func); loss_func(output)
 # -> (sum of weighted token losses, number of loss tokens).
 ForwardStepFunc = Callable[..., Tuple[torch.Tensor, LossFunc]]
-
-
-@dataclass
-class TrainState:
-    """Progress of a run: everything a resumed run needs besides weights and optimizer."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_train_tokens: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    consecutive_nan_iterations: int = 0
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    normalizer: float
-    """What the step's loss sum was divided by (tokens, masked tokens or sequences)."""
-    skipped: bool
-    nan: bool
-    moe: Optional[RouterStepStats] = None
-    """The routers' balancing statistics of the step (MoE models)."""
-    global_batch_size: int = 0
-    """Samples of the step (it changes along --rampup-batch-size); 0: the configured one."""
-    numerics: Optional[NumericsReport] = None
-    """Logged steps: params norm, zero gradients and the re-run counts (rerun.py)."""
-    parts: Dict[str, float] = field(default_factory=dict)
-    """The loss's named terms (GlobalBatchLoss parts: the joint AR + DLM objective's), adding up to `loss`."""
 
 
 class TrainingDiverged(RuntimeError):

@@ -12,7 +12,8 @@ import pretrain_difflm
 from custom_args.difflm import add_difflm_args
 from megatron.training.arguments import parse_args
 from megatron.training.run_config import parse_run_config
-from megatron.training.training import build_trainer, validation_stream
+from megatron.training.step_state import validation_stream
+from megatron.training.training import build_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SPM = str(ROOT / "examples" / "data" / "tokenizer" / "spm_8k.model")

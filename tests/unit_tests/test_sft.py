@@ -12,7 +12,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_an
 from megatron.core.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, pack_rows
 from megatron.core.models.difflm import objective
 from megatron.training.run_config import parse_run_config
-from megatron.training.training import StepContext
+from megatron.training.step_state import StepContext
 from tests.unit_tests.test_bad_inputs_training import MODEL, NULL_TOKENIZER, TINY, parse_error, write_corpus
 
 EOD = 9

@@ -201,7 +201,7 @@ def test_help_is_grouped():
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "vanilla"])
 def test_packing_flags_give_documents_positions_and_eod_masking(mode):
-    from megatron.training.training import StepContext
+    from megatron.training.step_state import StepContext
 
     config = parse_run_config(TINY + ["--train-iters", "1", "--seq-length", "8", "--model-running-mode", mode,
                                       "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"],
@@ -237,7 +237,7 @@ def test_parallel_layout_problems_exit_2_before_any_model(argv, message, capsys)
 
 def test_get_batch_rejects_out_of_range_tokens_on_the_host():
     """The data path owns the id check in training (the model skips its host sync there)."""
-    from megatron.training.training import StepContext
+    from megatron.training.step_state import StepContext
 
     config = parse_run_config(TINY + ["--train-iters", "1", "--seq-length", "8"], add_difflm_args, world_size=1)
     assert not pretrain_difflm.model_provider(config).config.check_token_ids

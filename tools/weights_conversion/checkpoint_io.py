@@ -102,7 +102,7 @@ def load_model(load: str, iteration: Optional[int] = None):
 def metadata_for(config: TransformerConfig, dlm: DLMConfig, tensor_parallel: int, tokenizer: Optional[dict],
                  seq_length: Optional[int], source: dict, iteration: int = 0) -> dict:
     """metadata.json of a converted checkpoint: the fields training writes, iteration 0, no optimizer."""
-    from megatron.training.training import TrainState
+    from megatron.training.step_state import TrainState
 
     saved = {key: str(value) if isinstance(value, torch.dtype) else value
              for key, value in dataclasses.asdict(config).items()}

@@ -174,3 +174,14 @@ def _check_attention(running_mode: str, opts: GenerationOptions) -> None:
         raise ValueError(f"a block-diffusion model samples in difflm-noshift mode, not {running_mode!r}")
     if mask_type in ("sliding_window", "sliding_window_two_sided"):
         _check_int(f"sliding_window (needed by attention_mask_type={mask_type!r})", opts.sliding_window)
+
+
+def autoregressive_decoding(running_mode: str, pattern: dict) -> tuple:
+    """(running mode, attention pattern) to decode token by token: a vanilla model's own, or a joint AR +
+    DLM model's (block diffusion with causal clean blocks, `causal_clean`: its clean half is an AR model)."""
+    if running_mode == "vanilla":
+        return running_mode, pattern
+    if not pattern.get("causal_clean"):
+        raise ValueError("autoregressive=True decodes a vanilla model or a joint AR + DLM one (trained with "
+                         "--difflm-ar-loss-weight); this model learned no next-token prediction")
+    return "vanilla", dict(attention_mask_type="causal")

@@ -40,6 +40,7 @@ from .cuda_graphs import runner_for
 from .likelihood import log_likelihood as _log_likelihood
 from .rope_scaling import SCALING_DEFAULTS, inverse_frequencies
 from .generation import KVCache, generate as _sampler_generate  # noqa: F401 (KVCache: for callers)
+from .generation_options import autoregressive_decoding
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -434,12 +435,10 @@ class DLMForCausalLM(DLMPreTrainedModel):
         defaults = dict(running_mode=config.model_running_mode, mask_token_id=config.mask_token_id,
                         eos_token_id=special("eos_token_id"), pad_token_id=special("pad_token_id"),
                         **self.trained_pattern())
-        if autoregressive and config.model_running_mode != "vanilla":
-            if not self.trained_pattern().get("causal_clean"):
-                raise ValueError("autoregressive=True needs a vanilla model or a joint AR + DLM one "
-                                 "(ar_loss_weight > 0)")
-            defaults.update(running_mode="vanilla", attention_mask_type="causal", attention_block_size=None,
-                            causal_clean=False)
+        if autoregressive:
+            mode, pattern = autoregressive_decoding(config.model_running_mode, self.trained_pattern())
+            defaults = {key: defaults[key] for key in ("mask_token_id", "eos_token_id", "pad_token_id")}
+            defaults.update(running_mode=mode, **pattern)
         model_fn = self.dlm_forward
         if cuda_graphs:
             model_fn = self._graph_runner = runner_for(self, self.dlm_forward, getattr(self, "_graph_runner", None))

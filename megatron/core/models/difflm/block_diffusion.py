@@ -28,7 +28,7 @@ import torch
 
 from megatron.core.models.difflm.batch import positions_from_documents
 
-__all__ = ["noisy_length", "model_inputs", "next_tokens", "ar_loss_weights"]
+__all__ = ["noisy_length", "model_inputs", "next_tokens", "joint_weights", "clean_half_loss", "ar_loss_weights"]
 
 
 def noisy_length(input_ids: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> int:
@@ -74,6 +74,22 @@ def next_tokens(clean: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The next-token labels of [b, L] clean ids: position i's is token i + 1 (the last position's is
     a placeholder, the first id, which the AR weights leave without loss)."""
     return None if clean is None else torch.roll(clean, shifts=-1, dims=1)
+
+
+def joint_weights(dlm, labels: torch.Tensor, given: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The next-token weights a joint AR + DLM model's clean half carries (DLMConfig.causal_clean_half):
+    `given`, or by default the weight at every position but the last; None for plain block diffusion."""
+    if not dlm.causal_clean_half:
+        return None
+    return given if given is not None else ar_loss_weights(dlm.ar_loss_weight, None, labels)
+
+
+def clean_half_loss(per_token: torch.Tensor, weights: torch.Tensor, query: torch.Tensor, noisy_length: int,
+                    normalizer: torch.Tensor) -> torch.Tensor:
+    """The joint objective's next-token term of a [x_t ; x_0] forward: the weighted per-token losses at the
+    clean positions (`query`: the global positions of this rank's tokens) over the normalizer, detached."""
+    clean = torch.where(query >= noisy_length, weights, torch.zeros_like(weights))
+    return (per_token.detach() * clean).sum() / normalizer
 
 
 def ar_loss_weights(weight: float, loss_mask: Optional[torch.Tensor], reference: torch.Tensor) -> torch.Tensor:

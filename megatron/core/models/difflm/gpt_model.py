@@ -24,14 +24,12 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from megatron.core.inference import generation, likelihood
-from megatron.core.inference.cuda_graphs import CUDAGraphRunner, runner_for
+from megatron.core.models.difflm.sampling import SamplingMethods
 from megatron.core.models.difflm import block_diffusion, objective
 from megatron.core.models.difflm.batch import check_model_inputs, context_parallel_inputs, positions_from_documents
 from megatron.core.models.difflm.embedding import LanguageModelEmbedding
 from megatron.core.models.difflm.output_layer import OutputLayer, untied_output_layer
-from megatron.core.transformer.attention_mask import build_attention_mask
-from megatron.core.transformer.attention_mask import AttentionMask
+from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
 from megatron.core.transformer.context_parallel import ContextShard
 from megatron.core.parallel_state import ParallelContext, ProcessGroups
 from megatron.core.tensor_parallel import group_size
@@ -45,20 +43,7 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 ForwardResult = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def confidence_weights(dlm: DLMConfig, loss_weights: Optional[torch.Tensor], labels: torch.Tensor,
-                       mask: AttentionMask, noisy_length: Optional[int]) -> Optional[torch.Tensor]:
-    """The confidence-aware loss's weight [b, s] of the label positions this rank holds: lambda at the
-    diffusion loss's positions (block diffusion: of the noisy half), 0 elsewhere; None without it."""
-    if not dlm.confidence_loss_weight:
-        return None
-    chosen = (torch.ones(labels.shape, dtype=torch.bool, device=labels.device) if loss_weights is None
-              else loss_weights != 0)
-    if noisy_length is not None:
-        chosen = chosen & (mask.positions(labels.shape[1], device=labels.device)[0] < noisy_length)
-    return chosen.to(torch.float32) * dlm.confidence_loss_weight
-
-
-class GPTModel(MegatronModule):
+class GPTModel(SamplingMethods, MegatronModule):
     """Embedding, a (slice of the) DiffLM decoder, final norm and output layer.
 
     `pre_process` / `post_process` say whether this pipeline stage holds the embedding /
@@ -97,7 +82,7 @@ class GPTModel(MegatronModule):
             self.head = OutputLayer(config, self.dlm_config, self.tp_group)
         self.routers = routers(self.decoder)
         """The MoE layers' routers (none for a dense model): each forward sets their loss scale."""
-        self._graph_runner: Optional[CUDAGraphRunner] = None
+        self._graph_runner = None
         """Made by the first generate(cuda_graphs=True); holds that call's graphs for the next ones."""
 
     def sharded_state_dict(self, prefix: str = ""):
@@ -132,9 +117,8 @@ class GPTModel(MegatronModule):
         `aux_loss_scale`: the weight of the MoE balancing losses' gradients (moe/aux_losses.py; the
         training loop passes the micro-batch's normalizer; None: 1). `block_size`: this forward's
         blocks (a block-size curriculum's current size; default DLMConfig.block_size).
-        A joint AR + DLM model (DLMConfig.ar_loss_weight) returns (per_token_loss, loss, ar_loss): the
-        loss includes ar_loss, the next-token term, weighted by `ar_loss_weights` [b, L]
-        (block_diffusion.ar_loss_weights; default the weight at every position but the last)."""
+        With auxiliary terms (objective.auxiliary_terms) a third value holds them, included in the loss;
+        `ar_loss_weights` [b, L]: the joint objective's next-token weights (block_diffusion.joint_weights)."""
         set_aux_loss_scale(self.routers, aux_loss_scale)
         if self.running_mode == "vanilla":
             return self.vanilla_forward(input_ids, position_ids, labels, loss_weights, loss_normalizer, document_ids,
@@ -158,12 +142,11 @@ class GPTModel(MegatronModule):
                                  decoder_input, dlm, mask_type)
         # [x_t ; x_0]: 2L tokens, the diffusion loss on x_t (and a joint model's next-token loss on x_0)
         noisy_length = block_diffusion.noisy_length(input_ids, labels)
-        if dlm.causal_clean_half and ar_loss_weights is None:
-            ar_loss_weights = block_diffusion.ar_loss_weights(dlm.ar_loss_weight, None, labels)
         ids, positions, labels, weights, documents = block_diffusion.model_inputs(
-            input_ids, position_ids, labels, loss_weights, document_ids, ar_loss_weights)
+            input_ids, position_ids, labels, loss_weights, document_ids,
+            block_diffusion.joint_weights(dlm, labels, ar_loss_weights))
         return self._forward(ids, positions, labels, weights, loss_normalizer, documents, decoder_input, dlm,
-                             noisy_length=noisy_length, scores_clean=ar_loss_weights is not None)
+                             noisy_length=noisy_length, scores_clean=dlm.causal_clean_half)
 
     def vanilla_forward(self, input_ids, position_ids=None, labels=None, loss_weights=None,
                         loss_normalizer=None, document_ids=None, decoder_input=None) -> ForwardResult:
@@ -189,7 +172,8 @@ class GPTModel(MegatronModule):
                                     mask_type=mask_type, **positions)
         targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
         if self.post_process and labels is not None:
-            confidence = None if ar_mode else confidence_weights(dlm, loss_weights, labels, mask, noisy_length)
+            query = mask.positions(labels.shape[1], device=labels.device)[0]  # the label positions held
+            confidence = None if ar_mode else objective.confidence_weights(dlm, loss_weights, query, noisy_length)
             targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift, confidence)
         # One weight looked up and read by the loss: its two gradients are summed in place (tied_gradient.py).
         tied = TiedGradient() if targets is not None and self.tied_output and self.pre_process else None
@@ -203,9 +187,8 @@ class GPTModel(MegatronModule):
                                                      owner.gemm.working_copy(), tied)
         terms = []  # the auxiliary terms of the loss, in objective.auxiliary_terms' order
         if scores_clean:  # the joint objective's next-token term, on the clean half
-            query = mask.positions(per_token.shape[1], device=per_token.device)[0]
-            clean_weights = torch.where(query >= noisy_length, loss_weights, torch.zeros_like(loss_weights))
-            terms.append((per_token.detach() * clean_weights).sum() / targets.normalizer)
+            terms.append(block_diffusion.clean_half_loss(per_token, loss_weights, query, noisy_length,
+                                                         targets.normalizer))
         if confidence is not None:
             terms.append(confidence)
         if noisy_length is not None:
@@ -293,45 +276,6 @@ class GPTModel(MegatronModule):
                                                                         self._output_weight()))
             logits = self.head.local_logits(hidden, self._output_weight())
         return self.head.full_vocabulary(logits.transpose(0, 1))
-
-    def trained_pattern(self) -> dict:
-        """The attention pattern it was trained under (mask type, block size, window): what scoring and
-        sampling use unless told otherwise."""
-        pattern = dict(attention_mask_type=self.dlm_config.effective_mask_type,
-                       attention_block_size=self.dlm_config.block_size, sliding_window=self.config.sliding_window)
-        if self.dlm_config.causal_clean_half:  # a joint AR + DLM model's clean blocks are token-causal
-            pattern["causal_clean"] = True
-        return pattern
-
-    def log_likelihood(self, prompt: torch.Tensor, answer: torch.Tensor, **options) -> float:
-        """log p(answer | prompt) for 1-D id tensors: LLaDA's Monte Carlo ELBO in the diffusion
-        modes, exact for AR; options (mc_num, batch_size, cfg_scale, generator) and the method
-        in megatron.core.inference.likelihood. The attention pattern is the one trained."""
-        return likelihood.log_likelihood(self.inference_forward, prompt, answer, running_mode=self.running_mode,
-                                         mask_token_id=self.dlm_config.mask_token_id,
-                                         **(self.trained_pattern() | options))
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 cuda_graphs: bool = False, autoregressive: bool = False, **options) -> torch.Tensor:
-        """Generate in this model's running mode; see megatron.core.inference.generation.generate
-        for the options (LLaDA and MegaDLMs names). The attention pattern is the one trained.
-        `autoregressive`: decode token by token with causal attention (a vanilla model's way), which a
-        joint AR + DLM model (DLMConfig.ar_loss_weight) was trained for as well.
-
-        `cuda_graphs`: replay a captured CUDA graph per forward shape (megatron.core.inference.
-        cuda_graphs). The graphs stay with the model, so later calls of the same sizes reuse them
-        (captured again once the weight tensors are replaced: `cuda_graphs.runner_for`)."""
-        model_fn = self.inference_forward
-        if cuda_graphs:
-            model_fn = self._graph_runner = runner_for(self, self.inference_forward, self._graph_runner)
-        running_mode, pattern = self.running_mode, self.trained_pattern()
-        if autoregressive and running_mode != "vanilla":
-            if not self.dlm_config.causal_clean_half:
-                raise ValueError("autoregressive=True decodes a vanilla model or a joint AR + DLM one (trained with "
-                                 "--difflm-ar-loss-weight); this model learned no next-token prediction")
-            running_mode, pattern = "vanilla", dict(attention_mask_type="causal")
-        return generation.generate(model_fn, input_ids, attention_mask, running_mode=running_mode,
-                                   mask_token_id=self.dlm_config.mask_token_id, **(pattern | options))
 
     # ------------------------------------------------------------------ the objective (objective.py)
     def difflm_forward_process(self, input_ids: torch.Tensor, key: Optional[objective.CorruptionKey] = None,

@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_config import DLMConfig, TransformerC
 
 __all__ = ["LossOutput", "LossInputs", "ScoredModel", "Corruption", "CorruptionKey", "maskable_positions",
            "output_layer_positions", "default_corruption_key", "loss_inputs", "auxiliary_terms", "loss_parts",
-           "joint_ar_weights",
+           "joint_ar_weights", "confidence_weights",
            "next_token_labels",
            "difflm_forward_process", "compute_loss"]
 
@@ -179,6 +179,20 @@ def joint_ar_weights(input_ids: torch.Tensor, dlm: DLMConfig,
     if not dlm.causal_clean_half:
         return None
     return block_diffusion.ar_loss_weights(dlm.ar_loss_weight, loss_mask, input_ids)
+
+
+def confidence_weights(dlm: DLMConfig, loss_weights: Optional[torch.Tensor], query: torch.Tensor,
+                       noisy_length: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The confidence-aware loss's weight [b, s] of the label positions a rank holds (`query`: their
+    global positions): lambda where the diffusion loss is taken (block diffusion: in the noisy half,
+    positions < `noisy_length`), 0 elsewhere; None without the term (DLMConfig.confidence_loss_weight)."""
+    if not dlm.confidence_loss_weight:
+        return None
+    chosen = (torch.ones(query.shape, dtype=torch.bool, device=query.device).expand(1, -1) if loss_weights is None
+              else loss_weights != 0)
+    if noisy_length is not None:
+        chosen = chosen & (query < noisy_length)
+    return chosen.to(torch.float32) * dlm.confidence_loss_weight
 
 
 def next_token_labels(input_ids: torch.Tensor,
