@@ -16,6 +16,7 @@
 #   EXTRA_ARGS       appended verbatim (e.g. "--attention-backend flex")
 #   CHECK_ARGS       1 (default): the flags are validated once (pretrain_difflm.py --check-args) before
 #                    torchrun starts, so a bad flag is one line; 0 skips that (a few seconds of start-up)
+#   BLOCK_SCHEDULE   a block-size curriculum (ITER:SIZE,...) replacing the script's (block_schedule below)
 #   CHECK_ONLY       1: validate the flags for GPUS_PER_NODE x NNODES ranks and stop before torchrun (no
 #                    GPU needed: check a layout on a laptop before it queues on a cluster)
 set -euo pipefail
@@ -73,6 +74,28 @@ lr_schedule() {
     local tenth=$(( TRAIN_ITERS / 10 )) share=$(( default_decay * TRAIN_ITERS / default_train ))
     LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$(( default_warmup < tenth ? default_warmup : tenth ))}
     WSD_DECAY_ITERS=${WSD_DECAY_ITERS:-$(( share > 0 ? share : 1 ))}
+}
+
+# block_schedule TRAIN ITER:SIZE,...: a block-size curriculum written for a TRAIN-iteration run, its
+# iterations scaled to TRAIN_ITERS (an entry landing on an earlier one's iteration replaces it), in
+# BLOCK_SCHEDULE unless the environment sets it (then it is used as given).
+block_schedule() {
+    local default_train=$1 entry first size
+    if [[ -n "${BLOCK_SCHEDULE:-}" ]]; then return 0; fi
+    local -a firsts=() sizes=()
+    IFS=',' read -ra entries <<< "$2"
+    for entry in "${entries[@]}"; do
+        first=$(( ${entry%%:*} * TRAIN_ITERS / default_train )) size=${entry##*:}
+        if (( ${#firsts[@]} > 0 && firsts[-1] == first )); then
+            sizes[-1]=$size
+        else
+            firsts+=("$first") sizes+=("$size")
+        fi
+    done
+    BLOCK_SCHEDULE=""
+    for index in "${!firsts[@]}"; do
+        BLOCK_SCHEDULE+="${BLOCK_SCHEDULE:+,}${firsts[$index]}:${sizes[$index]}"
+    done
 }
 
 # run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.

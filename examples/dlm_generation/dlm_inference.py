@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"])
     parser.add_argument("--threshold", type=float, help="Fast-dLLM parallel decoding threshold (DLMs only).")
     parser.add_argument("--cache", choices=["prefix", "dual"], help="Fast-dLLM block KV cache (DLMs only).")
+    parser.add_argument("--autoregressive", action="store_true",
+                        help="Decode a joint AR + DLM checkpoint (--difflm-ar-loss-weight) token by token, causally.")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=0)
@@ -197,6 +199,12 @@ def run(args, device: torch.device) -> None:
         config, dlm = configs_from_metadata(metadata)
         running_mode = dlm.model_running_mode
     bd3 = metadata is not None and dlm.block_diffusion
+    joint = args.autoregressive and running_mode != "vanilla"  # a joint AR + DLM model decoding token by token
+    if joint and not (metadata is not None and dlm.causal_clean_half):
+        raise InputError(f"--autoregressive decodes a vanilla checkpoint or a joint AR + DLM one (trained with "
+                         f"--difflm-ar-loss-weight); this one is {running_mode} without it: drop the flag")
+    if joint:
+        running_mode, bd3 = "vanilla", False
     ids = prompt_ids(args, tokenizer, identity, config.unpadded_vocab_size or config.vocab_size)
     check_request(args, len(ids), running_mode, config.max_position_embeddings, bd3)
     pattern = dict(attention_mask_type="block_diffusion", attention_block_size=dlm.block_size) if bd3 else None
@@ -205,7 +213,7 @@ def run(args, device: torch.device) -> None:
         model = load_checkpoint_model(args.load, device)
     if args.torch_compile:  # dynamic shapes: the canvas, block and cache offsets change between forwards
         compile_transformer_layers(model, dynamic=True)
-    output = model.generate(torch.tensor([ids], device=device), cuda_graphs=args.cuda_graphs,
+    output = model.generate(torch.tensor([ids], device=device), cuda_graphs=args.cuda_graphs, autoregressive=joint,
                             eos_token_id=tokenizer.eod if tokenizer else identity.get("eod"),
                             **options)[0, len(ids):].tolist()
     print(f"prompt:    {args.prompt}")

@@ -26,6 +26,10 @@ SCRIPTS = {
     "examples/dlm_training/dlm_sft_1.7b.sh": (1, {"sft": True, "difflm_loss_normalizer": "sequence"}),
     "examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh": (1, {"num_experts": 64, "moe_router_topk": 8,
                                                               "expert_model_parallel_size": 1}),
+    "examples/dlm_training/ar_to_dlm_1.7b.sh": (1, {"difflm_block_diffusion": True, "difflm_ar_loss_weight": 3.33,
+                                                    "difflm_block_size_schedule": ((0, 1), (400, 4), (800, 32),
+                                                                                   (1200, 64), (1600, 4096),
+                                                                                   (18000, 32))}),
 }
 
 
@@ -37,6 +41,7 @@ DEFAULT_SCHEDULES = {
     "examples/ar_training/ar_pretrain_1.7b.sh": (500000, 2000, None),
     "examples/dlm_training/dlm_sft_1.7b.sh": (5000, 50, None),
     "examples/dlm_training/dlm_pretrain_olmoe_1b_7b.sh": (500000, 2000, 50000),
+    "examples/dlm_training/ar_to_dlm_1.7b.sh": (20000, 500, 2000),
 }
 SCHEDULE_VARIABLES = ("TRAIN_ITERS", "LR_WARMUP_ITERS", "WSD_DECAY_ITERS")
 
@@ -148,3 +153,14 @@ def test_a_train_iters_that_is_no_count_is_one_line(value, tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"TRAIN_ITERS={value} is not a positive number of iterations; "
                                           "set it to one (e.g. TRAIN_ITERS=25)"]
+
+
+def test_the_ar_to_dlm_recipe_scales_its_curriculum_and_takes_the_confidence_loss(tmp_path):
+    """TRAIN_ITERS=25: the curriculum's iterations scaled (entries landing together keep the later size);
+    CONFIDENCE_LOSS_WEIGHT swaps the masked-only loss for the full-logits one the confidence term reads."""
+    script = "examples/dlm_training/ar_to_dlm_1.7b.sh"
+    env = {"TRAIN_ITERS": "25", "GPUS_PER_NODE": "1", "TENSORBOARD_DIR": str(tmp_path / "tb"),
+           "CONFIDENCE_LOSS_WEIGHT": "0.5"}
+    args = parse_args(recorded_flags(script, tmp_path, env), add_difflm_args, world_size=1)
+    assert args.difflm_block_size_schedule == ((0, 4), (1, 64), (2, 4096), (22, 32))
+    assert args.difflm_confidence_loss_weight == 0.5 and not args.difflm_masked_only_loss
