@@ -60,7 +60,8 @@ FUNCTION_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
 }
 DLM_FUNCTION_FIELDS = {"model_running_mode": "--model-running-mode", "mask_token_id": "--mask-token",
                        "attention_mask_type": "--attention-mask-type", "block_size": "--difflm-block-size",
-                       "sliding_window": "--sliding-window", "block_diffusion": "--difflm-block-diffusion"}
+                       "sliding_window": "--sliding-window", "block_diffusion": "--difflm-block-diffusion",
+                       "causal_clean_half": "--difflm-ar-loss-weight"}
 
 
 def _mismatch(source: str, field: str, flag: str, saved, current, changeable: bool) -> InputError:
@@ -85,6 +86,8 @@ def _dlm_function(dlm: dict, window) -> dict:
         function["block_size"] = dlm.get("block_size")
     if dlm.get("block_diffusion"):
         function["block_diffusion"] = True
+        if (dlm.get("ar_loss_weight") or 0) > 0:  # the joint objective's token-causal clean half
+            function["causal_clean_half"] = True
     if mask_type in ("sliding_window", "sliding_window_two_sided"):
         function["sliding_window"] = window
     return function
@@ -209,3 +212,5 @@ def apply_checkpoint_args(args) -> None:
                 args.difflm_block_size = dlm.get("block_size")
         if dlm.get("block_diffusion") and hasattr(args, "difflm_block_diffusion"):
             args.difflm_block_diffusion, args.difflm_block_size = True, dlm.get("block_size")
+            if (dlm.get("ar_loss_weight") or 0) > 0 and not getattr(args, "difflm_ar_loss_weight", 0):
+                args.difflm_ar_loss_weight = dlm["ar_loss_weight"]  # its clean half's causal attention

@@ -68,6 +68,9 @@ FUNCTION_CHANGES = [  # (what differs, the flag the message names)
     (dict(run_dlm=DLMConfig(mask_token_id=512, attention_mask_type="block_causal", block_size=4)),
      "--attention-mask-type"),
     (dict(saved_tokenizer={"vocab_size": 513}, run_tokenizer={"vocab_size": 500}), "--vocab-size"),
+    # a joint AR + DLM checkpoint's clean half is token-causal: plain block diffusion reads it otherwise
+    (dict(saved_dlm=DLMConfig(mask_token_id=512, block_diffusion=True, block_size=4, ar_loss_weight=1.0),
+          run_dlm=DLMConfig(mask_token_id=512, block_diffusion=True, block_size=4)), "--difflm-ar-loss-weight"),
 ]
 
 

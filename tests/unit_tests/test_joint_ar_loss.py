@@ -11,7 +11,7 @@ from megatron.core.models.difflm import objective
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
 from tests.unit_tests.test_bad_inputs_training import TINY as BAD_TINY, parse_error
-from tests.unit_tests.test_gpt_model import build, dlm_config, tokens
+from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_config, tokens
 from tests.unit_tests.test_training import assert_same_gradients, make_trainer, record_gradients
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -184,3 +184,25 @@ def test_a_joint_model_also_decodes_autoregressively():
     plain = build(dlm=dlm_config(block_diffusion=True, block_size=B))
     with pytest.raises(ValueError, match="learned no next-token prediction"):
         plain.generate(prompt, gen_length=2, autoregressive=True)
+
+
+def test_use_checkpoint_args_keeps_a_joint_checkpoints_causal_clean_half(tmp_path):
+    """--use-checkpoint-args takes a joint checkpoint's next-token weight with its block diffusion, so the
+    run attends its clean half causally as trained (a plain run loading it is refused:
+    test_checkpoint_compatibility.py)."""
+    import json
+
+    from custom_args.difflm import add_difflm_args
+    from megatron.training.arguments import parse_args
+    from tools.weights_conversion import checkpoint_io
+
+    target = tmp_path / "ckpt" / "iter_0000003"  # what --use-checkpoint-args reads: the metadata
+    target.mkdir(parents=True)
+    dlm = dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=W, mask_token_id=MASK_ID)
+    metadata = checkpoint_io.metadata_for(tiny_config(), dlm, 1, None, 32, {}, iteration=3)
+    (target / "metadata.json").write_text(json.dumps(metadata))
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    args = parse_args(BAD_TINY + ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--finetune"],
+                      add_difflm_args, world_size=1)
+    assert args.dlm_config.block_diffusion and args.dlm_config.ar_loss_weight == W
+    assert args.dlm_config.causal_clean_half
