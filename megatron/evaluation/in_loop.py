@@ -131,6 +131,9 @@ class InLoopEvaluation:
         import lm_eval
 
         start, rng, training = time.time(), capture_rng_state(model), model.training
+        dlm = unwrap(model).dlm_config
+        if dlm.block_size_schedule:  # a curriculum's blocks: those of the last trained step, as validation's
+            self.lm.backend.pattern["attention_block_size"] = dlm.block_size_at(max(iteration - 1, 0))
         model.eval()
         try:
             with torch.no_grad(), whole_weights(model):

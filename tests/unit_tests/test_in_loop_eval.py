@@ -189,3 +189,21 @@ def test_a_block_diffusion_run_scores_and_generates(runtime, offline):
     trainer = train(runtime, bd3 + ["--lm-eval-tasks", *TASKS])
     assert set(TASKS) <= set(trainer.lm_eval.history[1])
     assert 0.0 <= trainer.lm_eval.history[1][TASKS[0]]["acc"] <= 1.0
+
+
+def test_a_block_curriculum_run_evaluates_with_the_blocks_it_last_trained(runtime, offline, monkeypatch):
+    """At iteration 2 of the schedule 0:4,1:8 the model last trained with blocks of 8: lm-eval samples and
+    scores with them, not with the schedule's first size."""
+    lm_eval = pytest.importorskip("lm_eval")
+    seen, evaluate = [], lm_eval.simple_evaluate
+
+    def recording(**kwargs):
+        seen.append(kwargs["model"].backend.pattern["attention_block_size"])
+        return evaluate(**kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", recording)
+    run = TEXT_MODEL + ["--train-iters", "2", "--difflm-block-diffusion", "--difflm-block-size-schedule", "0:4,1:8",
+                        "--add-mask-token", "--lm-eval-include-path", offline, "--lm-eval-model-args", MODEL_ARGS,
+                        "--lm-eval-interval", "1", "--lm-eval-tasks", TASKS[0]]
+    train(runtime, run)
+    assert seen == [4, 8]  # after step 1 (trained with 4), after step 2 (with 8)
