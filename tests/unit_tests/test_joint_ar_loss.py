@@ -39,8 +39,9 @@ def joint_model(**changes):
     return build(dlm=dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=W, **changes))
 
 
-def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term():
-    model = joint_model()
+@pytest.mark.parametrize("masked_only", [False, True], ids=["full_logits", "masked_only"])
+def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term(masked_only):
+    model = joint_model(masked_only_loss=masked_only)
     x0 = tokens(batch=3, seq=L)
     key = objective.CorruptionKey.for_batch(5, iteration=2, global_batch_size=6, first_sample_index=9, batch_size=3)
     ours = objective.compute_loss(model, x0, key)
