@@ -53,9 +53,11 @@ SMALLER = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128
            "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]  # quickstart's model, cut to test speed
 RESUME_CASES = {  # name: (processes, flags)
     "one_process_dlm_varilen": (1, ["--model-running-mode", "difflm-noshift", "--difflm-varilen-prob", "0.3"]),
-    # A block-size curriculum whose sizes change before and after the resume (steps 4 and 8, 0-based).
+    # A block-size curriculum whose sizes change before and after the resume (steps 4 and 8, 0-based), with the
+    # joint AR + DLM and the confidence-aware losses.
     "one_process_block_curriculum": (1, ["--model-running-mode", "difflm-noshift", "--difflm-block-diffusion",
-                                         "--difflm-block-size-schedule", "0:8,4:16,8:32"]),
+                                         "--difflm-block-size-schedule", "0:8,4:16,8:32",
+                                         "--difflm-ar-loss-weight", "0.5", "--difflm-confidence-loss-weight", "0.3"]),
     "tp2_sp_dp2_zero1_dlm": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--use-distributed-optimizer", "--micro-batch-size", "2"]),
     # One layer per stage, 2 micro-batches per step; evaluation runs the forward-only schedule.
