@@ -83,8 +83,9 @@ def test_compiled_layers_follow_each_scheduled_size(device):
 
     if device == "cpu" and not inductor_available():
         pytest.skip("torch.compile (inductor) cannot build CPU kernels here")
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64,
-                               attention_backend="auto")
+    # head dim 16: compiled FlexAttention (CUDA's auto backend for this mask) needs at least 16
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                               vocab_size=64, attention_backend="auto")
     dlm = DLMConfig(mask_token_id=MASK, block_diffusion=True, block_size=4)
     ids = torch.randint(0, MASK, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
     labels = torch.randint(0, MASK, (2, 32), generator=torch.Generator().manual_seed(2)).to(device)
