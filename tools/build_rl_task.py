@@ -12,6 +12,8 @@ for byte. An existing --output is kept unless --force is given; bad input is one
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
 import sys
 from typing import List, Optional
@@ -38,7 +40,19 @@ def get_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", required=True, type=int, help="the same seed gives the same tasks")
     parser.add_argument("--output", required=True, help="the task file to write: FILE.jsonl or FILE.jsonl.gz")
     parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    parser.add_argument("--sft", action="store_true",
+                        help="write chat records (prompt/response: the answer in its tags) for supervised "
+                             "fine-tuning (tools/preprocess_data.py --chat) instead of task records")
     return parser.parse_args(argv)
+
+
+def write_chat_records(records, path: str) -> int:
+    """The tasks as SFT chat records (tasks.sft_record), JSON Lines, gzip by the name; returns the count."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(tasks.sft_record(record)) + "\n")
+    return len(records)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -51,7 +65,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.path.lexists(args.output) and not args.force:
         return fail(f"--output {args.output} exists; pass --force to overwrite it, or give another path")
     try:
-        written = tasks.write_tasks(tasks.generate_tasks(args.kind, args.count, args.seed), args.output)
+        records = tasks.generate_tasks(args.kind, args.count, args.seed)
+        written = (write_chat_records(records, args.output) if args.sft else tasks.write_tasks(records, args.output))
     except (InputError, OSError) as error:
         return fail(f"--output {args.output}: {error}" if isinstance(error, OSError) else str(error))
     print(f"wrote {args.output}: {written} {args.kind} tasks (seed {args.seed})")

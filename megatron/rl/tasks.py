@@ -34,7 +34,7 @@ from megatron.core.errors import InputError
 from megatron.rl import rewards
 
 REWARD_KINDS = ("exact", "regex", "numeric", "python", "countdown", "sudoku")
-GENERATOR_KINDS = ("countdown", "sudoku", "arithmetic")
+GENERATOR_KINDS = ("countdown", "sudoku", "arithmetic", "addition")
 FIELDS = ("prompt", "answer", "reward", "pattern", "tolerance", "checker", "numbers", "target", "puzzle")
 KIND_FIELDS = {"exact": (), "regex": ("pattern",), "numeric": ("tolerance",), "python": ("checker",),
                "countdown": ("numbers", "target"), "sudoku": ("puzzle",)}  # each field's one kind
@@ -296,8 +296,22 @@ def arithmetic_task(rng: random.Random) -> TaskRecord:
     return TaskRecord(prompt=prompt, answer=str(value), reward="numeric", tolerance=0.0)
 
 
+def addition_task(rng: random.Random) -> TaskRecord:
+    """The sum of two 2- or 3-digit integers: a task a 135M model learns by fine-tuning, so decoding
+    speed-ups can be weighed at a measurable accuracy (tools/benchmark/dlm_recipes.sh)."""
+    left, right = (rng.randint(10, 999) for _ in range(2))
+    prompt = f"What is {left} + {right}? Give the integer {_ANSWER_FORMAT}."
+    return TaskRecord(prompt=prompt, answer=str(left + right), reward="numeric", tolerance=0.0)
+
+
 GENERATORS: Dict[str, Callable[[random.Random], TaskRecord]] = {
-    "countdown": countdown_task, "sudoku": sudoku_task, "arithmetic": arithmetic_task}
+    "countdown": countdown_task, "sudoku": sudoku_task, "arithmetic": arithmetic_task, "addition": addition_task}
+
+
+def sft_record(record: TaskRecord) -> Dict[str, str]:
+    """The chat record (prompt/response, tools/preprocess_data.py --chat) that teaches a task's format:
+    the reference answer inside the answer tags its prompt asks for."""
+    return {"prompt": record.prompt, "response": f"<answer>{record.answer}</answer>"}
 
 
 def generate_tasks(kind: str, count: int, seed: int) -> List[TaskRecord]:

@@ -195,3 +195,22 @@ def test_the_cli_writes_tasks_and_refuses_to_overwrite(tmp_path):
     forced = run_cli("--kind", "sudoku", "--count", 3, "--seed", 4, "--output", output, "--force")
     assert forced.returncode == 0, forced.stderr
     assert [record.reward for record in tasks.load_tasks(output)] == ["sudoku"] * 3
+
+
+def test_addition_tasks_score_their_answer_and_become_chat_records(tmp_path):
+    import gzip
+
+    from tools import build_rl_task
+
+    records = tasks.generate_tasks("addition", 20, seed=3)
+    for record in records:
+        left, right = (int(part) for part in record.prompt.split("What is ")[1].split("?")[0].split(" + "))
+        assert int(record.answer) == left + right and 10 <= left <= 999 and 10 <= right <= 999
+        chat = tasks.sft_record(record)
+        assert rewards.score(record.fields(), chat["response"]) == 1.0
+        assert rewards.score(record.fields(), f"<answer>{left + right + 1}</answer>") == 0.0
+    out = tmp_path / "addition_sft.jsonl.gz"
+    assert build_rl_task.main(["--kind", "addition", "--count", "5", "--seed", "3", "--output", str(out), "--sft"]) == 0
+    with gzip.open(out, "rt") as lines:
+        written = [json.loads(line) for line in lines]
+    assert written == [tasks.sft_record(record) for record in records[:5]]
