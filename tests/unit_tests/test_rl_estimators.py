@@ -1,0 +1,69 @@
+"""megatron/rl/estimators.py against references computed from the model's logits (inference_forward
+with explicitly written masks): exact AR log-probabilities, d1's one-step estimate, coupled-GRPO's
+complementary pair; each differentiable."""
+
+import pytest
+import torch
+
+from megatron.rl import estimators
+from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_config, tokens
+
+P, T = 5, 7
+
+
+def logp_of(model, ids, mask, targets):
+    """log p(targets) at every position of `ids` under the explicit [B, L, L] visibility `mask`."""
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    logits = model.inference_forward(ids, positions, mask).float()
+    return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+
+
+def test_ar_log_probabilities_are_the_causal_next_token_ones():
+    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(model_running_mode="vanilla"))
+    sequence = tokens(batch=3, seq=P + T)
+    ours = estimators.ar_logprobs(model, sequence, P)
+    causal = torch.ones(P + T, P + T, dtype=torch.bool).tril().expand(3, -1, -1)
+    reference = logp_of(model, sequence, causal, torch.roll(sequence, -1, dims=1))[:, P - 1:-1]
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert ours.requires_grad
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "difflm-shift"])
+def test_the_one_step_estimate_masks_the_completion_and_some_prompt_tokens(mode):
+    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(model_running_mode=mode))
+    sequence = tokens(batch=3, seq=P + T)
+    ours = estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, prompt_mask_prob=0.4,
+                                          generator=torch.Generator().manual_seed(7))
+    draw = torch.rand(3, P, generator=torch.Generator().manual_seed(7))
+    noisy = sequence.clone()
+    noisy[:, :P][draw < 0.4] = MASK_ID
+    noisy[:, P:] = MASK_ID
+    assert (draw < 0.4).any() and not (draw < 0.4).all()
+    everything = torch.ones(3, P + T, P + T, dtype=torch.bool)
+    if mode == "difflm-shift":  # position i scores token i + 1
+        reference = logp_of(model, noisy, everything, torch.roll(sequence, -1, dims=1))[:, P - 1:-1]
+    else:
+        reference = logp_of(model, noisy, everything, sequence)[:, P:]
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    ours.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_the_coupled_pair_scores_each_token_once_under_the_mask_that_hides_it():
+    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config())
+    sequence = tokens(batch=2, seq=P + T)
+    ours = estimators.coupled_logprobs(model, sequence, P, MASK_ID, generator=torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)  # the same draws, written out
+    t = 0.2 + 0.6 * torch.rand(2, 1, generator=generator)
+    ranks = torch.rand(2, T, generator=generator).argsort(dim=1).argsort(dim=1)
+    first = ranks < (t * T).round()
+    everything = torch.ones(2, P + T, P + T, dtype=torch.bool)
+    expected = torch.zeros(2, T)
+    for hidden in (first, ~first):
+        noisy = sequence.clone()
+        noisy[:, P:][hidden] = MASK_ID
+        expected += torch.where(hidden, logp_of(model, noisy, everything, sequence)[:, P:], 0.0)
+    assert first.any() and (~first).any()
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2 tokens or more"):
+        estimators.coupled_logprobs(model, sequence[:, :P + 1], P, MASK_ID)
