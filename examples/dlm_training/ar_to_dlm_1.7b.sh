@@ -17,7 +17,13 @@
 #   DATA_PATH, TOKENIZER_MODEL (default HF_MODEL): the corpus; other variables: examples/launch_common.sh.
 # A resumed run (CHECKPOINT_PATH holding a checkpoint) continues from CHECKPOINT_PATH, mid-curriculum.
 RUN_NAME=${RUN_NAME:-ar_to_dlm_1.7b}
-if [[ -n "${HF_MODEL:-}" ]]; then TOKENIZER_MODEL=${TOKENIZER_MODEL:-$HF_MODEL}; fi
+if [[ -n "${HF_MODEL:-}" ]]; then
+    TOKENIZER_MODEL=${TOKENIZER_MODEL:-$HF_MODEL}
+    if [[ -z "${DATA_PATH:-}" ]]; then  # mock data brings its own vocabulary, not the model's
+        echo "HF_MODEL=$HF_MODEL needs DATA_PATH: a corpus tokenized with its tokenizer (tools/preprocess_data.py)" >&2
+        exit 2
+    fi
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
 lr_schedule 20000 500 2000  # iterations: run, warmup, WSD decay (scaled to TRAIN_ITERS)
 block_schedule 20000 "0:1,400:4,800:32,1200:64,1600:4096,18000:32"

@@ -164,3 +164,18 @@ def test_the_ar_to_dlm_recipe_scales_its_curriculum_and_takes_the_confidence_los
     args = parse_args(recorded_flags(script, tmp_path, env), add_difflm_args, world_size=1)
     assert args.difflm_block_size_schedule == ((0, 4), (1, 64), (2, 4096), (22, 32))
     assert args.difflm_confidence_loss_weight == 0.5 and not args.difflm_masked_only_loss
+
+
+def test_the_ar_to_dlm_recipe_from_a_hugging_face_model_needs_a_corpus(tmp_path):
+    import os
+    import subprocess
+
+    from tests.launch_flags import ROOT
+
+    env = dict(os.environ, CHECK_ONLY="1", HF_MODEL=str(tmp_path / "qwen3"), GPUS_PER_NODE="1",
+               TENSORBOARD_DIR=str(tmp_path / "tb"))
+    env.pop("DATA_PATH", None)
+    result = subprocess.run(["bash", "examples/dlm_training/ar_to_dlm_1.7b.sh"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().endswith("tokenized with its tokenizer "
+                                                                      "(tools/preprocess_data.py)")
