@@ -15,19 +15,37 @@ completion (T tokens); the result is `[B, T]`, one value per completion token.
   random fraction t in [`t_min`, `t_max`] masked in the first, the rest in the second): each token is
   scored once, in the forward where it is masked, conditioned on the other part of the completion; the
   pair lowers the variance of the ELBO-style estimate log_likelihood's Monte Carlo ELBO draws.
-The draws take a `torch.Generator` on the host (as log_likelihood's masks do), so the same seed gives
-the same masks on every rank and device.
+`estimator_batch` builds an estimator's forward (ids, labels, weights) and `completion_logprobs` reads
+its per-token losses, so a training step runs it through the model under any layout (the RL forward
+step); `ar_logprobs` and the others run it on a whole model at once. The draws take a `torch.Generator`
+on the host (as log_likelihood's masks do), so the same seed gives the same masks on every rank and device.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["ESTIMATORS", "ar_logprobs", "diffu_grpo_logprobs", "coupled_logprobs"]
+__all__ = ["ESTIMATORS", "EstimatorBatch", "estimator_batch", "completion_logprobs", "ar_logprobs",
+           "diffu_grpo_logprobs", "coupled_logprobs"]
 
 ESTIMATORS = ("ar", "diffu_grpo", "coupled")
+
+
+@dataclass
+class EstimatorBatch:
+    """One estimator's forward: the model reads `input_ids` with `labels` and `loss_weights` (its per-token
+    cross-entropy is -log p at the weighted positions); `completion_logprobs` reads the result."""
+
+    kind: str
+    input_ids: torch.Tensor
+    """[R, P + T]: R = B rows (`ar`, `diffu_grpo`) or 2B (`coupled`: the two complementary masks)."""
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    """float32 [R, P + T]: 1 at the positions whose log p is read."""
+    prompt_length: int
 
 
 def _check(sequence: torch.Tensor, prompt_length: int) -> int:
@@ -37,45 +55,42 @@ def _check(sequence: torch.Tensor, prompt_length: int) -> int:
     return sequence.shape[1] - prompt_length
 
 
-def ar_logprobs(model, sequence: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """[B, T] exact log p(y_j | prompt, y_<j) of the completion under a causal forward (an AR policy,
-    or a joint AR + DLM model's clean half read causally)."""
+def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_token_id: Optional[int] = None, *,
+                    prompt_mask_prob: float = 0.15, t_min: float = 0.2, t_max: float = 0.8,
+                    generator: Optional[torch.Generator] = None) -> EstimatorBatch:
+    """The forward `kind` (one of ESTIMATORS) runs for completions `sequence` [B, P + T]; its random
+    masks drawn from `generator` on the host."""
     completion = _check(sequence, prompt_length)
-    labels = torch.roll(sequence, shifts=-1, dims=1)  # position i predicts token i + 1
-    weights = torch.zeros(sequence.shape, dtype=torch.float32, device=sequence.device)
-    weights[:, prompt_length - 1:-1] = 1.0
-    per_token, _ = model.vanilla_forward(sequence, labels=labels, loss_weights=weights, loss_normalizer=1.0)
-    return -per_token[:, prompt_length - 1:prompt_length - 1 + completion]
+    if kind == "ar":  # position i predicts token i + 1: the completion from P - 1 on
+        weights = torch.zeros(sequence.shape, dtype=torch.float32, device=sequence.device)
+        weights[:, prompt_length - 1:-1] = 1.0
+        return EstimatorBatch(kind, sequence, torch.roll(sequence, shifts=-1, dims=1), weights, prompt_length)
+    if not isinstance(mask_token_id, int):
+        raise ValueError(f"the {kind} estimator masks tokens: give the mask token id")
+    if kind == "diffu_grpo":
+        hidden = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
+        draw = torch.rand(sequence.shape[0], prompt_length, generator=generator).to(sequence.device)
+        hidden[:, :prompt_length] = draw < prompt_mask_prob
+        hidden[:, prompt_length:] = True
+        scored = torch.zeros_like(hidden)
+        scored[:, prompt_length:] = True
+        rows = sequence
+    elif kind == "coupled":
+        scored = _complementary_halves(sequence, prompt_length, completion, t_min, t_max, generator)
+        hidden, rows = scored, sequence.repeat(2, 1)
+    else:
+        raise ValueError(f"estimator {kind!r} is not one of {', '.join(ESTIMATORS)}")
+    return EstimatorBatch(kind, rows.masked_fill(hidden, mask_token_id), rows, scored.to(torch.float32),
+                          prompt_length)
 
 
-def _difflm_logprobs(model, noisy: torch.Tensor, sequence: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """[B, L] log p of the clean tokens at the `scored` positions of a DLM forward on `noisy` (0 elsewhere)."""
-    output = model.difflm_forward(noisy, labels=sequence, loss_weights=scored.to(torch.float32), loss_normalizer=1.0)
-    return -output[0] * scored
-
-
-def diffu_grpo_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
-                        prompt_mask_prob: float = 0.15, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """[B, T] d1's one-step estimate of log p(y_j | prompt): the completion masked, the prompt partly."""
-    completion = _check(sequence, prompt_length)
-    draw = torch.rand(sequence.shape[0], prompt_length, generator=generator).to(sequence.device)
-    masked = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
-    masked[:, :prompt_length] = draw < prompt_mask_prob
-    masked[:, prompt_length:] = True
-    scored = torch.zeros_like(masked)
-    scored[:, prompt_length:] = True
-    logp = _difflm_logprobs(model, sequence.masked_fill(masked, mask_token_id), sequence, scored)
-    return logp[:, prompt_length:prompt_length + completion]
-
-
-def coupled_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
-                     t_min: float = 0.2, t_max: float = 0.8,
-                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """[B, T] coupled-GRPO's estimate: each completion token's log p from the one of two complementary
-    masks that hides it, the other part of the completion visible (one forward of 2B rows)."""
-    completion = _check(sequence, prompt_length)
+def _complementary_halves(sequence, prompt_length: int, completion: int, t_min: float, t_max: float,
+                          generator) -> torch.Tensor:
+    """[2B, P + T] bool: a random fraction t of each completion hidden in the first B rows, the rest in the
+    last B (each token in exactly one)."""
     if completion < 2:
-        raise ValueError("coupled_logprobs splits the completion in two complementary masks: it needs 2 tokens or more")
+        raise ValueError("the coupled estimator splits the completion in two complementary masks: it needs 2 "
+                         "tokens or more")
     batch = sequence.shape[0]
     t = t_min + (t_max - t_min) * torch.rand(batch, 1, generator=generator)
     ranks = torch.rand(batch, completion, generator=generator).argsort(dim=1).argsort(dim=1)
@@ -83,6 +98,46 @@ def coupled_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_tok
     hidden = torch.zeros(2 * batch, sequence.shape[1], dtype=torch.bool, device=sequence.device)
     hidden[:batch, prompt_length:] = first
     hidden[batch:, prompt_length:] = ~first
-    rows = sequence.repeat(2, 1)
-    logp = _difflm_logprobs(model, rows.masked_fill(hidden, mask_token_id), rows, hidden)
-    return (logp[:batch] + logp[batch:])[:, prompt_length:prompt_length + completion]
+    return hidden
+
+
+def completion_logprobs(batch: EstimatorBatch, per_token: torch.Tensor) -> torch.Tensor:
+    """[B, T] log p of each completion token from the model's per-token cross-entropy [R, P + T] on `batch`."""
+    start, width = batch.prompt_length, batch.input_ids.shape[1] - batch.prompt_length
+    logp = -per_token * batch.loss_weights
+    if batch.kind == "ar":
+        return logp[:, start - 1:start - 1 + width]
+    if batch.kind == "coupled":
+        rows = logp.shape[0] // 2
+        logp = logp[:rows] + logp[rows:]
+    return logp[:, start:start + width]
+
+
+def ar_logprobs(model, sequence: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """[B, T] exact log p(y_j | prompt, y_<j) of the completion under a causal forward (an AR policy)."""
+    batch = estimator_batch("ar", sequence, prompt_length)
+    per_token, _ = model.vanilla_forward(batch.input_ids, labels=batch.labels, loss_weights=batch.loss_weights,
+                                         loss_normalizer=1.0)
+    return completion_logprobs(batch, per_token)
+
+
+def _difflm_logprobs(model, batch: EstimatorBatch) -> torch.Tensor:
+    output = model.difflm_forward(batch.input_ids, labels=batch.labels, loss_weights=batch.loss_weights,
+                                  loss_normalizer=1.0)
+    return completion_logprobs(batch, output[0])
+
+
+def diffu_grpo_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
+                        prompt_mask_prob: float = 0.15, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[B, T] d1's one-step estimate of log p(y_j | prompt): the completion masked, the prompt partly."""
+    return _difflm_logprobs(model, estimator_batch("diffu_grpo", sequence, prompt_length, mask_token_id,
+                                                   prompt_mask_prob=prompt_mask_prob, generator=generator))
+
+
+def coupled_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
+                     t_min: float = 0.2, t_max: float = 0.8,
+                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[B, T] coupled-GRPO's estimate: each completion token's log p from the one of two complementary
+    masks that hides it, the other part of the completion visible (one forward of 2B rows)."""
+    return _difflm_logprobs(model, estimator_batch("coupled", sequence, prompt_length, mask_token_id,
+                                                   t_min=t_min, t_max=t_max, generator=generator))
