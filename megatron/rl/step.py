@@ -1,0 +1,93 @@
+"""One policy-gradient micro-batch through the training schedules (pipeline_parallel/schedules.py).
+
+`rl_forward_step` keeps the schedules' contract: every pipeline stage runs the estimator's forward of
+the micro-batch's completions (estimators.estimator_batch: the same ids, labels and masks on every rank,
+its masks drawn from the micro-batch's own seed), and the last stage's `loss_func` turns the per-token
+losses into completion log-probabilities and those into the policy loss (objectives.policy_loss) as
+(loss sum, normalizer), which the loop sums over micro-batches and replicas and divides once, as it
+does the pretraining loss. So an RL update runs under every layout the training forward does, with
+exactly the gradients of one big batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, completion_logprobs, estimator_batch
+from megatron.rl.objectives import NORMALIZATIONS, policy_loss
+
+__all__ = ["RLConfig", "RolloutBatch", "rl_forward_step"]
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The policy-gradient update's settings (the `--rl-*` flags)."""
+
+    estimator: str = "diffu_grpo"
+    """How the completion's log-probabilities are computed: one of estimators.ESTIMATORS."""
+    mask_token_id: Optional[int] = None
+    """The DLM's mask token (the masking estimators)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """PPO's ratio clip, [1 - low, 1 + high] (DAPO raises `high`)."""
+    beta: float = 0.0
+    """Weight of the KL penalty to the reference policy (0: no reference forward needed)."""
+    normalization: str = "sequence"
+    """`sequence` (GRPO: each completion's token mean) or `token` (DAPO: every token alike)."""
+    prompt_mask_prob: float = 0.15
+    """diffu_grpo: the share of prompt tokens masked in each estimate (d1)."""
+
+    def validate(self) -> "RLConfig":
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"RLConfig.estimator={self.estimator!r} is not one of {', '.join(ESTIMATORS)}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"RLConfig.normalization={self.normalization!r} is not one of "
+                             f"{', '.join(NORMALIZATIONS)}")
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0 and self.beta >= 0.0):
+            raise ValueError(f"RLConfig: clip_low={self.clip_low} must be in [0, 1), clip_high={self.clip_high} "
+                             f"and beta={self.beta} >= 0")
+        return self
+
+
+@dataclass
+class RolloutBatch:
+    """A micro-batch of sampled completions with what the update needs of them."""
+
+    sequence: torch.Tensor
+    """[B, P + T] prompt then completion ids."""
+    prompt_length: int
+    completion_mask: torch.Tensor
+    """[B, T] bool: the completion tokens that count (up to and with the first EOS)."""
+    advantages: torch.Tensor
+    """[B] (objectives.group_advantages of the rewards)."""
+    old_logp: torch.Tensor
+    """[B, T] the log-probabilities under the policy that sampled (detached; the estimator's, same seed)."""
+    seed: int
+    """Seeds the estimator's masks: one value per micro-batch, the same on every rank."""
+    ref_logp: Optional[torch.Tensor] = None
+    """[B, T] under the frozen reference policy (with RLConfig.beta > 0)."""
+
+
+def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig):
+    """(output, loss_func) for the schedules: the estimator's forward of `batch` on `model` (a pipeline
+    stage's hidden states before the last stage) and the policy loss of the last stage's output."""
+    estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
+                               prompt_mask_prob=config.prompt_mask_prob,
+                               generator=torch.Generator().manual_seed(batch.seed))
+    output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
+                   loss_normalizer=1.0)
+    return output, partial(rl_loss_func, batch, estimate, config)
+
+
+def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig,
+                 output) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(policy loss sum, normalizer) of the last stage's (per-token losses, loss[, terms]) output."""
+    logp = completion_logprobs(estimate, output[0])
+    loss_sum, normalizer, _ = policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,
+                                          batch.ref_logp, beta=config.beta, clip_low=config.clip_low,
+                                          clip_high=config.clip_high, normalization=config.normalization)
+    return loss_sum, normalizer
