@@ -17,14 +17,15 @@ completion (T tokens); the result is `[B, T]`, one value per completion token.
   pair lowers the variance of the ELBO-style estimate log_likelihood's Monte Carlo ELBO draws.
 `estimator_batch` builds an estimator's forward (ids, labels, weights) and `completion_logprobs` reads
 its per-token losses, so a training step runs it through the model under any layout (the RL forward
-step); `ar_logprobs` and the others run it on a whole model at once. The draws take a `torch.Generator`
-on the host (as log_likelihood's masks do), so the same seed gives the same masks on every rank and device.
+step); `ar_logprobs` and the others run it on a whole model at once. Each row's draws come from a host generator
+of its own seed (as log_likelihood's masks come from a host generator), so the same seeds give the same
+masks on every rank, device and grouping of rows into micro-batches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -57,9 +58,11 @@ def _check(sequence: torch.Tensor, prompt_length: int) -> int:
 
 def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_token_id: Optional[int] = None, *,
                     prompt_mask_prob: float = 0.15, t_min: float = 0.2, t_max: float = 0.8,
-                    generator: Optional[torch.Generator] = None) -> EstimatorBatch:
-    """The forward `kind` (one of ESTIMATORS) runs for completions `sequence` [B, P + T]; its random
-    masks drawn from `generator` on the host."""
+                    seeds: Optional[Sequence[int]] = None) -> EstimatorBatch:
+    """The forward `kind` (one of ESTIMATORS) runs for completions `sequence` [B, P + T]; each row's random
+    masks drawn on the host from its own seed (`seeds`, default 0 each), so a row's estimate is the same
+    whichever micro-batch, replica or rank holds it."""
+    generators = _row_generators(sequence.shape[0], seeds)
     completion = _check(sequence, prompt_length)
     if kind == "ar":  # position i predicts token i + 1: the completion from P - 1 on
         weights = torch.zeros(sequence.shape, dtype=torch.float32, device=sequence.device)
@@ -69,14 +72,14 @@ def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_
         raise ValueError(f"the {kind} estimator masks tokens: give the mask token id")
     if kind == "diffu_grpo":
         hidden = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
-        draw = torch.rand(sequence.shape[0], prompt_length, generator=generator).to(sequence.device)
+        draw = torch.stack([torch.rand(prompt_length, generator=row) for row in generators]).to(sequence.device)
         hidden[:, :prompt_length] = draw < prompt_mask_prob
         hidden[:, prompt_length:] = True
         scored = torch.zeros_like(hidden)
         scored[:, prompt_length:] = True
         rows = sequence
     elif kind == "coupled":
-        scored = _complementary_halves(sequence, prompt_length, completion, t_min, t_max, generator)
+        scored = _complementary_halves(sequence, prompt_length, completion, t_min, t_max, generators)
         hidden, rows = scored, sequence.repeat(2, 1)
     else:
         raise ValueError(f"estimator {kind!r} is not one of {', '.join(ESTIMATORS)}")
@@ -85,20 +88,27 @@ def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_
 
 
 def _complementary_halves(sequence, prompt_length: int, completion: int, t_min: float, t_max: float,
-                          generator) -> torch.Tensor:
+                          generators: List[torch.Generator]) -> torch.Tensor:
     """[2B, P + T] bool: a random fraction t of each completion hidden in the first B rows, the rest in the
     last B (each token in exactly one)."""
     if completion < 2:
         raise ValueError("the coupled estimator splits the completion in two complementary masks: it needs 2 "
                          "tokens or more")
     batch = sequence.shape[0]
-    t = t_min + (t_max - t_min) * torch.rand(batch, 1, generator=generator)
-    ranks = torch.rand(batch, completion, generator=generator).argsort(dim=1).argsort(dim=1)
+    t = t_min + (t_max - t_min) * torch.stack([torch.rand(1, generator=row) for row in generators])
+    ranks = torch.stack([torch.rand(completion, generator=row) for row in generators]).argsort(dim=1).argsort(dim=1)
     first = (ranks < (t * completion).round().clamp(1, completion - 1)).to(sequence.device)  # some, not all
     hidden = torch.zeros(2 * batch, sequence.shape[1], dtype=torch.bool, device=sequence.device)
     hidden[:batch, prompt_length:] = first
     hidden[batch:, prompt_length:] = ~first
     return hidden
+
+
+def _row_generators(rows: int, seeds: Optional[Sequence[int]]) -> List[torch.Generator]:
+    seeds = [0] * rows if seeds is None else [int(seed) for seed in seeds]
+    if len(seeds) != rows:
+        raise ValueError(f"{len(seeds)} seeds for {rows} rows: give one seed a row")
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 def completion_logprobs(batch: EstimatorBatch, per_token: torch.Tensor) -> torch.Tensor:
@@ -128,16 +138,16 @@ def _difflm_logprobs(model, batch: EstimatorBatch) -> torch.Tensor:
 
 
 def diffu_grpo_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
-                        prompt_mask_prob: float = 0.15, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                        prompt_mask_prob: float = 0.15, seeds: Optional[Sequence[int]] = None) -> torch.Tensor:
     """[B, T] d1's one-step estimate of log p(y_j | prompt): the completion masked, the prompt partly."""
     return _difflm_logprobs(model, estimator_batch("diffu_grpo", sequence, prompt_length, mask_token_id,
-                                                   prompt_mask_prob=prompt_mask_prob, generator=generator))
+                                                   prompt_mask_prob=prompt_mask_prob, seeds=seeds))
 
 
 def coupled_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,
                      t_min: float = 0.2, t_max: float = 0.8,
-                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                     seeds: Optional[Sequence[int]] = None) -> torch.Tensor:
     """[B, T] coupled-GRPO's estimate: each completion token's log p from the one of two complementary
     masks that hides it, the other part of the completion visible (one forward of 2B rows)."""
     return _difflm_logprobs(model, estimator_batch("coupled", sequence, prompt_length, mask_token_id,
-                                                   t_min=t_min, t_max=t_max, generator=generator))
+                                                   t_min=t_min, t_max=t_max, seeds=seeds))

@@ -2,7 +2,7 @@
 
 `rl_forward_step` keeps the schedules' contract: every pipeline stage runs the estimator's forward of
 the micro-batch's completions (estimators.estimator_batch: the same ids, labels and masks on every rank,
-its masks drawn from the micro-batch's own seed), and the last stage's `loss_func` turns the per-token
+its masks drawn from each row's own seed), and the last stage's `loss_func` turns the per-token
 losses into completion log-probabilities and those into the policy loss (objectives.policy_loss) as
 (loss sum, normalizer), which the loop sums over micro-batches and replicas and divides once, as it
 does the pretraining loss. So an RL update runs under every layout the training forward does, with
@@ -66,8 +66,9 @@ class RolloutBatch:
     """[B] (objectives.group_advantages of the rewards)."""
     old_logp: torch.Tensor
     """[B, T] the log-probabilities under the policy that sampled (detached; the estimator's, same seed)."""
-    seed: int
-    """Seeds the estimator's masks: one value per micro-batch, the same on every rank."""
+    seeds: torch.Tensor
+    """[B] integers seeding each row's estimator masks (the same on every rank: keyed by the row, as the
+    corruption is by the sample)."""
     ref_logp: Optional[torch.Tensor] = None
     """[B, T] under the frozen reference policy (with RLConfig.beta > 0)."""
 
@@ -77,7 +78,7 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
     stage's hidden states before the last stage) and the policy loss of the last stage's output."""
     estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
                                prompt_mask_prob=config.prompt_mask_prob,
-                               generator=torch.Generator().manual_seed(batch.seed))
+                               seeds=batch.seeds)
     output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
                    loss_normalizer=1.0)
     return output, partial(rl_loss_func, batch, estimate, config)

@@ -33,8 +33,8 @@ def test_the_one_step_estimate_masks_the_completion_and_some_prompt_tokens(mode)
     model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(model_running_mode=mode))
     sequence = tokens(batch=3, seq=P + T)
     ours = estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, prompt_mask_prob=0.4,
-                                          generator=torch.Generator().manual_seed(7))
-    draw = torch.rand(3, P, generator=torch.Generator().manual_seed(7))
+                                          seeds=[7, 8, 9])
+    draw = torch.stack([torch.rand(P, generator=torch.Generator().manual_seed(seed)) for seed in (7, 8, 9)])
     noisy = sequence.clone()
     noisy[:, :P][draw < 0.4] = MASK_ID
     noisy[:, P:] = MASK_ID
@@ -52,10 +52,10 @@ def test_the_one_step_estimate_masks_the_completion_and_some_prompt_tokens(mode)
 def test_the_coupled_pair_scores_each_token_once_under_the_mask_that_hides_it():
     model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config())
     sequence = tokens(batch=2, seq=P + T)
-    ours = estimators.coupled_logprobs(model, sequence, P, MASK_ID, generator=torch.Generator().manual_seed(3))
-    generator = torch.Generator().manual_seed(3)  # the same draws, written out
-    t = 0.2 + 0.6 * torch.rand(2, 1, generator=generator)
-    ranks = torch.rand(2, T, generator=generator).argsort(dim=1).argsort(dim=1)
+    ours = estimators.coupled_logprobs(model, sequence, P, MASK_ID, seeds=[3, 4])
+    generators = [torch.Generator().manual_seed(seed) for seed in (3, 4)]  # the same draws, written out
+    t = 0.2 + 0.6 * torch.stack([torch.rand(1, generator=row) for row in generators])
+    ranks = torch.stack([torch.rand(T, generator=row) for row in generators]).argsort(dim=1).argsort(dim=1)
     first = ranks < (t * T).round()
     everything = torch.ones(2, P + T, P + T, dtype=torch.bool)
     expected = torch.zeros(2, T)
@@ -67,3 +67,15 @@ def test_the_coupled_pair_scores_each_token_once_under_the_mask_that_hides_it():
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="2 .?tokens or more"):
         estimators.coupled_logprobs(model, sequence[:, :P + 1], P, MASK_ID)
+
+
+@pytest.mark.parametrize("estimator", ["diffu_grpo", "coupled"])
+def test_a_rows_estimate_does_not_depend_on_the_rows_beside_it(estimator):
+    """Keyed by the row's seed: one batch of 4 or two of 2 (other micro-batches, other replicas) agree."""
+    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config())
+    sequence, seeds = tokens(batch=4, seq=P + T), [21, 22, 23, 24]
+    run = estimators.coupled_logprobs if estimator == "coupled" else estimators.diffu_grpo_logprobs
+    whole = run(model, sequence, P, MASK_ID, seeds=seeds)
+    halves = torch.cat([run(model, sequence[:2], P, MASK_ID, seeds=seeds[:2]),
+                        run(model, sequence[2:], P, MASK_ID, seeds=seeds[2:])])
+    torch.testing.assert_close(whole, halves, rtol=1e-5, atol=1e-6)

@@ -21,21 +21,20 @@ def rollouts(model, config, seeds):
     mask[1, 4:] = False  # a completion that ended early
     advantages = objectives.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=2)
     batches = []
-    for index, seed in enumerate(seeds):
+    for index in range(2):
         rows = slice(2 * index, 2 * index + 2)
         with torch.no_grad():
-            old = direct_logp(model, config, sequence[rows], seed)
-        batches.append(RolloutBatch(sequence[rows], P, mask[rows], advantages[rows], old - 0.1 * index, seed))
+            old = direct_logp(model, config, sequence[rows], seeds[rows])
+        batches.append(RolloutBatch(sequence[rows], P, mask[rows], advantages[rows], old - 0.1 * index, seeds[rows]))
     return batches
 
 
-def direct_logp(model, config, sequence, seed):
-    generator = torch.Generator().manual_seed(seed)
+def direct_logp(model, config, sequence, seeds):
     if config.estimator == "ar":
         return estimators.ar_logprobs(model, sequence, P)
     if config.estimator == "coupled":
-        return estimators.coupled_logprobs(model, sequence, P, MASK_ID, generator=generator)
-    return estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, config.prompt_mask_prob, generator)
+        return estimators.coupled_logprobs(model, sequence, P, MASK_ID, seeds=seeds)
+    return estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, config.prompt_mask_prob, seeds)
 
 
 @pytest.mark.parametrize("estimator, normalization", [("diffu_grpo", "sequence"), ("coupled", "token"),
@@ -45,7 +44,7 @@ def test_the_scheduled_update_equals_the_whole_batch_policy_loss(estimator, norm
     model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(model_running_mode=mode)).train()
     config = RLConfig(estimator=estimator, mask_token_id=MASK_ID, normalization=normalization,
                       clip_high=0.28).validate()
-    batches = rollouts(model, config, seeds=(11, 12))
+    batches = rollouts(model, config, seeds=torch.tensor([11, 12, 13, 14]))
     params = [p for p in model.parameters() if p.requires_grad]
     loss = forward_backward_no_pipelining(lambda data, chunk, _: rl_forward_step(next(data), chunk, config),
                                           iter(batches), model, 2, GlobalBatchLoss(torch.device("cpu")))
@@ -53,7 +52,7 @@ def test_the_scheduled_update_equals_the_whole_batch_policy_loss(estimator, norm
     model.zero_grad(set_to_none=True)
     total = normalizer = 0.0
     for batch in batches:  # the same update written out: estimator, objective, one division at the end
-        logp = direct_logp(model, config, batch.sequence, batch.seed)
+        logp = direct_logp(model, config, batch.sequence, batch.seeds)
         part, count, _ = objectives.policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,
                                                 clip_high=0.28, normalization=normalization)
         total, normalizer = total + part, normalizer + count
