@@ -59,7 +59,7 @@ def _add_mode_args(g) -> None:
                         "diffusion loss (Megatron-Bridge's Nemotron Diffusion weighs DLM 0.3 and AR 1.0, i.e. "
                         "W = 3.33 up to the learning rate). Rides on --difflm-block-diffusion's clean half, which "
                         "becomes token-causal: no second forward, the model decodes both autoregressively and by "
-                        "diffusion. Each term is logged. Needs --difflm-loss-normalizer tokens.")
+                        "diffusion. Each term is logged. Needs --difflm-loss-normalizer tokens or sequence.")
     g.add_argument("--difflm-confidence-loss-weight", type=float, default=0.0, metavar="LAMBDA",
                    help="LLaDA 2.0's confidence-aware (CAP) training: add LAMBDA times the entropy of the predicted "
                         "distribution at the masked positions whose argmax is already right, so threshold decoding "

@@ -31,6 +31,8 @@ MODES = {
     # The joint AR + DLM objective on packed documents, with EOD's next-token loss masked.
     "joint_ar": BD3 + ["--difflm-ar-loss-weight", "0.5", "--reset-attention-mask", "--reset-position-ids",
                        "--eod-mask-loss"],
+    # The joint objective under LLaDA's per-sequence normalization (each row's mean, then the mean over rows).
+    "joint_ar_sequence": BD3 + ["--difflm-ar-loss-weight", "0.5", "--difflm-loss-normalizer", "sequence"],
     # The confidence-aware loss (the vocabulary-parallel entropy under TP), with the shift mode's alignment and
     # on the joint objective's noisy half (in the Llama style some masked tokens are right by step 3).
     "cap_shift": ["--model-running-mode", "difflm-shift", "--difflm-confidence-loss-weight", "0.5"],
@@ -40,7 +42,7 @@ CASES = [("megatron", "uniform", ()), ("megatron", "antithetic_bos_varilen", ())
          ("llama", "antithetic_bos_varilen", ()), ("megatron", "two_sided_window", ())]
 T_CASES = [("llama", "beta_t_blocks", ()), ("megatron", "logit_normal_t", ()), ("megatron", "block_curriculum", ()),
            ("llama", "block_curriculum", ()), ("megatron", "joint_ar", ()), ("llama", "joint_ar", ()),
-           ("llama", "cap_shift", ()), ("llama", "joint_ar_cap", ())]
+           ("llama", "cap_shift", ()), ("llama", "joint_ar_cap", ()), ("megatron", "joint_ar_sequence", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES + T_CASES,
                                 False),
                      "dp2": (2, [], CASES, True),

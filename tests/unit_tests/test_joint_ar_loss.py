@@ -62,6 +62,34 @@ def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term(masked_
     torch.testing.assert_close(logits[:, L:], ar_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_under_the_sequence_normalizer_both_terms_are_means_of_row_means():
+    """LLaDA's per-sequence normalization (its SFT recipe): each row's diffusion sum over its maskable
+    tokens, each row's next-token sum over its next-token positions, both then averaged over the rows."""
+    model = joint_model(loss_normalizer="sequence")
+    x0 = tokens(batch=3, seq=L)
+    mask = torch.ones(3, L, dtype=torch.bool)
+    mask[1, 10:] = False  # a row whose tail carries no loss (padding)
+    ours = objective.compute_loss(model, x0, loss_mask=mask)
+    corruption = ours.corruption
+    x_in = torch.cat([corruption.noisy_input_ids, x0], dim=1)
+    positions = torch.arange(L).repeat(2).expand(3, 2 * L)
+    logits = model.inference_forward(x_in, positions, joint_mask(L, B).expand(3, 2 * L, 2 * L)).float()
+    vocab = logits.shape[-1]
+    noisy_ce = F.cross_entropy(logits[:, :L].reshape(-1, vocab), x0.reshape(-1), reduction="none").view(3, L)
+    next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1),
+                              reduction="none").view(3, L - 1)
+    diffusion_rows, ar_rows = [], []
+    for row in range(3):
+        maskable = mask[row]
+        masked = corruption.masked_positions[row] & maskable
+        diffusion_rows.append((noisy_ce[row] * masked / corruption.p_mask[row]).sum() / maskable.sum())
+        targets = mask[row, 1:]  # position i predicts token i + 1 where that token may carry a loss
+        ar_rows.append(W * (next_ce[row] * targets).sum() / targets.sum())
+    torch.testing.assert_close(ours.terms["ar loss"], torch.stack(ar_rows).mean(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ours.loss, torch.stack(diffusion_rows).mean() + torch.stack(ar_rows).mean(),
+                               rtol=1e-6, atol=1e-7)
+
+
 def test_ar_weights_follow_the_loss_mask_of_the_next_token():
     dlm = dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=2.0)
     mask = torch.tensor([[True, True, False, True, True], [False, True, True, True, False]])
@@ -124,7 +152,7 @@ def test_training_logs_both_terms_and_accumulation_equals_one_big_batch(runtime)
 
 @pytest.mark.parametrize("extra, message", [
     (["--difflm-ar-loss-weight", "0.5"], "rides on block diffusion"),
-    (JOINT + ["--difflm-loss-normalizer", "masked"], "loss_normalizer 'tokens'"),
+    (JOINT + ["--difflm-loss-normalizer", "masked"], "use loss_normalizer 'tokens' or 'sequence'"),
     (["--difflm-block-diffusion", "--difflm-block-size", "8", "--difflm-ar-loss-weight", "-1"], ">= 0"),
 ])
 def test_bad_joint_flags_are_one_line(extra, message, capsys):

@@ -314,7 +314,8 @@ class DLMConfig:
     next-token loss of the clean tokens to the diffusion loss, in one forward. Needs block_diffusion:
     the clean half of [x_t ; x_0] is then token-causal (`causal_clean_half`), so its output at i is an
     AR model's prediction of token i + 1; the noisy blocks see the clean blocks before them as before.
-    The AR sum is divided by the diffusion term's normalizer (loss_normalizer tokens: per loss token)."""
+    The AR sum shares the diffusion term's normalizer: tokens (per loss token) or sequence (each row's mean,
+    then the mean over rows); masked is refused."""
     confidence_loss_weight: float = 0.0
     """LLaDA 2.0's confidence-aware (CAP) training: lambda > 0 adds lambda times the entropy of the
     predictive distribution at each masked position whose argmax is already the clean token (the
@@ -494,9 +495,10 @@ class DLMConfig:
         if not self.block_diffusion:
             raise ValueError(f"{owner}.ar_loss_weight rides on block diffusion's clean half; add "
                              "--difflm-block-diffusion (a block size equal to --seq-length is plain MDLM)")
-        if self.loss_normalizer != "tokens":
-            raise ValueError(f"{owner}.ar_loss_weight divides the AR sum by the diffusion term's normalizer, a "
-                             f"per-token mean only under loss_normalizer 'tokens', not {self.loss_normalizer!r}")
+        if self.loss_normalizer == "masked":
+            raise ValueError(f"{owner}.ar_loss_weight shares the diffusion term's normalizer: a mean over tokens "
+                             "or sequences, not over masked tokens (which the next-token term has none of); use "
+                             "loss_normalizer 'tokens' or 'sequence'")
 
     def _validate_confidence_loss(self, owner: str) -> None:
         if not 0.0 < self.confidence_loss_weight < float("inf"):

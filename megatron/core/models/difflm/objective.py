@@ -175,10 +175,16 @@ def loss_parts(dlm: DLMConfig) -> Tuple[str, ...]:
 def joint_ar_weights(input_ids: torch.Tensor, dlm: DLMConfig,
                      loss_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The joint AR + DLM objective's next-token weights of a clean [b, L] batch
-    (block_diffusion.ar_loss_weights under DLMConfig.ar_loss_weight; None without the joint term)."""
+    (block_diffusion.ar_loss_weights under DLMConfig.ar_loss_weight; None without the joint term). Under
+    the `sequence` normalizer each row's weights are divided by its count of next-token positions, as the
+    diffusion term's by its maskable tokens: the term is then W times the mean over rows of each row's
+    mean next-token loss."""
     if not dlm.causal_clean_half:
         return None
-    return block_diffusion.ar_loss_weights(dlm.ar_loss_weight, loss_mask, input_ids)
+    weights = block_diffusion.ar_loss_weights(dlm.ar_loss_weight, loss_mask, input_ids)
+    if dlm.loss_normalizer == "sequence":
+        weights = weights / (weights != 0).sum(dim=1, keepdim=True).clamp(min=1)
+    return weights
 
 
 def confidence_weights(dlm: DLMConfig, loss_weights: Optional[torch.Tensor], query: torch.Tensor,
