@@ -35,6 +35,20 @@ def joint_mask(length: int, block: int) -> torch.Tensor:
     return allowed
 
 
+def reference_losses(model, corruption, x0):
+    """(per-token CE of the noisy half [b, L], next-token CE of the clean half [b, L - 1]) from the logits of
+    [x_t ; x_0] under `joint_mask`, and those logits."""
+    rows = x0.shape[0]
+    x_in = torch.cat([corruption.noisy_input_ids, x0], dim=1)
+    positions = torch.arange(L).repeat(2).expand(rows, 2 * L)
+    logits = model.inference_forward(x_in, positions, joint_mask(L, B).expand(rows, 2 * L, 2 * L)).float()
+    vocab = logits.shape[-1]
+    noisy_ce = F.cross_entropy(logits[:, :L].reshape(-1, vocab), x0.reshape(-1), reduction="none").view(rows, L)
+    next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1),
+                              reduction="none").view(rows, L - 1)
+    return noisy_ce, next_ce, logits
+
+
 def joint_model(**changes):
     return build(dlm=dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=W, **changes))
 
@@ -46,14 +60,9 @@ def test_the_loss_is_the_diffusion_term_plus_w_times_the_next_token_term(masked_
     key = objective.CorruptionKey.for_batch(5, iteration=2, global_batch_size=6, first_sample_index=9, batch_size=3)
     ours = objective.compute_loss(model, x0, key)
     corruption = ours.corruption
-    x_in = torch.cat([corruption.noisy_input_ids, x0], dim=1)
-    positions = torch.arange(L).repeat(2).expand(3, 2 * L)
-    logits = model.inference_forward(x_in, positions, joint_mask(L, B).expand(3, 2 * L, 2 * L)).float()
-    vocab = logits.shape[-1]
-    noisy_ce = F.cross_entropy(logits[:, :L].reshape(-1, vocab), x0.reshape(-1), reduction="none").view(3, L)
+    noisy_ce, next_ce, logits = reference_losses(model, corruption, x0)
     diffusion_term = (noisy_ce * corruption.masked_positions / corruption.p_mask).sum() / (3 * L)
-    next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1), reduction="sum")
-    ar_term = W * next_ce / (3 * L)  # the last clean token has no next token; one normalizer, B * L
+    ar_term = W * next_ce.sum() / (3 * L)  # the last clean token has no next token; one normalizer, B * L
     torch.testing.assert_close(ours.terms["ar loss"], ar_term, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours.loss, diffusion_term + ar_term, rtol=1e-6, atol=1e-7)
     # The clean half is an AR model's forward: the same logits as a causal forward of x_0 alone.
@@ -71,13 +80,7 @@ def test_under_the_sequence_normalizer_both_terms_are_means_of_row_means():
     mask[1, 10:] = False  # a row whose tail carries no loss (padding)
     ours = objective.compute_loss(model, x0, loss_mask=mask)
     corruption = ours.corruption
-    x_in = torch.cat([corruption.noisy_input_ids, x0], dim=1)
-    positions = torch.arange(L).repeat(2).expand(3, 2 * L)
-    logits = model.inference_forward(x_in, positions, joint_mask(L, B).expand(3, 2 * L, 2 * L)).float()
-    vocab = logits.shape[-1]
-    noisy_ce = F.cross_entropy(logits[:, :L].reshape(-1, vocab), x0.reshape(-1), reduction="none").view(3, L)
-    next_ce = F.cross_entropy(logits[:, L:2 * L - 1].reshape(-1, vocab), x0[:, 1:].reshape(-1),
-                              reduction="none").view(3, L - 1)
+    noisy_ce, next_ce, _ = reference_losses(model, corruption, x0)
     diffusion_rows, ar_rows = [], []
     for row in range(3):
         maskable = mask[row]
