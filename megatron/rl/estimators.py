@@ -6,6 +6,9 @@ completion (T tokens); the result is `[B, T]`, one value per completion token.
 
 - `ar` (GRPO on an autoregressive policy; JustGRPO's AR-order decoding of a DLM takes the same path on
   a joint AR + DLM model): exact, log p(y_j | prompt, y_<j) from one causal forward.
+- `ar_order` (JustGRPO: GRPO in AR order): exact for a block-diffusion policy decoded left to right: its
+  [x_t ; x_0] forward at blocks of 1, the completion masked in x_t, so token j sees the clean tokens before
+  it and nothing after, log p(y_j | prompt, y_<j) for every j in one forward.
 - `diffu_grpo` (d1): a one-step estimate for a masked-diffusion policy: the whole completion masked, each
   prompt token masked with probability `prompt_mask_prob` (a fresh draw each inner step, which d1 uses
   as a regulariser), log p(y_j | the partly masked prompt) read at every completion position in one
@@ -29,10 +32,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["ESTIMATORS", "EstimatorBatch", "estimator_batch", "completion_logprobs", "ar_logprobs",
-           "diffu_grpo_logprobs", "coupled_logprobs"]
+__all__ = ["ESTIMATORS", "EstimatorBatch", "estimator_batch", "completion_logprobs", "check_policy", "ar_logprobs",
+           "ar_order_logprobs", "diffu_grpo_logprobs", "coupled_logprobs"]
 
-ESTIMATORS = ("ar", "diffu_grpo", "coupled")
+ESTIMATORS = ("ar", "ar_order", "diffu_grpo", "coupled")
 
 
 @dataclass
@@ -47,6 +50,8 @@ class EstimatorBatch:
     loss_weights: torch.Tensor
     """float32 [R, P + T]: 1 at the positions whose log p is read."""
     prompt_length: int
+    block_size: Optional[int] = None
+    """The forward's blocks (GPTModel.forward(block_size=)): 1 for `ar_order`; None: the model's own."""
 
 
 def _check(sequence: torch.Tensor, prompt_length: int) -> int:
@@ -70,6 +75,11 @@ def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_
         return EstimatorBatch(kind, sequence, torch.roll(sequence, shifts=-1, dims=1), weights, prompt_length)
     if not isinstance(mask_token_id, int):
         raise ValueError(f"the {kind} estimator masks tokens: give the mask token id")
+    if kind == "ar_order":  # block diffusion at blocks of 1: token j sees the clean tokens before it, exactly
+        scored = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
+        scored[:, prompt_length:] = True
+        return EstimatorBatch(kind, sequence.masked_fill(scored, mask_token_id), sequence, scored.to(torch.float32),
+                              prompt_length, block_size=1)
     if kind == "diffu_grpo":
         hidden = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
         draw = torch.stack([torch.rand(prompt_length, generator=row) for row in generators]).to(sequence.device)
@@ -126,15 +136,35 @@ def completion_logprobs(batch: EstimatorBatch, per_token: torch.Tensor) -> torch
 def ar_logprobs(model, sequence: torch.Tensor, prompt_length: int) -> torch.Tensor:
     """[B, T] exact log p(y_j | prompt, y_<j) of the completion under a causal forward (an AR policy)."""
     batch = estimator_batch("ar", sequence, prompt_length)
+    check_policy("ar", model.dlm_config)
     per_token, _ = model.vanilla_forward(batch.input_ids, labels=batch.labels, loss_weights=batch.loss_weights,
                                          loss_normalizer=1.0)
     return completion_logprobs(batch, per_token)
 
 
+def check_policy(kind: str, dlm) -> None:
+    """ValueError unless estimator `kind` applies to a policy of DLMConfig `dlm`."""
+    if kind == "ar" and dlm.is_diffusion:
+        raise ValueError(f"the ar estimator reads a causal forward: the policy is {dlm.model_running_mode}; use "
+                         "ar_order (block diffusion), diffu_grpo or coupled")
+    if kind != "ar" and not dlm.is_diffusion:
+        raise ValueError(f"the {kind} estimator masks tokens for a diffusion policy; an autoregressive one uses ar")
+    if kind == "ar_order" and not dlm.block_diffusion:
+        raise ValueError("the ar_order estimator reads block diffusion at blocks of 1; this policy is not a "
+                         "block-diffusion model (--difflm-block-diffusion): use diffu_grpo or coupled")
+
+
 def _difflm_logprobs(model, batch: EstimatorBatch) -> torch.Tensor:
+    check_policy(batch.kind, model.dlm_config)
     output = model.difflm_forward(batch.input_ids, labels=batch.labels, loss_weights=batch.loss_weights,
-                                  loss_normalizer=1.0)
+                                  loss_normalizer=1.0, block_size=batch.block_size)
     return completion_logprobs(batch, output[0])
+
+
+def ar_order_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int) -> torch.Tensor:
+    """[B, T] exact log p(y_j | prompt, y_<j) of a block-diffusion policy decoded left to right (JustGRPO's
+    AR order): its [x_t ; x_0] forward at blocks of 1 with the completion masked, one forward."""
+    return _difflm_logprobs(model, estimator_batch("ar_order", sequence, prompt_length, mask_token_id))
 
 
 def diffu_grpo_logprobs(model, sequence: torch.Tensor, prompt_length: int, mask_token_id: int,

@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, completion_logprobs, estimator_batch
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, check_policy, completion_logprobs, estimator_batch
 from megatron.rl.objectives import NORMALIZATIONS, policy_loss
 
 __all__ = ["RLConfig", "RolloutBatch", "rl_forward_step"]
@@ -79,8 +80,10 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
     estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
                                prompt_mask_prob=config.prompt_mask_prob,
                                seeds=batch.seeds)
+    check_policy(config.estimator, unwrap(model).dlm_config)
+    blocks = {} if estimate.block_size is None else {"block_size": estimate.block_size}
     output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
-                   loss_normalizer=1.0)
+                   loss_normalizer=1.0, **blocks)
     return output, partial(rl_loss_func, batch, estimate, config)
 
 

@@ -11,9 +11,9 @@ from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_con
 P, T = 5, 7
 
 
-def logp_of(model, ids, mask, targets):
+def logp_of(model, ids, mask, targets, positions=None):
     """log p(targets) at every position of `ids` under the explicit [B, L, L] visibility `mask`."""
-    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if positions is None else positions
     logits = model.inference_forward(ids, positions, mask).float()
     return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
 
@@ -79,3 +79,41 @@ def test_a_rows_estimate_does_not_depend_on_the_rows_beside_it(estimator):
     halves = torch.cat([run(model, sequence[:2], P, MASK_ID, seeds=seeds[:2]),
                         run(model, sequence[2:], P, MASK_ID, seeds=seeds[2:])])
     torch.testing.assert_close(whole, halves, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ar_loss_weight", [0.0, 1.0], ids=["block_diffusion", "joint"])
+def test_ar_order_reads_each_token_given_the_clean_tokens_before_it(ar_loss_weight):
+    """A block-diffusion policy at blocks of 1: the masked completion token j sees itself and the clean
+    tokens before it (the clean half causal within a block of 1 either way), so one forward gives the
+    exact left-to-right log p(y_j | prompt, y_<j)."""
+    model = build(config=tiny_config(init_method_std=0.5),
+                  dlm=dlm_config(block_diffusion=True, block_size=4, ar_loss_weight=ar_loss_weight))
+    sequence = tokens(batch=2, seq=P + T)
+    ours = estimators.ar_order_logprobs(model, sequence, P, MASK_ID)
+    length = P + T
+    noisy = sequence.clone()
+    noisy[:, P:] = MASK_ID
+    allowed = torch.zeros(2 * length, 2 * length, dtype=torch.bool)  # BD3's rule at blocks of 1, written out
+    for q in range(2 * length):
+        for k in range(2 * length):
+            qi, ki = q % length, k % length
+            if q < length:  # a noisy token: itself, and the clean tokens before it
+                allowed[q, k] = ki == qi if k < length else ki < qi
+            else:  # a clean token: the clean tokens up to itself
+                allowed[q, k] = k >= length and ki <= qi
+    both = torch.cat([noisy, sequence], dim=1)
+    positions = torch.arange(length).repeat(2).expand(2, -1)  # [x_t ; x_0] repeats the positions
+    reference = logp_of(model, both, allowed.expand(2, -1, -1), torch.cat([sequence, sequence], dim=1),
+                        positions)[:, P:length]
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_an_estimator_the_policy_cannot_serve_is_refused():
+    plain = build(dlm=dlm_config())
+    with pytest.raises(ValueError, match="not a block-diffusion model"):
+        estimators.ar_order_logprobs(plain, tokens(batch=1, seq=P + T), P, MASK_ID)
+    with pytest.raises(ValueError, match="reads a causal forward"):
+        estimators.ar_logprobs(plain, tokens(batch=1, seq=P + T), P)
+    with pytest.raises(ValueError, match="an autoregressive one uses ar"):
+        estimators.diffu_grpo_logprobs(build(dlm=dlm_config(model_running_mode="vanilla")), tokens(batch=1, seq=P + T),
+                                       P, MASK_ID)

@@ -32,16 +32,18 @@ def rollouts(model, config, seeds):
 def direct_logp(model, config, sequence, seeds):
     if config.estimator == "ar":
         return estimators.ar_logprobs(model, sequence, P)
+    if config.estimator == "ar_order":
+        return estimators.ar_order_logprobs(model, sequence, P, MASK_ID)
     if config.estimator == "coupled":
         return estimators.coupled_logprobs(model, sequence, P, MASK_ID, seeds=seeds)
     return estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, config.prompt_mask_prob, seeds)
 
 
 @pytest.mark.parametrize("estimator, normalization", [("diffu_grpo", "sequence"), ("coupled", "token"),
-                                                      ("ar", "sequence")])
+                                                      ("ar", "sequence"), ("ar_order", "token")])
 def test_the_scheduled_update_equals_the_whole_batch_policy_loss(estimator, normalization):
-    mode = "vanilla" if estimator == "ar" else "difflm-noshift"
-    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(model_running_mode=mode)).train()
+    policy = {"ar": dict(model_running_mode="vanilla"), "ar_order": dict(block_diffusion=True, block_size=2)}
+    model = build(config=tiny_config(init_method_std=0.5), dlm=dlm_config(**policy.get(estimator, {}))).train()
     config = RLConfig(estimator=estimator, mask_token_id=MASK_ID, normalization=normalization,
                       clip_high=0.28).validate()
     batches = rollouts(model, config, seeds=torch.tensor([11, 12, 13, 14]))
@@ -62,6 +64,15 @@ def test_the_scheduled_update_equals_the_whole_batch_policy_loss(estimator, norm
     for got, param in zip(scheduled, params):  # the loop divides the summed gradients once, by the normalizer
         scale = param.grad.abs().max().item()
         torch.testing.assert_close(got / float(normalizer), param.grad, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_the_step_refuses_an_estimator_the_policy_cannot_serve():
+    model = build(dlm=dlm_config())
+    config = RLConfig(estimator="ar_order", mask_token_id=MASK_ID).validate()
+    batch = RolloutBatch(tokens(batch=1, seq=P + T), P, torch.ones(1, T, dtype=torch.bool), torch.ones(1),
+                         torch.zeros(1, T), torch.tensor([1]))
+    with pytest.raises(ValueError, match="not a block-diffusion model"):
+        rl_forward_step(batch, model, config)
 
 
 def test_bad_rl_settings_name_the_field():
