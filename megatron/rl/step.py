@@ -80,7 +80,11 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
     estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
                                prompt_mask_prob=config.prompt_mask_prob,
                                seeds=batch.seeds)
-    check_policy(config.estimator, unwrap(model).dlm_config)
+    inner = unwrap(model)
+    check_policy(config.estimator, inner.dlm_config)
+    if inner.context.active:
+        raise ValueError("the RL step reads each completion's per-token losses whole, which context parallelism "
+                         "splits over ranks: use --context-parallel-size 1 for RL")
     blocks = {} if estimate.block_size is None else {"block_size": estimate.block_size}
     output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
                    loss_normalizer=1.0, **blocks)

@@ -7,6 +7,7 @@ assembled to its full, layout-independent shape from all ranks' sharded descript
 same `sharded_state_dict` checkpoints use).
 """
 
+import importlib
 import os
 import socket
 import sys
@@ -119,10 +120,13 @@ def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(value, torch.Tensor))
 
 
-def _train_and_capture(argv: list, runtime) -> dict:
-    config = parse_run_config(argv, add_difflm_args)
-    trainer = build_trainer(config, runtime, pretrain_difflm.train_valid_test_datasets_provider,
-                            pretrain_difflm.model_provider, pretrain_difflm.forward_step)
+def _train_and_capture(argv: list, runtime, entry: str = "pretrain_difflm") -> dict:
+    """Train `argv` with the providers and forward step of module `entry` (pretrain_difflm, or a suite's own
+    entry: its `extra_args_provider`, default add_difflm_args) and capture what the suites compare."""
+    module = pretrain_difflm if entry == "pretrain_difflm" else importlib.import_module(entry)
+    config = parse_run_config(argv, getattr(module, "extra_args_provider", add_difflm_args))
+    trainer = build_trainer(config, runtime, module.train_valid_test_datasets_provider, module.model_provider,
+                            module.forward_step)
     model, shards, named, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
 
     def capturing_step(*a, **k):
@@ -144,13 +148,13 @@ def _train_and_capture(argv: list, runtime) -> dict:
             "float8_layers": sum(isinstance(module, Float8Gemm) for module in model.modules())}
 
 
-def _worker(rank: int, world_size: int, port: int, argvs: list, out_path: str) -> None:
+def _worker(rank: int, world_size: int, port: int, argvs: list, out_path: str, entry: str = "pretrain_difflm") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     runtime = initialize_distributed("gloo")
     # One process group serves every configuration: spawning costs more than a tiny training.
-    torch.save([_train_and_capture(argv, runtime) for argv in argvs], f"{out_path}.{rank}")
+    torch.save([_train_and_capture(argv, runtime, entry) for argv in argvs], f"{out_path}.{rank}")
 
 
 def _assemble(result: dict) -> dict:
@@ -161,10 +165,10 @@ def _assemble(result: dict) -> dict:
     return full
 
 
-def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
+def run_many(world_size: int, argvs: list, tmp_path, name: str, entry: str = "pretrain_difflm") -> list:
     """`run` for several configurations, trained one after the other in the same processes."""
     out = str(tmp_path / name)
-    start_workers(_worker, (world_size, free_port(), argvs, out), world_size)
+    start_workers(_worker, (world_size, free_port(), argvs, out, entry), world_size)
     per_rank = [torch.load(f"{out}.{rank}") for rank in range(world_size)]
     results = []
     for index in range(len(argvs)):
@@ -181,8 +185,8 @@ def run_many(world_size: int, argvs: list, tmp_path, name: str) -> list:
     return results
 
 
-def run(world_size: int, argv: list, tmp_path, name: str) -> dict:
-    return run_many(world_size, [argv], tmp_path, name)[0]
+def run(world_size: int, argv: list, tmp_path, name: str, entry: str = "pretrain_difflm") -> dict:
+    return run_many(world_size, [argv], tmp_path, name, entry)[0]
 
 
 def assert_same_training(reference: dict, parallel: dict, by_name: bool = False) -> None:
@@ -215,15 +219,16 @@ class LayoutCases:
     world size trains in one set of processes (each configuration builds its own groups), since
     spawning costs more than a tiny training."""
 
-    def __init__(self, layouts: dict, argv_of):
-        self.layouts, self.argv_of = layouts, argv_of
+    def __init__(self, layouts: dict, argv_of, entry: str = "pretrain_difflm"):
+        self.layouts, self.argv_of, self.entry = layouts, argv_of, entry
         self.cases = list(dict.fromkeys(case for _, _, cases, _ in layouts.values() for case in cases))
 
     def world_sizes(self) -> list:
         return sorted({spec[0] for spec in self.layouts.values()})
 
     def references(self, tmp_path) -> dict:
-        return dict(zip(self.cases, run_many(1, [self.argv_of(*case) for case in self.cases], tmp_path, "reference")))
+        argvs = [self.argv_of(*case) for case in self.cases]
+        return dict(zip(self.cases, run_many(1, argvs, tmp_path, "reference", self.entry)))
 
     def references_fixture(self):
         """A module-scoped pytest fixture training every case once in one process: a suite's test
@@ -240,7 +245,7 @@ class LayoutCases:
         runs = [(name, case) for name, (size, _, cases, _) in self.layouts.items() if size == world_size
                 for case in cases]
         argvs = [self.argv_of(*case) + self.layouts[name][1] for name, case in runs]
-        results, by_layout = run_many(world_size, argvs, tmp_path, f"world{world_size}"), {}
+        results, by_layout = run_many(world_size, argvs, tmp_path, f"world{world_size}", self.entry), {}
         for (name, case), result in zip(runs, results):
             by_layout.setdefault(name, []).append(result)
             try:

@@ -75,6 +75,17 @@ def test_the_step_refuses_an_estimator_the_policy_cannot_serve():
         rl_forward_step(batch, model, config)
 
 
+def test_context_parallelism_is_refused_with_one_line():
+    from types import SimpleNamespace
+
+    model = build(dlm=dlm_config())
+    model.context = SimpleNamespace(active=True)  # a rank holding part of each sequence
+    batch = RolloutBatch(tokens(batch=1, seq=P + T), P, torch.ones(1, T, dtype=torch.bool), torch.ones(1),
+                         torch.zeros(1, T), torch.tensor([1]))
+    with pytest.raises(ValueError, match="--context-parallel-size 1 for RL"):
+        rl_forward_step(batch, model, RLConfig(mask_token_id=MASK_ID))
+
+
 def test_bad_rl_settings_name_the_field():
     with pytest.raises(ValueError, match="estimator='grpo'"):
         RLConfig(estimator="grpo").validate()
