@@ -45,6 +45,10 @@ from typing import Optional
 from megatron.core.models.difflm.objective import output_layer_positions
 from megatron.core.transformer.transformer_config import MASK_TYPE_ALIASES, DLMConfig, TransformerConfig
 
+JOINT_BLOCK_DIFFUSION = "block_diffusion_causal_clean"
+"""The attention the joint AR + DLM objective executes (DLMConfig.causal_clean_half): block diffusion's over
+[x_t ; x_0] with a token-causal clean half; a FLOPs count's mask type, no model's."""
+
 # Dense (no structured sparsity) tensor-core peaks in TFLOP/s, from the vendors' data sheets.
 # Keys are matched as case-insensitive substrings of torch.cuda.get_device_name(); the longest
 # matching key wins, so "H100 PCIe" is preferred over "H100" for the PCIe card.
@@ -75,10 +79,12 @@ def attention_keys_per_query(mask_type: str, seq_length: int, block_size: Option
         return float(seq_length)
     if mask_type == "causal":
         return seq_length / 2.0
-    if mask_type in ("block_causal", "block_diffusion"):  # block_diffusion: seq_length is the noisy L
+    if mask_type in ("block_causal", "block_diffusion", JOINT_BLOCK_DIFFUSION):  # block diffusion: the noisy L
         if not block_size or block_size <= 0 or seq_length % block_size:
             raise ValueError(f"block_size={block_size!r} must be a positive divisor of seq_length="
                              f"{seq_length} for block_causal; pass the --block-size of the run")
+        if mask_type == JOINT_BLOCK_DIFFUSION:  # noisy queries (s + B) / 2 keys, clean ones causal: s / 2
+            return (2.0 * seq_length + block_size) / 4.0
         # Query in block b (0-based) sees (b + 1) * B keys; averaging over n = s/B blocks
         # gives B * (n + 1) / 2 = (s + B) / 2.
         return (seq_length + block_size) / 2.0
@@ -96,7 +102,7 @@ def attention_keys_per_query(mask_type: str, seq_length: int, block_size: Option
         total = ramp * (ramp + 1) / 2.0 + (seq_length - ramp) * window
         return total / seq_length
     raise ValueError(f"mask_type={mask_type!r} is not one of no_mask, causal, block_causal, "
-                     "block_diffusion, sliding_window, sliding_window_two_sided")
+                     f"block_diffusion, {JOINT_BLOCK_DIFFUSION}, sliding_window, sliding_window_two_sided")
 
 
 def forward_flops_breakdown(config: TransformerConfig, seq_length: int, mask_type: str = "no_mask",
@@ -144,7 +150,7 @@ def forward_flops_per_token(config: TransformerConfig, seq_length: int, mask_typ
     """Forward matmul FLOPs for one token of a `seq_length` sequence (see the module doc); under
     block_diffusion, per token of the L-token sample (its forward runs 2L tokens)."""
     terms = forward_flops_breakdown(config, seq_length, mask_type, block_size, window)
-    if mask_type == "block_diffusion":
+    if mask_type in ("block_diffusion", JOINT_BLOCK_DIFFUSION):
         return 2.0 * (sum(terms.values()) - terms["output_layer"]) + terms["output_layer"]
     return sum(terms.values())
 
@@ -174,7 +180,8 @@ def executed_flops_per_iteration(config: TransformerConfig, dlm: DLMConfig, seq_
                                  global_batch_size: int) -> float:
     """The model FLOPs a training step of this objective executes: its mask's attention, and the
     output layer at the positions the loss takes logits at (see the module doc)."""
-    return training_flops_per_iteration(config, seq_length, global_batch_size, mask_type=dlm.effective_mask_type,
+    mask_type = JOINT_BLOCK_DIFFUSION if dlm.causal_clean_half else dlm.effective_mask_type
+    return training_flops_per_iteration(config, seq_length, global_batch_size, mask_type=mask_type,
                                         block_size=dlm.block_size, window=config.sliding_window,
                                         output_positions=output_layer_positions(dlm, seq_length))
 

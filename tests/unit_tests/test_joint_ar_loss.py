@@ -238,3 +238,19 @@ def test_use_checkpoint_args_keeps_a_joint_checkpoints_causal_clean_half(tmp_pat
                       add_difflm_args, world_size=1)
     assert args.dlm_config.block_diffusion and args.dlm_config.ar_loss_weight == W
     assert args.dlm_config.causal_clean_half
+
+
+def test_the_flops_count_the_causal_clean_half():
+    """The joint mask's keys per query: its dense density, less the quarter key Megatron's s/2 convention
+    for causal attention leaves out (the clean half's exact mean is (s + 1) / 2); the step counts it."""
+    from megatron.training import flops
+
+    density = joint_mask(L, B).sum().item() / (2 * L)
+    assert flops.attention_keys_per_query(flops.JOINT_BLOCK_DIFFUSION, L, B) == density - 0.25
+    assert flops.attention_keys_per_query(flops.JOINT_BLOCK_DIFFUSION, L, B) < flops.attention_keys_per_query(
+        "block_diffusion", L, B)
+    config = tiny_config()
+    joint = dlm_config(block_diffusion=True, block_size=B, ar_loss_weight=W)
+    expected = flops.training_flops_per_iteration(config, L, 2, mask_type=flops.JOINT_BLOCK_DIFFUSION, block_size=B,
+                                                  output_positions=2 * L - 1)
+    assert flops.executed_flops_per_iteration(config, joint, L, 2) == expected
