@@ -12,8 +12,6 @@ for byte. An existing --output is kept unless --force is given; bad input is one
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import sys
 from typing import List, Optional
@@ -46,15 +44,6 @@ def get_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def write_chat_records(records, path: str) -> int:
-    """The tasks as SFT chat records (tasks.sft_record), JSON Lines, gzip by the name; returns the count."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(tasks.sft_record(record)) + "\n")
-    return len(records)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """Generates and writes the tasks; returns the exit status."""
     args = get_args(argv)
@@ -66,7 +55,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return fail(f"--output {args.output} exists; pass --force to overwrite it, or give another path")
     try:
         records = tasks.generate_tasks(args.kind, args.count, args.seed)
-        written = (write_chat_records(records, args.output) if args.sft else tasks.write_tasks(records, args.output))
+        written = (tasks.write_json_lines(map(tasks.sft_record, records), args.output) if args.sft
+                   else tasks.write_tasks(records, args.output))
     except (InputError, OSError) as error:
         return fail(f"--output {args.output}: {error}" if isinstance(error, OSError) else str(error))
     print(f"wrote {args.output}: {written} {args.kind} tasks (seed {args.seed})")

@@ -31,9 +31,17 @@ block_schedule 20000 "0:1,400:4,800:32,1200:64,1600:4096,18000:32"
 MODEL_ARGS=("${QWEN3_1P7B_SHAPE[@]}")
 if [[ -n "${HF_MODEL:-}" ]]; then
     INIT_CHECKPOINT=${INIT_CHECKPOINT:-$HF_MODEL-megadlms}
+    if [[ -e "$INIT_CHECKPOINT" && ! -f "$INIT_CHECKPOINT/latest_checkpointed_iteration.txt" ]]; then
+        echo "INIT_CHECKPOINT=$INIT_CHECKPOINT exists but holds no checkpoint; remove it or point INIT_CHECKPOINT" \
+             "elsewhere" >&2
+        exit 2
+    fi
     if [[ ! -f "$INIT_CHECKPOINT/latest_checkpointed_iteration.txt" && "${CHECK_ONLY:-0}" != 1 ]]; then
+        # converted beside it, then renamed: a conversion that dies half-way leaves no half checkpoint behind
+        rm -rf "$INIT_CHECKPOINT.new"
         python "$ROOT_DIR/tools/weights_conversion/hf_to_megatron.py" --hf-path "$HF_MODEL" \
-            --save "$INIT_CHECKPOINT" --model-running-mode difflm-noshift --mask-token-id "${MASK_TOKEN:-151669}"
+            --save "$INIT_CHECKPOINT.new" --model-running-mode difflm-noshift --mask-token-id "${MASK_TOKEN:-151669}"
+        mv "$INIT_CHECKPOINT.new" "$INIT_CHECKPOINT"
     fi
     if [[ -z "${CHECKPOINT_PATH:-}" || ! -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]]; then
         MODEL_ARGS=(--load "$INIT_CHECKPOINT" --finetune --use-checkpoint-args --seq-length 4096

@@ -200,10 +200,15 @@ def load_tasks(path) -> List[TaskRecord]:
 
 
 def write_tasks(records: Iterable[TaskRecord], path) -> int:
-    """Writes `records` to `path` as JSON Lines, gzipped when it ends in .gz, under a temporary name
-    renamed into place; returns how many were written."""
+    """Writes `records` to `path` as a task file (write_json_lines); returns how many were written."""
+    return write_json_lines([record.fields() for record in records], path)
+
+
+def write_json_lines(rows: Iterable[Dict[str, Any]], path) -> int:
+    """Writes `rows` to `path` as JSON Lines, gzipped when it ends in .gz, under a temporary name renamed
+    into place (a process dying half-way leaves any earlier file whole); returns how many were written."""
     path = os.fspath(path)
-    lines = [json.dumps(record.fields(), ensure_ascii=False) + "\n" for record in records]
+    lines = [json.dumps(row, ensure_ascii=False) + "\n" for row in rows]
     data = "".join(lines).encode("utf-8")
     if path.endswith(".gz"):
         data = gzip.compress(data, mtime=0)  # the same tasks, the same bytes

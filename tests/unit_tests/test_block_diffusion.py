@@ -15,8 +15,9 @@ from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_con
 L, B = 16, 4
 
 
-def paper_mask(length: int, block: int) -> torch.Tensor:
-    """[2L, 2L] visibility over [x_t ; x_0], written out rule by rule from BD3-LM's definition."""
+def paper_mask(length: int, block: int, causal_clean: bool = False) -> torch.Tensor:
+    """[2L, 2L] visibility over [x_t ; x_0], written out rule by rule from BD3-LM's definition; `causal_clean`:
+    the joint AR + DLM objective's clean half, token-causal (a clean token sees the clean tokens up to itself)."""
     allowed = torch.zeros(2 * length, 2 * length, dtype=torch.bool)
     for q in range(2 * length):
         for k in range(2 * length):
@@ -26,8 +27,8 @@ def paper_mask(length: int, block: int) -> torch.Tensor:
                 allowed[q, k] = qb == kb
             elif q_noisy:                  # (b) a noisy block sees the clean blocks before it
                 allowed[q, k] = kb < qb
-            elif not k_noisy:              # (c) block-causal inside the clean half
-                allowed[q, k] = kb <= qb
+            elif not k_noisy:              # (c) block-causal inside the clean half (or token-causal)
+                allowed[q, k] = (k <= q) if causal_clean else kb <= qb
     return allowed
 
 

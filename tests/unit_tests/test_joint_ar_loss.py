@@ -11,6 +11,7 @@ from megatron.core.models.difflm import objective
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask
 from tests.unit_tests.test_bad_inputs_training import TINY as BAD_TINY, parse_error
+from tests.unit_tests.test_block_diffusion import paper_mask
 from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_config, tokens
 from tests.unit_tests.test_training import assert_same_gradients, make_trainer, record_gradients
 
@@ -21,18 +22,7 @@ L, B, W = 16, 4, 0.7
 
 def joint_mask(length: int, block: int) -> torch.Tensor:
     """[2L, 2L] visibility over [x_t ; x_0], rule by rule: BD3-LM's noisy half, a token-causal clean half."""
-    allowed = torch.zeros(2 * length, 2 * length, dtype=torch.bool)
-    for q in range(2 * length):
-        for k in range(2 * length):
-            q_noisy, k_noisy = q < length, k < length
-            qb, kb = (q % length) // block, (k % length) // block
-            if q_noisy and k_noisy:      # a noisy block sees itself
-                allowed[q, k] = qb == kb
-            elif q_noisy:                # and the clean blocks before it
-                allowed[q, k] = kb < qb
-            elif not k_noisy:            # a clean token sees the clean tokens up to itself
-                allowed[q, k] = k <= q
-    return allowed
+    return paper_mask(length, block, causal_clean=True)
 
 
 def reference_losses(model, corruption, x0):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.rl import estimators
+from tests.unit_tests.test_block_diffusion import paper_mask
 from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_config, tokens
 
 P, T = 5, 7
@@ -93,14 +94,7 @@ def test_ar_order_reads_each_token_given_the_clean_tokens_before_it(ar_loss_weig
     length = P + T
     noisy = sequence.clone()
     noisy[:, P:] = MASK_ID
-    allowed = torch.zeros(2 * length, 2 * length, dtype=torch.bool)  # BD3's rule at blocks of 1, written out
-    for q in range(2 * length):
-        for k in range(2 * length):
-            qi, ki = q % length, k % length
-            if q < length:  # a noisy token: itself, and the clean tokens before it
-                allowed[q, k] = ki == qi if k < length else ki < qi
-            else:  # a clean token: the clean tokens up to itself
-                allowed[q, k] = k >= length and ki <= qi
+    allowed = paper_mask(length, 1)  # BD3's rule at blocks of 1: the clean half causal either way
     both = torch.cat([noisy, sequence], dim=1)
     positions = torch.arange(length).repeat(2).expand(2, -1)  # [x_t ; x_0] repeats the positions
     reference = logp_of(model, both, allowed.expand(2, -1, -1), torch.cat([sequence, sequence], dim=1),

@@ -82,7 +82,16 @@ run() {
         --lr-warmup-iters $(( $3 / 10 )) --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
         --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval "${LOG_INTERVAL:-50}" \
         --eval-interval "$3" --eval-iters "${EVAL_ITERS:-20}" --save-interval "$3" --no-save-optim "${@:6}"
-    rm -rf "$2" && mv "$2.new" "$2"
+    publish "$2.new" "$2"
+}
+
+# publish NEW DIR: NEW, complete, becomes DIR; an earlier DIR is kept aside until then (a crash leaves it or the
+# new one, never neither).
+publish() {
+    rm -rf "$2.old"
+    if [[ -e $2 ]]; then mv "$2" "$2.old"; fi
+    mv "$1" "$2"
+    rm -rf "$2.old"
 }
 
 train() {
@@ -92,9 +101,10 @@ train() {
         [[ $arm == mdlm ]] && mode=difflm-shift
         init="$WORK/init_$mode"
         if [[ ! -f "$init/latest_checkpointed_iteration.txt" ]]; then
+            rm -rf "$init.new"
             "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$init.new" --no-progress \
                 --model-running-mode "$mode" --mask-token-id "$MASK_TOKEN"
-            rm -rf "$init" && mv "$init.new" "$init"
+            publish "$init.new" "$init"
         fi
         # shellcheck disable=SC2046
         run "$init" "$WORK/recipe_$arm" "$ADAPT_ITERS" "" "$SEQ_LENGTH" $(arm_flags "$arm") 2>&1 \

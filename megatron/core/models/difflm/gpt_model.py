@@ -171,9 +171,11 @@ class GPTModel(SamplingMethods, MegatronModule):
         mask = build_attention_mask(self.config, dlm, document_ids, noisy_length=noisy_length,
                                     mask_type=mask_type, **positions)
         targets = None  # before the decoder: the masked-only loss's host sync (OutputLayer.loss_targets)
+        query = confidence = None
         if self.post_process and labels is not None:
-            query = mask.positions(labels.shape[1], device=labels.device)[0]  # the label positions held
-            confidence = None if ar_mode else objective.confidence_weights(dlm, loss_weights, query, noisy_length)
+            if scores_clean or (dlm.confidence_loss_weight and not ar_mode):  # the label positions held
+                query = mask.positions(labels.shape[1], device=labels.device)[0]
+                confidence = objective.confidence_weights(dlm, loss_weights, query, noisy_length)
             targets = self.head.loss_targets(labels, loss_weights, loss_normalizer, shift, confidence)
         # One weight looked up and read by the loss: its two gradients are summed in place (tied_gradient.py).
         tied = TiedGradient() if targets is not None and self.tied_output and self.pre_process else None
