@@ -51,7 +51,7 @@ def _tensors(model) -> dict:
     return out
 
 
-def write_gguf(model, path: str) -> None:
+def write_gguf(model, path: str, eos: int = 0) -> None:
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -69,7 +69,7 @@ def write_gguf(model, path: str) -> None:
     writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(TOKENS) - 1))
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
+    writer.add_eos_token_id(eos)
     for name, tensor in _tensors(model).items():
         writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
     writer.write_header_to_file()
@@ -107,3 +107,22 @@ def test_bad_input_is_one_line_and_an_earlier_folder_survives(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert (earlier / "config.json").read_text() == '{"model_type": "llama"}'
     assert sorted(os.listdir(tmp_path)) == ["hf", "not.gguf"]  # no staging folder left behind
+
+
+def test_the_special_tokens_are_the_ones_the_file_names(tmp_path, monkeypatch, capsys):
+    """Whatever eos a transformers version derives, the folder's is the GGUF's (training pads with it)."""
+    write_gguf(_llama(), str(tmp_path / "tiny.gguf"), eos=7)
+    read = gguf_to_hf.read_gguf
+
+    def other_version(path, dtype):  # a transformers that picks the bos as eos
+        model, tokenizer = read(path, dtype)
+        tokenizer.eos_token = TOKENS[0]
+        model.config.eos_token_id = 0
+        return model, tokenizer
+
+    monkeypatch.setattr(gguf_to_hf, "read_gguf", other_version)
+    assert gguf_to_hf.main(["--gguf", str(tmp_path / "tiny.gguf"), "--save", str(tmp_path / "hf")]) == 0
+    assert "note: eos_token 'ba' (id 7)" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tokenizer.eos_token == "ba" and tokenizer.eos_token_id == 7 and tokenizer.bos_token_id == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 7

