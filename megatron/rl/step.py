@@ -65,13 +65,19 @@ class RolloutBatch:
     """[B, T] bool: the completion tokens that count (up to and with the first EOS)."""
     advantages: torch.Tensor
     """[B] (objectives.group_advantages of the rewards)."""
-    old_logp: torch.Tensor
-    """[B, T] the log-probabilities under the policy that sampled (detached; the estimator's, same seed)."""
+    old_logp: Optional[torch.Tensor]
+    """[B, T] the log-probabilities under the policy that sampled (detached; the estimator's, same seed).
+    None: the first update on fresh rollouts, whose policy is the sampler's: the ratio is 1 (with its
+    gradient), and the update stores the values here for later inner steps on the same rollouts."""
     seeds: torch.Tensor
     """[B] integers seeding each row's estimator masks (the same on every rank: keyed by the row, as the
     corruption is by the sample)."""
     ref_logp: Optional[torch.Tensor] = None
     """[B, T] under the frozen reference policy (with RLConfig.beta > 0)."""
+    document_ids: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+    """[B, P + T] with left-padded prompts (rollouts.row_layout): the padding apart, positions from the first
+    real token, as the sampler read the row; None without padding."""
 
 
 def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig):
@@ -86,8 +92,11 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
         raise ValueError("the RL step reads each completion's per-token losses whole, which context parallelism "
                          "splits over ranks: use --context-parallel-size 1 for RL")
     blocks = {} if estimate.block_size is None else {"block_size": estimate.block_size}
+    repeat = estimate.input_ids.shape[0] // batch.sequence.shape[0]  # 2 for the coupled estimator's pair
+    layout = {name: value.repeat(repeat, 1) for name, value in
+              (("document_ids", batch.document_ids), ("position_ids", batch.position_ids)) if value is not None}
     output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
-                   loss_normalizer=1.0, **blocks)
+                   loss_normalizer=1.0, **blocks, **layout)
     return output, partial(rl_loss_func, batch, estimate, config)
 
 
@@ -95,6 +104,8 @@ def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig
                  output) -> Tuple[torch.Tensor, torch.Tensor]:
     """(policy loss sum, normalizer) of the last stage's (per-token losses, loss[, terms]) output."""
     logp = completion_logprobs(estimate, output[0])
+    if batch.old_logp is None:  # on-policy: the sampler's policy is this one (RolloutBatch.old_logp)
+        batch.old_logp = logp.detach()
     loss_sum, normalizer, _ = policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,
                                           batch.ref_logp, beta=config.beta, clip_low=config.clip_low,
                                           clip_high=config.clip_high, normalization=config.normalization)

@@ -8,6 +8,7 @@ clipping, a non-finite check that skips the update, and the optimizer and LR ste
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import time
@@ -456,9 +457,11 @@ def attach_precision(config: RunConfig, model: nn.Module, optimizer, layout: Par
 
 
 def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets_provider: Callable,
-                  model_provider: Callable, forward_step_func: ForwardStepFunc) -> Trainer:
+                  model_provider: Callable, forward_step_func: ForwardStepFunc,
+                  trainer_class: Callable[..., Trainer] = Trainer) -> Trainer:
     """Model, data-parallel wrapper, optimizer, schedule and data. The providers and the forward
-    step receive `config` (the RunConfig), never the flags' Namespace."""
+    step receive `config` (the RunConfig), never the flags' Namespace. `trainer_class`: the loop
+    (Trainer, or a subclass that makes its own batches: megatron/rl/trainer.py's RLTrainer)."""
     if not isinstance(config, RunConfig):
         raise TypeError(f"build_trainer takes a RunConfig (run_config.run_config(args)), not {type(config).__name__}")
     parallel, seed = config.parallel, config.training.seed
@@ -480,7 +483,7 @@ def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets
     train_ds, valid_ds, _ = train_valid_test_datasets_provider(config, dataset_sizes(training))
     # Variable-length DLM batches change the shapes stages exchange; fixed ones are announced once.
     links = layout.pipeline_links(runtime.device, variable_shapes=config.dlm.varilen_prob > 0)
-    trainer = Trainer(
+    trainer = trainer_class(
         training, model, optimizer, scheduler, partial(forward_step_func, config=config),
         train_loader=lambda consumed: build_data_loader(train_ds, consumed, training, runtime, layout),
         valid_loader=None if valid_ds is None else (lambda: build_data_loader(valid_ds, 0, training, runtime, layout)),
@@ -494,12 +497,15 @@ def build_trainer(config: RunConfig, runtime: Runtime, train_valid_test_datasets
 
 def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Callable,
              forward_step_func: ForwardStepFunc, extra_args_provider: Optional[ExtraArgsProvider] = None,
-             argv: Optional[List[str]] = None) -> Optional[Trainer]:
+             argv: Optional[List[str]] = None, *, args: Optional[argparse.Namespace] = None,
+             trainer_class: Callable[..., Trainer] = Trainer) -> Optional[Trainer]:
     """Parse flags, build everything, train. Flag problems exit with code 2 before any of it; bad
     data or a bad checkpoint found while building or training (InputError: an id outside the
     vocabulary, a damaged shard, a save that fails for lack of space) exits with code 1 and one line.
-    With --check-args only the flags are validated (returns None)."""
-    args = parse_args(argv, extra_args_provider)
+    With --check-args only the flags are validated (returns None). `args`: flags an entry point parsed
+    itself (parse_args with its extra flags), instead of `argv`; `trainer_class` as build_trainer's."""
+    if args is None:
+        args = parse_args(argv, extra_args_provider)
     if args.check_args:
         return None
     config = run_config(args)  # from here on the typed configs travel, not the flags
@@ -511,7 +517,8 @@ def pretrain(train_valid_test_datasets_provider: Callable, model_provider: Calla
         lock = acquire_save_lock(checkpoint.save, runtime.device) if checkpoint.save else None
         if checkpoint.load:  # a checkpoint this run cannot load is found before anything is built
             check_loadable(checkpoint, record)
-        trainer = build_trainer(config, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func)
+        trainer = build_trainer(config, runtime, train_valid_test_datasets_provider, model_provider, forward_step_func,
+                                trainer_class)
         if checkpoint.load:
             if load_checkpoint(checkpoint, record, trainer, log=trainer.logger.print) is None:
                 trainer.logger.print(f"> no checkpoint in {checkpoint.load}; starting from scratch")

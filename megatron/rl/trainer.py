@@ -1,0 +1,138 @@
+"""RLTrainer: the training loop (megatron/training/training.py's Trainer) with rollouts for batches.
+
+Every `inner_steps` iterations the loop samples fresh rollouts (rollouts.py) with the live model, then
+each iteration is one ordinary training step over them: the schedules run step.rl_forward_step on each
+micro-batch, the loop divides the summed policy loss once, clips and steps, logs, evaluates and saves
+as pretraining does. A checkpoint falls on a rollout boundary (posttrain_rl.py checks the intervals),
+so resuming samples the next prompts with the saved weights and goes on bit for bit.
+
+Validation is the held-out reward: greedy (temperature 0), one completion per held-out task, the tasks
+split over the data-parallel replicas and the sums all-reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.tensor_parallel.utils import group_rank, group_size
+from megatron.evaluation.in_loop import whole_weights
+from megatron.rl.rewards import RewardWorkers
+from megatron.rl.rollouts import PromptEncoder, PromptOrder, RolloutConfig, Rollouts, micro_batches, sample_rollouts
+from megatron.rl.tasks import TaskRecord
+from megatron.training.rng_state import capture_rng_state, restore_rng_state
+from megatron.training.training import Trainer
+
+__all__ = ["RLTasks", "RLTrainer"]
+
+
+@dataclasses.dataclass
+class RLTasks:
+    """What an RL run samples from: its tasks, the prompt encoding and the reward processes' settings."""
+
+    train: List[TaskRecord]
+    valid: List[TaskRecord]
+    encoder: PromptEncoder
+    rollout: RolloutConfig
+    eval_prompts: int = 0
+    reward_workers: int = 2
+    reward_timeout_s: float = 5.0
+
+
+class RLTrainer(Trainer):
+    def __init__(self, *args, tasks: RLTasks, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tasks = tasks
+        self.order = PromptOrder(len(tasks.train), tasks.rollout.seed)
+        self.train_loader = lambda consumed: iter(())  # the batches come from rollouts (train_step)
+        self.batches: Optional[list] = None
+        self.workers: Optional[RewardWorkers] = None
+        self.rollout_rewards: List[float] = []
+        """The mean reward of each batch of rollouts, over all replicas."""
+
+    def train(self):
+        with RewardWorkers(self.tasks.reward_workers, self.tasks.reward_timeout_s) as workers:
+            self.workers = workers
+            try:
+                return super().train()
+            finally:
+                self.workers = None
+
+    # ------------------------------------------------------------------ rollouts
+    def _sample(self, records: Sequence[TaskRecord], indices: Sequence[int], config: RolloutConfig,
+                seed: int) -> Rollouts:
+        """Rollouts of `records` by the live model (eval mode, no gradients, the run's RNG untouched)."""
+        model, rng = unwrap(self.model), capture_rng_state(self.model)
+        generator = torch.Generator(device=self.runtime.device).manual_seed(seed)
+        self.model.eval()
+        try:
+            with torch.no_grad(), whole_weights(self.model):
+                return sample_rollouts(model, self.tasks.encoder, records, indices, config, generator,
+                                       self.workers.score)
+        finally:
+            self.model.train()
+            restore_rng_state(self.model, rng)
+
+    def _replica_prompts(self, first: int, count: int) -> List[int]:
+        """This replica's share (every dp-th) of the run's prompts [first, first + count)."""
+        replicas, rank = group_size(self.groups.dp), group_rank(self.groups.dp)
+        return list(range(first + rank, first + count, replicas))
+
+    def train_step(self, data_iterator):
+        config = self.tasks.rollout
+        if self.batches is None or self.state.iteration % config.inner_steps == 0:
+            group = config.group_size
+            indices = self._replica_prompts(self.state.consumed_train_samples // group,
+                                            self.config.global_batch_size // group)
+            rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config,
+                                    seed=config.seed * 7919 + self.state.iteration)
+            self.batches = micro_batches(rollouts, config, self.config.micro_batch_size)
+            self._log_rollouts(rollouts)
+        return super().train_step(iter(self.batches))
+
+    def _sums(self, values: List[float]) -> List[float]:
+        """`values` summed over the data-parallel replicas (tensor-parallel peers hold the same)."""
+        total = torch.tensor(values, dtype=torch.float64, device=self.runtime.device)
+        if group_size(self.groups.dp) > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        return total.tolist()
+
+    def _log_rollouts(self, rollouts: Rollouts) -> None:
+        mask = rollouts.completion_mask
+        finished = mask.sum(dim=1) < mask.shape[1]
+        rows, reward, length, done, generated, seconds = self._sums(
+            [float(mask.shape[0]), float(rollouts.rewards.sum()), float(mask.sum()), float(finished.sum()),
+             float(mask.numel()), rollouts.seconds])
+        self.rollout_rewards.append(reward / rows)
+        if self.logger is None:
+            return
+        replicas = group_size(self.groups.dp)
+        scalars = {"rl/reward": reward / rows, "rl/completion tokens": length / rows, "rl/finished": done / rows,
+                   "rl/rollout tokens per second": generated / (seconds / replicas)}
+        self.logger.print(f" rollouts before iteration {self.state.iteration + 1} | reward: {scalars['rl/reward']:.4f} "
+                          f"| completion tokens: {scalars['rl/completion tokens']:.1f} | finished: "
+                          f"{scalars['rl/finished']:.3f} | rollout tokens/s: "
+                          f"{scalars['rl/rollout tokens per second']:.1f} |")
+        self.logger.on_scalars(scalars, self.state.iteration + 1)
+
+    # ------------------------------------------------------------------ validation
+    def _evaluates(self) -> bool:
+        return bool(self.tasks.valid) and self.tasks.eval_prompts > 0 and self.config.eval_iters > 0
+
+    def evaluate_and_log(self) -> float:
+        """The mean reward of greedy completions of the first --rl-eval-prompts held-out tasks."""
+        count = min(self.tasks.eval_prompts, len(self.tasks.valid))
+        indices = self._replica_prompts(0, count)
+        config = dataclasses.replace(self.tasks.rollout, group_size=1, temperature=0.0)
+        rewards = self._sample([self.tasks.valid[k] for k in indices], indices, config, seed=0).rewards
+        total, rows = self._sums([float(rewards.sum()), float(rewards.numel())])
+        reward = total / max(rows, 1.0)
+        if self.logger is not None:
+            self.logger.print(f" validation reward at iteration {self.state.iteration} | reward: {reward:.4f} | "
+                              f"prompts: {int(rows)} |")
+            self.logger.on_scalars({"rl/validation reward": reward}, self.state.iteration)
+        return reward
