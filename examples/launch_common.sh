@@ -98,17 +98,19 @@ block_schedule() {
     done
 }
 
-# run_pretrain ARG...: torchrun pretrain_difflm.py with the shared flags and the script's own.
+# run_pretrain ARG...: torchrun ENTRY (default pretrain_difflm.py; posttrain_rl.py for RL) with the shared flags
+# and the script's own.
 run_pretrain() {
     cd "$ROOT_DIR"
+    local entry=${ENTRY:-pretrain_difflm.py}
     # shellcheck disable=SC2206
     local args=("$@" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} ${EXTRA_ARGS:-})
     if [[ "${CHECK_ARGS:-1}" != 0 || "${CHECK_ONLY:-0}" == 1 ]]; then
-        WORLD_SIZE=$(( GPUS_PER_NODE * NNODES )) python pretrain_difflm.py --check-args "${args[@]}"
+        WORLD_SIZE=$(( GPUS_PER_NODE * NNODES )) python "$entry" --check-args "${args[@]}"
     fi
     if [[ "${CHECK_ONLY:-0}" == 1 ]]; then
         echo "> the flags hold for $(( GPUS_PER_NODE * NNODES )) ranks (CHECK_ONLY=1: not launched)"
         return 0
     fi
-    torchrun "${DISTRIBUTED_ARGS[@]}" pretrain_difflm.py "${args[@]}"
+    torchrun "${DISTRIBUTED_ARGS[@]}" "$entry" "${args[@]}"
 }

@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recorded_flags(script: str, tmp_path: Path, env: dict, *args: str) -> list:
-    """The arguments after `pretrain_difflm.py` of `bash script args` under `env` (added to os.environ)."""
+def recorded_flags(script: str, tmp_path: Path, env: dict, *args: str, entry: str = "pretrain_difflm.py") -> list:
+    """The arguments after `entry` of `bash script args` under `env` (added to os.environ)."""
     fake = tmp_path / "launch-bin"
     fake.mkdir(exist_ok=True)
     record = fake / "argv"
@@ -25,4 +25,4 @@ def recorded_flags(script: str, tmp_path: Path, env: dict, *args: str) -> list:
     env = dict(os.environ, CHECK_ARGS="0", **env, PATH=f"{fake}:{os.environ['PATH']}")
     subprocess.run(["bash", script, *args], cwd=ROOT, env=env, check=True, timeout=60)
     argv = shlex.split(record.read_text())
-    return argv[argv.index("pretrain_difflm.py") + 1:]
+    return argv[argv.index(entry) + 1:]

@@ -8,7 +8,9 @@ into the update's micro-batches (step.RolloutBatch).
 - Sampling. The prompt is the chat template's rendering with the generation prompt (the SFT data's
   encoding); prompts of a batch are left-padded, which the sampler masks (generation.generate's
   attention_mask). Every tensor-parallel peer samples the same completions: the sampler's generator is
-  seeded by (seed, iteration), never the global RNG (which dropout uses).
+  seeded by (seed, iteration, the replica's first prompt), never the global RNG (which dropout uses). A
+  batch shares one noise stream, so the completions depend on how prompts are batched: under data
+  parallelism they are other draws than one process's (the update for given rollouts is the same).
 - The update reads each row as the sampler did: where a micro-batch holds padding, its forward gets
   document ids (padding apart from the row) and positions counted from the first real token. A
   completion counts up to and with its first EOS (`completion_mask`).

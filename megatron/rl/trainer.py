@@ -88,8 +88,9 @@ class RLTrainer(Trainer):
             group = config.group_size
             indices = self._replica_prompts(self.state.consumed_train_samples // group,
                                             self.config.global_batch_size // group)
-            rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config,
-                                    seed=config.seed * 7919 + self.state.iteration)
+            # the sampler's noise: a function of the step and the replica's first prompt (not of the rank)
+            seed = (config.seed * 1_000_003 + self.state.iteration) * 1_000_003 + indices[0]
+            rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config, seed)
             self.batches = micro_batches(rollouts, config, self.config.micro_batch_size)
             self._log_rollouts(rollouts)
         return super().train_step(iter(self.batches))

@@ -9,6 +9,7 @@ cannot hold or a batch the layout cannot split fails here rather than on a clust
 import pytest
 
 from custom_args.difflm import add_difflm_args
+from custom_args.rl import add_rl_args, rl_settings
 from megatron.training.arguments import parse_args
 from tests.launch_flags import recorded_flags
 
@@ -179,3 +180,17 @@ def test_the_ar_to_dlm_recipe_from_a_hugging_face_model_needs_a_corpus(tmp_path)
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr.strip().endswith("tokenized with its tokenizer "
                                                                       "(tools/preprocess_data.py)")
+
+
+def test_the_rl_script_validates_at_its_layout(tmp_path):
+    """examples/rl/dlm_grpo_1.7b.sh: 8 data-parallel replicas, each with whole groups of completions."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "What is 2 + 3?", "answer": "5", "reward": "numeric"}\n')
+    env = {"GPUS_PER_NODE": "8", "TENSORBOARD_DIR": str(tmp_path / "tb"), "RL_TASK": str(tasks),
+           "RL_VALID_TASK": str(tasks)}
+    flags = recorded_flags("examples/rl/dlm_grpo_1.7b.sh", tmp_path, env, entry="posttrain_rl.py")
+    args = parse_args(flags, add_rl_args, world_size=8)
+    update, rollout = rl_settings(args)
+    assert (args.data_parallel_size, args.data_parallel_sharding_strategy, args.mock_data) == (8, "optim", True)
+    assert (update.estimator, update.clip_high, rollout.group_size, rollout.block_length) == ("diffu_grpo", 0.28, 8, 32)
+    assert args.global_batch_size // (8 * rollout.group_size) == 4  # prompts a replica samples each step

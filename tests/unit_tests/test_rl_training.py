@@ -3,6 +3,10 @@
 bad RL flags are one line before anything is built."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +45,7 @@ def run(argv):
 
 
 @pytest.mark.parametrize("mode, algorithm, lr, iterations", [("vanilla", "grpo", "3e-2", 20),
-                                                           ("difflm-noshift", "diffu_grpo", "2e-2", 12)])
+                                                           ("difflm-noshift", "diffu_grpo", "3e-2", 16)])
 def test_the_mean_reward_rises(runtime, tmp_path, mode, algorithm, lr, iterations):
     steps = [] if mode == "vanilla" else ["--rl-sampling-steps", "4"]  # the DLM commits 2 tokens a step
     trainer = run(MODEL + ["--rl-task", task_file(tmp_path), "--model-running-mode", mode, "--rl-algorithm", algorithm,
@@ -112,3 +116,19 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
         posttrain_rl.main(argv)
     error = capsys.readouterr().err
     assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and message in error, error
+
+
+def test_tensor_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path):
+    """TP=2 (2 gloo processes): the same completions (rewards) and losses as one process, step by step."""
+    argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
+    alone = run(argv)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "posttrain_rl.py"), *argv, "--tensor-model-parallel-size", "2"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rewards = [float(match) for match in re.findall(r"rollouts before iteration \d+ \| reward: ([0-9.]+)",
+                                                    result.stdout)]
+    losses = [float(match) for match in re.findall(r"\| lm loss: ([-0-9.E+]+) \|", result.stdout)]
+    assert rewards == [round(value, 4) for value in alone.rollout_rewards]
+    assert losses == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
