@@ -17,7 +17,8 @@ from megatron.rl.rollouts import ADVANTAGES, RolloutConfig
 from megatron.rl.step import RLConfig
 
 # --rl-algorithm -> the estimator of the completions' log-probabilities (megatron/rl/estimators.py)
-ALGORITHMS = {"grpo": "ar", "diffu_grpo": "diffu_grpo", "coupled_grpo": "coupled", "ar_order_grpo": "ar_order"}
+ALGORITHMS = {"grpo": "ar", "diffu_grpo": "diffu_grpo", "coupled_grpo": "coupled", "ar_order_grpo": "ar_order",
+              "spg": "spg"}
 
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,7 +34,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="grpo: exact token log-probs of an AR policy (vanilla; also a joint AR + DLM one); "
                         "diffu_grpo: d1's one-step estimate (masked completion, randomly masked prompt); "
                         "coupled_grpo: DiffuCoder's complementary mask pair; ar_order_grpo: a block-diffusion "
-                        "policy scored left to right, exactly (JustGRPO).")
+                        "policy scored left to right, exactly (JustGRPO); spg: sandwiched bounds, a lower one for "
+                        "positive advantages, an upper one for negative (megatron/rl/spg.py).")
     g.add_argument("--rl-group-size", type=int, default=8, help="Completions per prompt (G); --global-batch-size "
                                                                 "counts completions.")
     g.add_argument("--rl-inner-steps", type=int, default=1,
@@ -46,6 +48,10 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-normalization", default="sequence", choices=NORMALIZATIONS,
                    help="sequence: each completion's token mean (GRPO); token: every token alike (DAPO, Dr. GRPO).")
     g.add_argument("--rl-prompt-mask-prob", type=float, default=0.15, help="diffu_grpo: prompt tokens masked.")
+    g.add_argument("--rl-spg-samples", type=int, default=2, help="spg: block-masked copies of each completion.")
+    g.add_argument("--rl-spg-beta", type=float, default=1.5, help="spg: the upper bound's beta (>= 1).")
+    g.add_argument("--rl-spg-mix", type=float, default=0.5,
+                   help="spg: weight of the upper bound for negative advantages (the rest the lower bound).")
     g.add_argument("--rl-gen-length", type=int, default=128, help="Tokens a completion may take.")
     g.add_argument("--rl-temperature", type=float, default=1.0, help="Sampling temperature of the rollouts.")
     g.add_argument("--rl-sampling-steps", type=int, help="DLM denoising steps (default: one token a step).")
@@ -90,7 +96,9 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
         raise ValueError(f"--rl-algorithm {args.rl_algorithm}: {error}") from None
     update = RLConfig(estimator=estimator, mask_token_id=args.dlm_config.mask_token_id, clip_low=args.rl_clip_low,
                       clip_high=args.rl_clip_high, normalization=args.rl_normalization,
-                      prompt_mask_prob=args.rl_prompt_mask_prob).validate()
+                      prompt_mask_prob=args.rl_prompt_mask_prob, spg_samples=args.rl_spg_samples,
+                      spg_block_length=args.rl_block_length or 32, spg_beta=args.rl_spg_beta,
+                      spg_mix=args.rl_spg_mix).validate()
     rollout = RolloutConfig(group_size=group, gen_length=args.rl_gen_length, temperature=args.rl_temperature,
                             block_length=args.rl_block_length, steps=args.rl_sampling_steps,
                             threshold=args.rl_threshold, advantage=args.rl_advantage, inner_steps=inner,

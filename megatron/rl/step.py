@@ -18,10 +18,15 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core.distributed.data_parallel import unwrap
+from megatron.rl import spg
 from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, check_policy, completion_logprobs, estimator_batch
 from megatron.rl.objectives import NORMALIZATIONS, policy_loss
 
-__all__ = ["RLConfig", "RolloutBatch", "rl_forward_step"]
+__all__ = ["KINDS", "RLConfig", "RolloutBatch", "rl_forward_step"]
+
+KINDS = ESTIMATORS + ("spg",)
+"""The update's estimators: estimators.ESTIMATORS' per-token log-probs under the clipped surrogate, and
+spg.py's sandwiched sequence bounds."""
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,18 @@ class RLConfig:
     """`sequence` (GRPO: each completion's token mean) or `token` (DAPO: every token alike)."""
     prompt_mask_prob: float = 0.15
     """diffu_grpo: the share of prompt tokens masked in each estimate (d1)."""
+    spg_samples: int = 2
+    spg_block_length: int = 32
+    spg_beta: float = 1.5
+    spg_mix: float = 0.5
+    """spg: masked copies per completion, their block, the upper bound's beta and its mixture weight."""
 
     def validate(self) -> "RLConfig":
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"RLConfig.estimator={self.estimator!r} is not one of {', '.join(ESTIMATORS)}")
+        if self.estimator not in KINDS:
+            raise ValueError(f"RLConfig.estimator={self.estimator!r} is not one of {', '.join(KINDS)}")
+        if self.spg_samples < 1 or self.spg_block_length < 1 or self.spg_beta < 1.0 or not 0.0 <= self.spg_mix <= 1.0:
+            raise ValueError(f"RLConfig: spg_samples={self.spg_samples} and spg_block_length={self.spg_block_length} "
+                             f"must be >= 1, spg_beta={self.spg_beta} >= 1 and spg_mix={self.spg_mix} in [0, 1]")
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"RLConfig.normalization={self.normalization!r} is not one of "
                              f"{', '.join(NORMALIZATIONS)}")
@@ -83,9 +96,12 @@ class RolloutBatch:
 def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig):
     """(output, loss_func) for the schedules: the estimator's forward of `batch` on `model` (a pipeline
     stage's hidden states before the last stage) and the policy loss of the last stage's output."""
-    estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
-                               prompt_mask_prob=config.prompt_mask_prob,
-                               seeds=batch.seeds)
+    if config.estimator == "spg":
+        estimate = spg.spg_batch(batch.sequence, batch.prompt_length, config.mask_token_id, batch.completion_mask,
+                                 config.spg_samples, config.spg_block_length, batch.seeds)
+    else:
+        estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
+                                   prompt_mask_prob=config.prompt_mask_prob, seeds=batch.seeds)
     inner = unwrap(model)
     check_policy(config.estimator, inner.dlm_config)
     if inner.context.active:
@@ -104,6 +120,11 @@ def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig
                  output) -> Tuple[torch.Tensor, torch.Tensor]:
     """(policy loss sum, normalizer) of the last stage's (per-token losses, loss[, terms]) output."""
     logp = completion_logprobs(estimate, output[0])
+    if config.estimator == "spg":  # [S B, T] -> the sandwiched bounds of each row
+        rows, width = batch.sequence.shape[0], logp.shape[1]
+        scored = estimate.loss_weights[:, batch.prompt_length:] > 0
+        return spg.spg_loss(logp.view(-1, rows, width), scored.view(-1, rows, width), batch.completion_mask,
+                            batch.advantages, beta=config.spg_beta, mix=config.spg_mix)
     if batch.old_logp is None:  # on-policy: the sampler's policy is this one (RolloutBatch.old_logp)
         batch.old_logp = logp.detach()
     loss_sum, normalizer, _ = policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,

@@ -45,9 +45,11 @@ def run(argv):
 
 
 @pytest.mark.parametrize("mode, algorithm, lr, iterations", [("vanilla", "grpo", "3e-2", 20),
-                                                           ("difflm-noshift", "diffu_grpo", "3e-2", 16)])
+                                                           ("difflm-noshift", "diffu_grpo", "3e-2", 16),
+                                                           ("difflm-noshift", "spg", "5e-2", 16)])
 def test_the_mean_reward_rises(runtime, tmp_path, mode, algorithm, lr, iterations):
     steps = [] if mode == "vanilla" else ["--rl-sampling-steps", "4"]  # the DLM commits 2 tokens a step
+    steps += ["--rl-block-length", "4"] if algorithm == "spg" else []  # SPG's masks: blocks of 4 of the 8
     trainer = run(MODEL + ["--rl-task", task_file(tmp_path), "--model-running-mode", mode, "--rl-algorithm", algorithm,
                            "--lr", lr, "--train-iters", str(iterations)] + steps)
     rewards = trainer.rollout_rewards
