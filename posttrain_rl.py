@@ -40,19 +40,19 @@ def forward_step(data_iterator, model, ctx, config, rl: RLConfig):
     return rl_forward_step(next(data_iterator), model, rl)
 
 
-def build_tasks(args, rollout) -> RLTasks:
+def build_tasks(args, update, rollout) -> RLTasks:
     """The task files read and checked, and the prompt encoding (InputError / ValueError: one line)."""
     valid = load_tasks(args.rl_valid_task) if args.rl_valid_task else []
     return RLTasks(load_tasks(args.rl_task), valid, PromptEncoder(args.tokenizer, args.rl_chat_template), rollout,
                    eval_prompts=args.rl_eval_prompts, reward_workers=args.rl_reward_workers,
-                   reward_timeout_s=args.rl_reward_timeout)
+                   reward_timeout_s=args.rl_reward_timeout, update=update, reference=args.rl_reference)
 
 
 def main(argv: Optional[List[str]] = None):
     args = parse_args(argv, add_rl_args)
     try:
         update, rollout = rl_settings(args)
-        tasks = build_tasks(args, rollout)
+        tasks = build_tasks(args, update, rollout)
     except (ValueError, OSError) as error:  # InputError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1 if isinstance(error, (InputError, OSError)) else 2)

@@ -43,6 +43,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "sampling policy is clipped from the second on.")
     g.add_argument("--rl-clip-low", type=float, default=0.2, help="PPO ratio clip below 1.")
     g.add_argument("--rl-clip-high", type=float, default=0.2, help="PPO ratio clip above 1 (DAPO: 0.28).")
+    g.add_argument("--rl-kl-beta", type=float, default=0.0,
+                   help="Weight of the KL to the frozen reference policy (k3 estimate, per token); needs "
+                        "--rl-reference.")
+    g.add_argument("--rl-reference", help="Checkpoint of the reference policy (usually the --load of the first "
+                                          "run); loaded on every start, so a resumed run keeps it.")
     g.add_argument("--rl-advantage", default="grpo", choices=ADVANTAGES,
                    help="grpo: reward minus the group mean over the group std; dr_grpo: not divided.")
     g.add_argument("--rl-normalization", default="sequence", choices=NORMALIZATIONS,
@@ -89,6 +94,9 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
     if args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
         raise ValueError("FSDP2 gathers weights per forward, which replicas sampling different lengths would not "
                          "match: use --data-parallel-sharding-strategy optim (ZeRO-1) or no_shard (FSDP2 is for later)")
+    if args.rl_kl_beta > 0 and not args.rl_reference:
+        raise ValueError(f"--rl-kl-beta {args.rl_kl_beta} needs --rl-reference: the checkpoint of the reference "
+                         "policy (usually the policy's first --load)")
     estimator = ALGORITHMS[args.rl_algorithm]
     try:
         check_policy(estimator, args.dlm_config)
@@ -98,7 +106,7 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
                       clip_high=args.rl_clip_high, normalization=args.rl_normalization,
                       prompt_mask_prob=args.rl_prompt_mask_prob, spg_samples=args.rl_spg_samples,
                       spg_block_length=args.rl_block_length or 32, spg_beta=args.rl_spg_beta,
-                      spg_mix=args.rl_spg_mix).validate()
+                      spg_mix=args.rl_spg_mix, beta=args.rl_kl_beta).validate()
     rollout = RolloutConfig(group_size=group, gen_length=args.rl_gen_length, temperature=args.rl_temperature,
                             block_length=args.rl_block_length, steps=args.rl_sampling_steps,
                             threshold=args.rl_threshold, advantage=args.rl_advantage, inner_steps=inner,

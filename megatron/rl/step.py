@@ -22,7 +22,7 @@ from megatron.rl import spg
 from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, check_policy, completion_logprobs, estimator_batch
 from megatron.rl.objectives import NORMALIZATIONS, policy_loss
 
-__all__ = ["KINDS", "RLConfig", "RolloutBatch", "rl_forward_step"]
+__all__ = ["KINDS", "RLConfig", "RolloutBatch", "rl_forward_step", "reference_logprobs"]
 
 KINDS = ESTIMATORS + ("spg",)
 """The update's estimators: estimators.ESTIMATORS' per-token log-probs under the clipped surrogate, and
@@ -64,6 +64,8 @@ class RLConfig:
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0 and self.beta >= 0.0):
             raise ValueError(f"RLConfig: clip_low={self.clip_low} must be in [0, 1), clip_high={self.clip_high} "
                              f"and beta={self.beta} >= 0")
+        if self.estimator == "spg" and self.beta:
+            raise ValueError(f"RLConfig: the spg estimator takes no KL term; beta={self.beta} must be 0")
         return self
 
 
@@ -93,15 +95,16 @@ class RolloutBatch:
     real token, as the sampler read the row; None without padding."""
 
 
-def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig):
-    """(output, loss_func) for the schedules: the estimator's forward of `batch` on `model` (a pipeline
-    stage's hidden states before the last stage) and the policy loss of the last stage's output."""
+def _estimate(batch: RolloutBatch, config: RLConfig) -> EstimatorBatch:
     if config.estimator == "spg":
-        estimate = spg.spg_batch(batch.sequence, batch.prompt_length, config.mask_token_id, batch.completion_mask,
-                                 config.spg_samples, config.spg_block_length, batch.seeds)
-    else:
-        estimate = estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
-                                   prompt_mask_prob=config.prompt_mask_prob, seeds=batch.seeds)
+        return spg.spg_batch(batch.sequence, batch.prompt_length, config.mask_token_id, batch.completion_mask,
+                             config.spg_samples, config.spg_block_length, batch.seeds)
+    return estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
+                           prompt_mask_prob=config.prompt_mask_prob, seeds=batch.seeds)
+
+
+def _forward(model: torch.nn.Module, batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig):
+    """The estimator's forward of `batch` on `model` (the per-token losses, or a stage's hidden states)."""
     inner = unwrap(model)
     check_policy(config.estimator, inner.dlm_config)
     if inner.context.active:
@@ -111,9 +114,23 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
     repeat = estimate.input_ids.shape[0] // batch.sequence.shape[0]  # 2 for the coupled estimator's pair
     layout = {name: value.repeat(repeat, 1) for name, value in
               (("document_ids", batch.document_ids), ("position_ids", batch.position_ids)) if value is not None}
-    output = model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
-                   loss_normalizer=1.0, **blocks, **layout)
-    return output, partial(rl_loss_func, batch, estimate, config)
+    return model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
+                 loss_normalizer=1.0, **blocks, **layout)
+
+
+def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig):
+    """(output, loss_func) for the schedules: the estimator's forward of `batch` on `model` (a pipeline
+    stage's hidden states before the last stage) and the policy loss of the last stage's output."""
+    estimate = _estimate(batch, config)
+    return _forward(model, batch, estimate, config), partial(rl_loss_func, batch, estimate, config)
+
+
+@torch.no_grad()
+def reference_logprobs(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig) -> torch.Tensor:
+    """[B, T] the estimator's log-probs of `batch` under `model` (the frozen reference policy: a whole
+    model, eval mode), with the masks the update draws (each row's seed): RolloutBatch.ref_logp."""
+    estimate = _estimate(batch, config)
+    return completion_logprobs(estimate, _forward(model, batch, estimate, config)[0]).float()
 
 
 def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig,

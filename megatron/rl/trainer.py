@@ -19,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.parallel_state import ParallelContext
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 from megatron.evaluation.in_loop import whole_weights
 from megatron.rl.rewards import RewardWorkers
 from megatron.rl.rollouts import PromptEncoder, PromptOrder, RolloutConfig, Rollouts, micro_batches, sample_rollouts
+from megatron.rl.step import RLConfig, reference_logprobs
 from megatron.rl.tasks import TaskRecord
+from megatron.training.checkpointing import load_model_weights
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
 from megatron.training.training import Trainer
 
@@ -41,6 +44,10 @@ class RLTasks:
     eval_prompts: int = 0
     reward_workers: int = 2
     reward_timeout_s: float = 5.0
+    update: RLConfig = dataclasses.field(default_factory=RLConfig)
+    """The update's settings (its estimator scores the reference policy too)."""
+    reference: Optional[str] = None
+    """--rl-reference: the checkpoint of the frozen reference policy (with update.beta > 0)."""
 
 
 class RLTrainer(Trainer):
@@ -53,6 +60,8 @@ class RLTrainer(Trainer):
         self.workers: Optional[RewardWorkers] = None
         self.rollout_rewards: List[float] = []
         """The mean reward of each batch of rollouts, over all replicas."""
+        self.reference: Optional[torch.nn.Module] = None
+        """The frozen reference policy (update.beta > 0), loaded at the first rollouts."""
 
     def train(self):
         with RewardWorkers(self.tasks.reward_workers, self.tasks.reward_timeout_s) as workers:
@@ -92,8 +101,26 @@ class RLTrainer(Trainer):
             seed = (config.seed * 1_000_003 + self.state.iteration) * 1_000_003 + indices[0]
             rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config, seed)
             self.batches = micro_batches(rollouts, config, self.config.micro_batch_size)
+            if self.tasks.update.beta > 0:
+                reference = self._reference_policy()
+                for batch in self.batches:
+                    batch.ref_logp = reference_logprobs(batch, reference, self.tasks.update)
             self._log_rollouts(rollouts)
         return super().train_step(iter(self.batches))
+
+    def _reference_policy(self) -> torch.nn.Module:
+        """The policy's architecture with --rl-reference's weights, frozen (this rank's part under tensor
+        parallelism: a second copy of its weights, no gradients or optimizer state). Built without
+        touching the run's RNG, and loaded from its checkpoint on every start, resumed runs included."""
+        if self.reference is None:
+            policy, rng = unwrap(self.model), capture_rng_state(self.model)
+            context = ParallelContext.extend(self.groups, sequence_parallel=False, rng_tracker=policy.rng_tracker)
+            with torch.device(self.runtime.device):
+                reference = type(policy)(policy.config, policy.dlm_config, pg=context)
+            restore_rng_state(self.model, rng)
+            load_model_weights(self.tasks.reference, reference, flag="--rl-reference")
+            self.reference = reference.to(next(policy.parameters()).dtype).requires_grad_(False).eval()
+        return self.reference
 
     def _sums(self, values: List[float]) -> List[float]:
         """`values` summed over the data-parallel replicas (tensor-parallel peers hold the same)."""

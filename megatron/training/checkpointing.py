@@ -254,6 +254,17 @@ def load_inference_model(root: str, device: torch.device, attention_backend: Opt
     return model.eval(), metadata
 
 
+def load_model_weights(root: str, model: torch.nn.Module, flag: str = "--load") -> int:
+    """Collective. The weights of the latest checkpoint under `root` into `model` (this rank's part of it,
+    whatever layout saved them), nothing else; returns its iteration. A second model of the run (RL's
+    frozen reference policy) loads this way."""
+    iteration = latest_iteration(root) if os.path.isdir(root) else None
+    if iteration is None:
+        raise InputError(f"{flag} {root}: no {TRACKER}; point it at a --save directory")
+    _serialization().load(model_sharded_state_dict(model), iteration_dir(root, iteration))
+    return iteration
+
+
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one (collective
     with local non-persistent checkpoints)."""

@@ -109,6 +109,9 @@ def test_completion_mask_and_prompt_order():
     (["--rl-task", "TASKS", "--rl-group-size", "5"], "must split into whole groups of --rl-group-size 5"),
     (["--rl-task", "TASKS", "--rl-inner-steps", "3", "--train-iters", "4"], "a multiple of --rl-inner-steps 3"),
     (["--rl-task", "MISSING"], "MISSING"),
+    (["--rl-task", "TASKS", "--rl-kl-beta", "0.1"], "--rl-kl-beta 0.1 needs --rl-reference"),
+    (["--rl-task", "TASKS", "--rl-algorithm", "spg", "--rl-kl-beta", "0.1", "--rl-reference", "x"],
+     "the spg estimator takes no KL term"),
 ])
 def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
     tasks = task_file(tmp_path)
@@ -134,3 +137,22 @@ def test_tensor_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_pat
     losses = [float(match) for match in re.findall(r"\| lm loss: ([-0-9.E+]+) \|", result.stdout)]
     assert rewards == [round(value, 4) for value in alone.rollout_rewards]
     assert losses == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
+
+
+def test_the_kl_to_a_frozen_reference_policy_and_its_resume(runtime, tmp_path):
+    """--rl-kl-beta with --rl-reference: nothing at the first step (the policy is the reference: k3 and its
+    gradient vanish), a different update later; a resumed run reloads the reference, not its own weights."""
+    base = MODEL + ["--rl-task", task_file(tmp_path), "--model-running-mode", "vanilla", "--rl-algorithm", "grpo",
+                    "--lr", "3e-2"]
+    init = str(tmp_path / "init")
+    run(base + ["--train-iters", "2", "--save", init, "--save-interval", "2"])
+    start = ["--load", init, "--finetune"]
+    kl = ["--rl-kl-beta", "0.5", "--rl-reference", init]
+    plain = run(base + start + ["--train-iters", "4"])
+    straight = run(base + start + kl + ["--train-iters", "4"])
+    assert (straight.history[0].loss, straight.history[0].grad_norm) == (plain.history[0].loss,
+                                                                         plain.history[0].grad_norm)
+    assert straight.history[3].loss != plain.history[3].loss
+    run(base + start + kl + ["--train-iters", "2", "--save", str(tmp_path / "rl"), "--save-interval", "2"])
+    resumed = run(base + kl + ["--train-iters", "4", "--load", str(tmp_path / "rl")])
+    assert [r.loss for r in resumed.history] == [r.loss for r in straight.history[2:]]
