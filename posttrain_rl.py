@@ -13,6 +13,7 @@ checkpoints and resume are the training loop's.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import partial
 from typing import List, Optional
@@ -48,8 +49,20 @@ def build_tasks(args, update, rollout) -> RLTasks:
                    reward_timeout_s=args.rl_reward_timeout, update=update, reference=args.rl_reference)
 
 
+def without_step_throughput(args) -> None:
+    """--log-throughput's tokens/s, TFLOP/s and MFU count --seq-length tokens a row; an RL row is a prompt and
+    a completion of other lengths, so the figures would be wrong: off, with a note (the rollouts line has
+    the sampler's tokens/s)."""
+    if args.logging_config.log_throughput:
+        if not args.check_args:
+            print("note: --log-throughput is off for RL: its figures assume rows of --seq-length tokens; the "
+                  "rollouts line reports the sampler's tokens/s")
+        args.logging_config = dataclasses.replace(args.logging_config, log_throughput=False)
+
+
 def main(argv: Optional[List[str]] = None):
     args = parse_args(argv, add_rl_args)
+    without_step_throughput(args)
     try:
         update, rollout = rl_settings(args)
         tasks = build_tasks(args, update, rollout)

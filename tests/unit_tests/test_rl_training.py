@@ -156,3 +156,15 @@ def test_the_kl_to_a_frozen_reference_policy_and_its_resume(runtime, tmp_path):
     run(base + start + kl + ["--train-iters", "2", "--save", str(tmp_path / "rl"), "--save-interval", "2"])
     resumed = run(base + kl + ["--train-iters", "4", "--load", str(tmp_path / "rl")])
     assert [r.loss for r in resumed.history] == [r.loss for r in straight.history[2:]]
+
+
+def test_step_throughput_is_off_with_a_note(tmp_path, capsys):
+    """--log-throughput counts --seq-length tokens a row, which RL rows are not: off, and said so."""
+    from custom_args.rl import add_rl_args
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(MODEL + ["--rl-task", task_file(tmp_path), "--lr", "1e-3", "--train-iters", "2",
+                               "--log-throughput"], add_rl_args, world_size=1)
+    posttrain_rl.without_step_throughput(args)
+    assert not args.logging_config.log_throughput
+    assert "note: --log-throughput is off for RL" in capsys.readouterr().out
