@@ -2,7 +2,8 @@
 model provider is pretrain_difflm's, each sample a prompt and completion with its advantage, the log-probs
 of the policy that sampled it and its estimator seed, all a pure function of the sample index, and the
 forward step is megatron/rl/step.py's. The estimator follows the policy: exact `ar` for a vanilla model,
-`ar_order` for a block-diffusion one, `diffu_grpo` otherwise."""
+`ar_order` for a block-diffusion one, SPG's sandwiched bounds for a difflm-shift one (two block-masked
+copies a row), `diffu_grpo` otherwise."""
 
 import torch
 
@@ -45,8 +46,10 @@ def forward_step(data_iterator, model, ctx, config):
     sample = next(data_iterator)
     device = next(model.parameters()).device
     dlm = config.dlm
-    estimator = "ar" if not dlm.is_diffusion else ("ar_order" if dlm.block_diffusion else "diffu_grpo")
-    rl = RLConfig(estimator=estimator, mask_token_id=dlm.mask_token_id, clip_high=0.28, beta=0.0).validate()
+    estimator = "ar" if not dlm.is_diffusion else ("ar_order" if dlm.block_diffusion else
+                                                   "spg" if dlm.model_running_mode == "difflm-shift" else "diffu_grpo")
+    rl = RLConfig(estimator=estimator, mask_token_id=dlm.mask_token_id, clip_high=0.28, beta=0.0,
+                  spg_block_length=4).validate()
     batch = RolloutBatch(sample["tokens"].to(device), PROMPT, sample["completion_mask"].to(device),
                          sample["advantage"].to(device), sample["old_logp"].to(device), sample["seed"])
     return rl_forward_step(batch, model, rl)

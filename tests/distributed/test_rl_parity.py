@@ -1,7 +1,8 @@
 """One RL policy-gradient update (megatron/rl/step.py, fixed rollouts: tests/distributed/rl_entry.py) under
 TP=2 with sequence parallelism, DP=2 and PP=2 equals one process: the policy loss of every step and every
 step-1 gradient to 1e-5, with Megatron's defaults and the Llama style, for the d1 estimator of a DLM, the
-exact AR-order one of a block-diffusion DLM and the exact one of an AR policy."""
+exact AR-order one of a block-diffusion DLM, the exact one of an AR policy and SPG's bounds (a difflm-shift
+DLM: two masked copies a row)."""
 
 import pytest
 
@@ -15,9 +16,10 @@ MODES = {
     "diffu_grpo": ["--model-running-mode", "difflm-noshift"],
     "ar_order": ["--model-running-mode", "difflm-noshift", "--difflm-block-diffusion", "--difflm-block-size", "8"],
     "ar": ["--model-running-mode", "vanilla"],
+    "spg": ["--model-running-mode", "difflm-shift"],
 }
 CASES = [("megatron", "diffu_grpo", ()), ("llama", "diffu_grpo", ()), ("llama", "ar_order", ()),
-         ("megatron", "ar", ())]
+         ("megatron", "ar", ()), ("llama", "spg", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False)},
