@@ -25,6 +25,8 @@ from megatron.rl.objectives import NORMALIZATIONS, policy_loss
 __all__ = ["KINDS", "RLConfig", "RolloutBatch", "rl_forward_step", "reference_logprobs"]
 
 KINDS = ESTIMATORS + ("spg",)
+UPDATE_STATISTICS = ("clip fraction", "kl", "ratio")
+"""What the clipped update records of each micro-batch (RolloutBatch.stats): per completion token."""
 """The update's estimators: estimators.ESTIMATORS' per-token log-probs under the clipped surrogate, and
 spg.py's sandwiched sequence bounds."""
 
@@ -93,6 +95,9 @@ class RolloutBatch:
     position_ids: Optional[torch.Tensor] = None
     """[B, P + T] with left-padded prompts (rollouts.row_layout): the padding apart, positions from the first
     real token, as the sampler read the row; None without padding."""
+    stats: Optional[torch.Tensor] = None
+    """After an update's forward (not SPG's): [completion tokens, then each UPDATE_STATISTICS summed over
+    them], for the log."""
 
 
 def _estimate(batch: RolloutBatch, config: RLConfig) -> EstimatorBatch:
@@ -144,7 +149,9 @@ def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig
                             batch.advantages, beta=config.spg_beta, mix=config.spg_mix)
     if batch.old_logp is None:  # on-policy: the sampler's policy is this one (RolloutBatch.old_logp)
         batch.old_logp = logp.detach()
-    loss_sum, normalizer, _ = policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,
-                                          batch.ref_logp, beta=config.beta, clip_low=config.clip_low,
-                                          clip_high=config.clip_high, normalization=config.normalization)
+    loss_sum, normalizer, stats = policy_loss(logp, batch.old_logp, batch.advantages, batch.completion_mask,
+                                              batch.ref_logp, beta=config.beta, clip_low=config.clip_low,
+                                              clip_high=config.clip_high, normalization=config.normalization)
+    tokens = batch.completion_mask.sum().to(torch.float64)
+    batch.stats = torch.stack([tokens] + [stats[name].detach().double() * tokens for name in UPDATE_STATISTICS])
     return loss_sum, normalizer

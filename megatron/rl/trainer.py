@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.utils import group_rank, group_size
 from megatron.evaluation.in_loop import whole_weights
 from megatron.rl.rewards import RewardWorkers
 from megatron.rl.rollouts import PromptEncoder, PromptOrder, RolloutConfig, Rollouts, micro_batches, sample_rollouts
-from megatron.rl.step import RLConfig, reference_logprobs
+from megatron.rl.step import UPDATE_STATISTICS, RLConfig, reference_logprobs
 from megatron.rl.tasks import TaskRecord
 from megatron.training.checkpointing import load_model_weights
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
@@ -60,6 +60,8 @@ class RLTrainer(Trainer):
         self.workers: Optional[RewardWorkers] = None
         self.rollout_rewards: List[float] = []
         """The mean reward of each batch of rollouts, over all replicas."""
+        self.update_statistics: List[dict] = []
+        """Each step's clipped-update statistics ({name: value per completion token}, UPDATE_STATISTICS)."""
         self.reference: Optional[torch.nn.Module] = None
         """The frozen reference policy (update.beta > 0), loaded at the first rollouts."""
 
@@ -106,7 +108,27 @@ class RLTrainer(Trainer):
                 for batch in self.batches:
                     batch.ref_logp = reference_logprobs(batch, reference, self.tasks.update)
             self._log_rollouts(rollouts)
-        return super().train_step(iter(self.batches))
+        result = super().train_step(iter(self.batches))
+        self._log_update()
+        return result
+
+    def _log_update(self) -> None:
+        """The clipped update's statistics per completion token (the ratio to the sampling policy, the
+        share of tokens clipped, the KL to the reference), over the replicas; on the log interval."""
+        parts = [batch.stats for batch in self.batches if batch.stats is not None]
+        if not parts:
+            return
+        totals = self._sums(torch.stack(parts).sum(dim=0).tolist())
+        self.update_statistics.append({name: total / max(totals[0], 1.0)
+                                       for name, total in zip(UPDATE_STATISTICS, totals[1:])})
+        if self.logger is None:
+            return
+        values = {f"rl/{name}": value for name, value in self.update_statistics[-1].items()}
+        iteration = self.state.iteration + 1
+        self.logger.on_scalars(values, iteration)
+        if iteration % self.logger.config.log_interval == 0:
+            self.logger.print(f" update at iteration {iteration} | " + " | ".join(
+                f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS) + " |")
 
     def _reference_policy(self) -> torch.nn.Module:
         """The policy's architecture with --rl-reference's weights, frozen (this rank's part under tensor

@@ -67,7 +67,9 @@ def test_resume_goes_on_bit_for_bit(runtime, tmp_path):
     assert [r.loss for r in resumed.history] == [r.loss for r in straight.history[2:]]
     assert [r.grad_norm for r in resumed.history] == [r.grad_norm for r in straight.history[2:]]
     assert resumed.rollout_rewards == straight.rollout_rewards[1:]
-    assert straight.history[1].grad_norm != straight.history[0].grad_norm  # the inner step moved on
+    first, second = straight.update_statistics[:2]  # on-policy, then against the stored sampling log-probs
+    assert (first["ratio"], first["clip fraction"]) == (1.0, 0.0) and second["ratio"] != 1.0
+    assert resumed.update_statistics == straight.update_statistics[2:]
 
 
 @pytest.mark.parametrize("estimator", ["ar", "diffu_grpo", "ar_order", "coupled"])
@@ -153,6 +155,7 @@ def test_the_kl_to_a_frozen_reference_policy_and_its_resume(runtime, tmp_path):
     assert (straight.history[0].loss, straight.history[0].grad_norm) == (plain.history[0].loss,
                                                                          plain.history[0].grad_norm)
     assert straight.history[3].loss != plain.history[3].loss
+    assert straight.update_statistics[0]["kl"] == 0.0 < straight.update_statistics[3]["kl"]
     run(base + start + kl + ["--train-iters", "2", "--save", str(tmp_path / "rl"), "--save-interval", "2"])
     resumed = run(base + kl + ["--train-iters", "4", "--load", str(tmp_path / "rl")])
     assert [r.loss for r in resumed.history] == [r.loss for r in straight.history[2:]]
