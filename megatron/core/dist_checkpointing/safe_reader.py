@@ -34,6 +34,8 @@ _ALLOWED = {
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
 }
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# megatron-core's saves also keep their save plans in the index: plain dataclasses of DCP's planner
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
 
 
 class CheckpointMetadataError(InputError):
@@ -63,7 +65,7 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) in _ALLOWED or (module == _METADATA_MODULE and not name.startswith("__")):
+        if (module, name) in _ALLOWED or (module in (_METADATA_MODULE, _PLANNER_MODULE) and not name.startswith("__")):
             return super().find_class(module, name)
         raise CheckpointMetadataError(
             f"{self.path} references {module}.{name}, which a checkpoint index never holds: refusing to "

@@ -1,0 +1,147 @@
+"""Make the Megatron-LM checkpoints the interop tests load: tiny GPT models built and saved by megatron-core
+itself (its local layer spec, `dist_checkpointing.save` in the `torch_dist` format, in Megatron-LM's folder
+layout), with the logits megatron-core computes for fixed token ids.
+
+megatron-core's package is also named `megatron`, so this runs in an environment of its own, from a folder
+outside this repository:
+
+    python -m venv /tmp/mcore && /tmp/mcore/bin/pip install torch==2.13.0 megatron-core==0.16.1 numpy
+    cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
+        --out REPO/tests/assets/megatron --case dense
+    # the same model saved by TP=2 / PP=2 layouts (megatron-core reshards the one-process save):
+    # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2
+
+It runs on CPU (gloo): two CUDA-only calls of megatron-core are replaced (the device a buffer moves to and a
+stream synchronisation), and its model-parallel RNG tracker is bypassed (dropout is 0). Each case writes
+`<case>/` (`latest_checkpointed_iteration.txt`, `iter_0000001/` with `common.pt`, `metadata.json`, `.metadata`
+and the shards) and `<case>/logits.pt` ({"tokens", "logits"} for one process, full vocabulary).
+The version of megatron-core that made them is recorded in `<case>/made_by.txt`. (0.16.1: the newest on the
+package index this project can reach.)
+"""
+
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.current_device = lambda: "cpu"  # megatron-core moves some buffers to the current CUDA device
+torch.cuda.synchronize = lambda *args, **kwargs: None  # and waits for CUDA copies when it saves
+
+CASES = {
+    # GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied output layer, no biases (the Llama/Qwen3 style)
+    "dense": dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  normalization="RMSNorm", swiglu=True, qk_layernorm=True, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True, position_embedding_type="rope"),
+    # Megatron's GPT defaults (LayerNorm, GELU, biases, tied embeddings, multi-head attention) with RoPE
+    "dense_gpt": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
+                      normalization="LayerNorm", swiglu=False, qk_layernorm=False, add_bias_linear=True,
+                      untie_embeddings_and_output_weights=False, position_embedding_type="rope"),
+}
+VOCAB, SEQ, ITERATION = 64, 32, 1
+
+
+def megatron_lm_args(case: dict, tp: int, pp: int) -> argparse.Namespace:
+    """The subset of Megatron-LM's flags its checkpoints record in common.pt that shape a GPT model."""
+    return argparse.Namespace(
+        num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
+        num_attention_heads=case["num_attention_heads"],
+        group_query_attention=case["num_query_groups"] < case["num_attention_heads"],
+        num_query_groups=case["num_query_groups"], kv_channels=case["hidden_size"] // case["num_attention_heads"],
+        normalization=case["normalization"], norm_epsilon=1e-5, swiglu=case["swiglu"],
+        qk_layernorm=case["qk_layernorm"], add_bias_linear=case["add_bias_linear"],
+        add_qkv_bias=case["add_bias_linear"],
+        untie_embeddings_and_output_weights=case["untie_embeddings_and_output_weights"],
+        position_embedding_type=case["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
+        max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB, vocab_size=VOCAB,
+        make_vocab_size_divisible_by=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        num_experts=None, transformer_impl="local", ckpt_format="torch_dist", iteration=ITERATION,
+        hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, bf16=False, fp16=False,
+        params_dtype=torch.float32)
+
+
+def build(case: dict, tp: int, pp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mc_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()  # no CUDA RNG
+    config = TransformerConfig(
+        num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
+        num_attention_heads=case["num_attention_heads"], num_query_groups=case["num_query_groups"],
+        normalization=case["normalization"], gated_linear_unit=case["swiglu"],
+        activation_func=torch.nn.functional.silu if case["swiglu"] else torch.nn.functional.gelu,
+        add_bias_linear=case["add_bias_linear"], qk_layernorm=case["qk_layernorm"], layernorm_epsilon=1e-5,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, init_method_std=0.2,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None)
+    spec = get_gpt_layer_local_spec(qk_layernorm=case["qk_layernorm"], normalization=case["normalization"])
+    from megatron.core import parallel_state
+
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=not case["untie_embeddings_and_output_weights"],
+                     position_embedding_type=case["position_embedding_type"], parallel_output=False)
+    with torch.no_grad():  # visible biases and norms: zeros and ones would hide a misplaced tensor
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model.eval()
+
+
+def save(model, args: argparse.Namespace, folder: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    iteration_dir = os.path.join(folder, f"iter_{ITERATION:07d}")
+    os.makedirs(iteration_dir, exist_ok=True)
+    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    dist_checkpointing.save(state, iteration_dir)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(str(ITERATION))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--case", choices=sorted(CASES), required=True)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    options = parser.parse_args()
+    tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(1234)
+    case = CASES[options.case]
+    model = build(case, tp, pp)
+    if tp * pp > 1:  # the one-process save's weights, resharded by megatron-core for this layout
+        from megatron.core import dist_checkpointing
+
+        source = os.path.join(options.out, options.case, f"iter_{ITERATION:07d}")
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, source)["model"])
+    folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}"))
+    save(model, megatron_lm_args(case, tp, pp), folder)
+    if dist.get_world_size() == 1:  # the reference logits: the whole model in one process
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+        positions = torch.arange(16).expand(2, 16)
+        causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)  # True = masked out
+        with torch.no_grad():
+            logits = model(tokens, positions, causal)
+        torch.save({"tokens": tokens, "logits": logits.float()}, os.path.join(folder, "logits.pt"))
+    if dist.get_rank() == 0:
+        from importlib.metadata import version
+
+        with open(os.path.join(folder, "made_by.txt"), "w") as handle:
+            handle.write(f"megatron-core {version('megatron-core')}, torch {torch.__version__}\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
