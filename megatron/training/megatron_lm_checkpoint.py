@@ -12,25 +12,32 @@ grouped per query group (the queries of the group, then its key, then its value)
 [gate; up]: the layouts our layers use, so each tensor is renamed and split per layer, not reordered.
 `_extra_state` entries (Transformer Engine's fp8 metadata) carry no weights and are skipped.
 
-So far: dense models, one process reading the whole checkpoint (any layout it was saved with: DCP joins
-the shards). `tests/assets/megatron/` holds checkpoints megatron-core wrote and the logits it computed.
+Each of our pieces (model_sharded_state_dict: its global shape and offset under our layout) is described as
+its part of the checkpoint's tensor (a layer's piece is the slice [layer] of the stacked one), so the DCP
+reader gives every rank only what it holds, whatever layout saved the checkpoint. So far: dense models.
+`tests/assets/megatron/` holds checkpoints megatron-core wrote and the logits it computed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import math
 import os
 import pickle
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.errors import InputError
 
-__all__ = ["megatron_lm_iteration_dir", "read_megatron_lm_args", "megatron_lm_flags", "read_megatron_lm_weights"]
+__all__ = ["megatron_lm_iteration_dir", "read_megatron_lm_args", "megatron_lm_flags", "row_blocks",
+           "megatron_lm_pieces", "load_megatron_lm_model"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # megatron-core's stacked decoder keys -> ours per layer (`{}` the layer)
@@ -44,8 +51,6 @@ LAYER_KEYS = {
     "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
     "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias",
 }
-WHOLE_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-              "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 
 
 def megatron_lm_iteration_dir(root: str) -> str:
@@ -103,24 +108,79 @@ def megatron_lm_flags(args: argparse.Namespace) -> List[str]:
     return flags
 
 
-def read_megatron_lm_weights(folder: str, num_layers: int) -> Dict[str, torch.Tensor]:
-    """{our parameter name: whole tensor} of the checkpoint's model (every shard joined)."""
-    reader = SafeFileSystemReader(folder)
-    index = reader.read_metadata().state_dict_metadata
-    wanted = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for key, meta in index.items()
-              if "_extra_state" not in key and hasattr(meta, "size")}
-    unknown = [key for key in wanted if key not in WHOLE_KEYS and not key.startswith("decoder.layers.")]
-    if unknown:
-        raise InputError(f"{folder}: {unknown[0]} is not a tensor of a dense GPT model this reader maps (MoE and "
-                         "other layer specs come later)")
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
-    weights = {key: tensor for key, tensor in wanted.items() if key in WHOLE_KEYS}
-    for key, stacked in wanted.items():
-        if not key.startswith("decoder.layers."):
-            continue
-        name = key[len("decoder.layers."):]
-        if stacked.shape[0] != num_layers:
-            raise InputError(f"{folder}: {key} stacks {stacked.shape[0]} layers, the args say {num_layers}")
-        for layer in range(num_layers):
-            weights[f"decoder.layers.{layer}.{LAYER_KEYS.get(name, name)}"] = stacked[layer].clone()
-    return weights
+def _megatron_key(key: str, index) -> Tuple[str, Optional[int]]:
+    """(the checkpoint's key for our parameter `key`, its layer or None for a tensor not stacked)."""
+    if not key.startswith("decoder.layers."):
+        if key not in index:
+            raise InputError(f"the checkpoint has no {key}; is it a checkpoint of this architecture?")
+        return key, None
+    layer, _, name = key[len("decoder.layers."):].partition(".")
+    candidates = [theirs for theirs, ours in LAYER_KEYS.items() if ours == name] + [name]
+    for candidate in candidates:
+        if f"decoder.layers.{candidate}" in index:
+            return f"decoder.layers.{candidate}", int(layer)
+    raise InputError(f"the checkpoint has no decoder.layers.{candidates[0]} (our {key}); is it a checkpoint of "
+                     "this architecture?")
+
+
+def row_blocks(piece: ShardedTensor, shape: Tuple[int, ...]) -> List[Tuple[torch.Tensor, Tuple[int, ...]]]:
+    """Our piece as (data view, offset) blocks of the checkpoint's tensor of `shape`, whose first dimension
+    flattens our leading ones (our QKV's [groups, q heads + 2, head dim, hidden] is its [rows, hidden]; our
+    SwiGLU fc1's [2, ffn, hidden] its [2 ffn, hidden]): one block, or one per index of the dimensions
+    before the first our piece holds part of (a tensor-parallel fc1 piece: its gate rows and its up rows)."""
+    ours = tuple(piece.global_shape)
+    rest = tuple(shape[1:])
+    lead = ours[:len(ours) - len(rest)]
+    if ours[len(lead):] != rest or math.prod(lead) != shape[0]:
+        raise ValueError(f"tensor {piece.key!r} has shape {tuple(shape)}, this model expects one of "
+                         f"{math.prod(lead)} x {ours[len(lead):]} rows; the architecture differs")
+    sizes, offsets = piece.data.shape[:len(lead)], piece.global_offset[:len(lead)]
+    split = max([k for k in range(len(lead)) if sizes[k] != lead[k]], default=0)
+    strides = [math.prod(lead[k + 1:]) for k in range(len(lead))]
+    blocks = []
+    for index in itertools.product(*(range(size) for size in sizes[:split])):
+        start = sum((offsets[k] + index[k]) * strides[k] for k in range(split)) + offsets[split] * strides[split]
+        view = piece.data[index] if index else piece.data
+        blocks.append((view.reshape(-1, *rest), (start, *piece.global_offset[len(lead):])))
+    return blocks
+
+
+def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[str, ShardedTensor]:
+    """Our model's checkpoint pieces on this rank, each described as its part of the checkpoint's tensor
+    (a layer's piece the slice [layer] of the stacked tensor; row_blocks), so each rank reads only what
+    it holds."""
+    pieces = {}
+    for name, piece in model_sharded_state_dict(model, prefix="").items():
+        key, layer = _megatron_key(piece.key, index)
+        shape = tuple(index[key].size)
+        if layer is None:
+            pieces[name] = dataclasses.replace(piece, key=key) if shape == tuple(piece.global_shape) else None
+            if pieces[name] is not None:
+                continue
+        stacked = shape[1:] if layer is not None else shape
+        for number, (data, offset) in enumerate(row_blocks(piece, stacked)):
+            if layer is not None:
+                data, offset = data.unsqueeze(0), (layer, *offset)
+            pieces[f"{name}#{number}"] = ShardedTensor(key, data, shape, offset, piece.replica_id, piece.padded_rows)
+        pieces.pop(name, None)
+    read = {piece.key for piece in pieces.values()}
+    unread = [key for key in index if key not in read and "_extra_state" not in key]
+    if unread:
+        raise InputError(f"the checkpoint's {unread[0]} has no place in this model (MoE and other layer specs "
+                         "are not read yet); is it a checkpoint of this architecture?")
+    return pieces
+
+
+def load_megatron_lm_model(model: torch.nn.Module, root: str) -> argparse.Namespace:
+    """Collective. The weights of the Megatron-LM torch_dist checkpoint under `root` into `model` (this
+    rank's parts, whatever layout saved them); returns the run's recorded args."""
+    from megatron.core.dist_checkpointing import serialization
+
+    folder = megatron_lm_iteration_dir(root)
+    args = read_megatron_lm_args(folder)
+    index = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
+    try:
+        serialization.load(megatron_lm_pieces(model, index, args.num_layers), folder)
+    except ValueError as error:  # a tensor missing or of another shape: InputError is one too
+        raise InputError(f"--load {root}: {error}") from None
+    return args

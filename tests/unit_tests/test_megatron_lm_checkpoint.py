@@ -11,8 +11,8 @@ import torch
 from custom_args.difflm import add_difflm_args
 from megatron.core.errors import InputError
 from megatron.core.models.difflm.gpt_model import GPTModel
-from megatron.training.megatron_lm_checkpoint import (megatron_lm_flags, megatron_lm_iteration_dir,
-                                                      read_megatron_lm_args, read_megatron_lm_weights)
+from megatron.training.megatron_lm_checkpoint import (load_megatron_lm_model, megatron_lm_flags,
+                                                      megatron_lm_iteration_dir, read_megatron_lm_args)
 from megatron.training.run_config import parse_run_config
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "megatron"
@@ -21,18 +21,18 @@ RUN = ["--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "1
        "--train-iters", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--attention-backend", "math"]
 
 
-def load(case: str) -> GPTModel:
-    folder = megatron_lm_iteration_dir(str(ASSETS / case))
-    args = read_megatron_lm_args(folder)
-    config = parse_run_config(megatron_lm_flags(args) + RUN, add_difflm_args, world_size=1)
+def load(case: str, extra=()) -> GPTModel:
+    args = read_megatron_lm_args(megatron_lm_iteration_dir(str(ASSETS / case)))
+    config = parse_run_config(megatron_lm_flags(args) + RUN + list(extra), add_difflm_args, world_size=1)
     model = GPTModel(config.model, config.dlm)
-    model.load_state_dict(read_megatron_lm_weights(folder, args.num_layers), strict=True)
+    torch.nn.init.zeros_(model.embedding.word_embeddings.weight)  # whatever it held is replaced
+    assert load_megatron_lm_model(model, str(ASSETS / case)).num_layers == 2
     return model.eval()
 
 
 @pytest.mark.parametrize("case, reference", [("dense", "dense"), ("dense_gpt", "dense_gpt"),
                                              ("dense_tp2_pp1", "dense"), ("dense_tp1_pp2", "dense")])
-def test_our_logits_equal_megatron_cores(case, reference):
+def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, learned positions, tied); the TP=2 and PP=2 saves of the first join to the same model."""
     expected = torch.load(ASSETS / reference / "logits.pt")
@@ -57,3 +57,32 @@ def test_the_args_come_from_common_pt_and_code_is_never_run(tmp_path):
 class _Evil:
     def __reduce__(self):
         return (print, ("this would run on load",))
+
+
+def test_a_model_of_another_shape_is_one_line_naming_the_tensor(runtime):
+    with pytest.raises(InputError, match=r"--load .*dense: .*linear_fc1.weight' has shape \(128, 32\).*differs"):
+        load("dense", ["--ffn-hidden-size", "48"])
+
+
+@pytest.mark.parametrize("ours, box, flat", [
+    ((2, 6, 4), ((0, 3, 0), (2, 3, 4)), (12, 4)),  # a TP rank's SwiGLU fc1: its gate rows and its up rows
+    ((2, 4, 8, 32), ((1, 0, 0, 0), (1, 4, 8, 32)), (64, 32)),  # a TP rank's query groups of the QKV
+    ((2, 4, 8, 32), ((0, 0, 0, 0), (2, 4, 8, 32)), (64, 32)),  # the whole tensor: one block
+])
+def test_a_pieces_rows_in_the_flattened_tensor(ours, box, flat):
+    """Each block row_blocks makes views our piece's data and names where those values sit in the
+    checkpoint's flattened tensor (row-major order kept)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.training.megatron_lm_checkpoint import row_blocks
+
+    full = torch.arange(torch.Size(ours).numel(), dtype=torch.float32).view(ours)
+    offset, size = box
+    data = full[tuple(slice(o, o + n) for o, n in zip(offset, size))].clone()
+    blocks = row_blocks(ShardedTensor("w", data, ours, offset), flat)
+    flattened = full.reshape(flat)
+    covered = 0
+    for view, start in blocks:
+        assert view.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()  # loads land in the piece
+        torch.testing.assert_close(view, flattened[tuple(slice(o, o + n) for o, n in zip(start, view.shape))])
+        covered += view.numel()
+    assert covered == data.numel() and len(blocks) == (2 if ours == (2, 6, 4) else 1)

@@ -236,10 +236,14 @@ def load(sharded: Dict[str, ShardedTensor], checkpoint_dir: str) -> None:
     staged = {}
     if world == 1:
         # One process cannot describe part of a tensor to DCP: read such tensors whole, then copy.
+        # (Several pieces of one tensor, as the stacked layers of a Megatron-LM checkpoint, share one read.)
         for name, piece in list(fitted.items()):
             if tuple(piece.data.shape) != tuple(piece.global_shape):
-                buffer = staged.setdefault(piece.key, torch.empty(piece.global_shape, dtype=piece.data.dtype,
-                                                                  device=piece.data.device))
+                if piece.key in staged:
+                    del fitted[name]
+                    continue
+                buffer = staged[piece.key] = torch.empty(piece.global_shape, dtype=piece.data.dtype,
+                                                         device=piece.data.device)
                 fitted[name] = ShardedTensor.from_local(piece.key, buffer)
     state = to_dcp_state_dict(fitted)
     missing = sorted(set(state) - set(metadata))
