@@ -16,6 +16,8 @@ from typing import Callable, Dict, Tuple
 from megatron.core.errors import InputError
 from megatron.core.transformer.rope_scaling import FIELDS_OF_TYPE, SCALING_DEFAULTS
 from megatron.training.checkpoint_files import iteration_dir, latest_iteration, read_checkpoint_metadata
+from megatron.training.megatron_lm_checkpoint import (is_megatron_lm_checkpoint, megatron_lm_architecture,
+                                                      megatron_lm_iteration_dir, read_megatron_lm_args)
 from megatron.training.rope_args import ROPE_FIELD_FLAGS, checkpoint_rope_flags
 
 # TransformerConfig fields that decide the parameters' shapes: (the flag, checkpoint -> flag value).
@@ -186,6 +188,13 @@ def apply_checkpoint_args(args) -> None:
     latest checkpoint under --load, before the flags are validated."""
     if not args.load:
         raise InputError("--use-checkpoint-args needs --load DIR")
+    if is_megatron_lm_checkpoint(args.load):  # the run's args as Megatron-LM recorded them in common.pt
+        recorded = read_megatron_lm_args(megatron_lm_iteration_dir(args.load))
+        for dest, value in megatron_lm_architecture(recorded).items():
+            setattr(args, dest, value)
+        if args.seq_length is None:
+            args.seq_length = getattr(recorded, "seq_length", None)
+        return
     iteration = latest_iteration(args.load)
     if iteration is None:
         raise InputError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint yet (no tracker file); "

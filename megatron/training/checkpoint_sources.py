@@ -224,13 +224,7 @@ def refuse_foreign_format(root: Optional[str]) -> None:
     if any(name.startswith("mp_rank_") for name in names):
         kind = "Megatron-LM's legacy torch format (mp_rank_XX/model_optim_rng.pt)"
     elif "metadata.json" in names:
-        try:
-            with open(os.path.join(source, "metadata.json")) as handle:
-                metadata = json.load(handle)
-        except (OSError, ValueError):
-            return  # read_checkpoint_metadata reports a damaged file
-        if isinstance(metadata, dict) and "sharded_backend" in metadata and "format_version" not in metadata:
-            kind = f"Megatron-LM's own {metadata['sharded_backend']} format"
+        return  # ours, or Megatron-LM's torch_dist, which --finetune reads (megatron_lm_checkpoint.py)
     elif ".metadata" in names:
         kind = "Megatron-LM's torch_dcp format"
     if kind is not None:

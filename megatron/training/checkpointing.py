@@ -45,6 +45,8 @@ from megatron.training.checkpoint_files import (FORMAT_VERSION, FP8_DIR, STAGING
 from megatron.training.checkpoint_sources import (LOCAL, describe, find_checkpoint, finish_global_save, global_root,
                                                   load_local, save_local)
 from megatron.training.configs import CheckpointConfig, RunRecord
+from megatron.training.megatron_lm_checkpoint import (is_megatron_lm_checkpoint, load_megatron_lm_model,
+                                                      megatron_lm_iteration_dir, read_megatron_lm_args)
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict, optimizer_sharded_state_dict
@@ -268,6 +270,12 @@ def load_model_weights(root: str, model: torch.nn.Module, flag: str = "--load") 
 def check_loadable(config: CheckpointConfig, record: RunRecord) -> None:
     """The checks of `load_checkpoint` that need no model: run before building one (collective
     with local non-persistent checkpoints)."""
+    if config.load and is_megatron_lm_checkpoint(config.load):
+        if not config.finetune:
+            raise InputError(f"--load {config.load} is a Megatron-LM checkpoint: add --finetune (its weights are "
+                             "read; its optimizer state, progress and RNG are Megatron-LM's and are not)")
+        read_megatron_lm_args(megatron_lm_iteration_dir(config.load))  # a common.pt that cannot be read: now
+        return
     source = find_checkpoint(config, record)
     if source is None and config.exit_on_missing_checkpoint:
         raise InputError(f"--load {config.load}: no checkpoint there (no {TRACKER}) and --exit-on-missing-checkpoint "
@@ -302,7 +310,14 @@ def _naming_earlier_iterations(source):
 def load_checkpoint(config: CheckpointConfig, record: RunRecord, trainer,
                     log: Optional[Callable[[str], None]] = None) -> Optional[int]:
     """Collective. Restores weights (and optimizer, schedule, progress, RNG unless told not to)
-    from the checkpoint `checkpoint_sources.find_checkpoint` chooses; `log` gets a line saying which."""
+    from the checkpoint `checkpoint_sources.find_checkpoint` chooses; `log` gets a line saying which. A
+    Megatron-LM torch_dist checkpoint (with --finetune) gives its weights only (megatron_lm_checkpoint.py)."""
+    if is_megatron_lm_checkpoint(config.load):
+        recorded = load_megatron_lm_model(unwrap(trainer.model), config.load)
+        if log is not None:
+            log(f"> loaded the weights of Megatron-LM's checkpoint {config.load} (iteration "
+                f"{getattr(recorded, 'iteration', '?')}); --finetune: training starts at iteration 0")
+        return 0
     source = find_checkpoint(config, record)
     if source is None:
         return None

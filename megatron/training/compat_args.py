@@ -108,9 +108,9 @@ NO_EFFECT: Tuple[NoEffect, ...] = (
     NoEffect("--use-on-the-fly-eval", "MegaDLMs' switch of the in-loop evaluation (declared there, never "
              "implemented): --lm-eval-tasks alone turns it on, and the switch needs them"),
     # Checkpointing (megatron/training/checkpoint_flags.py has the ones that act).
-    NoEffect("--auto-detect-ckpt-format", "always so: --load recognises Megatron-LM's legacy "
-             "(mp_rank_XX/model_optim_rng.pt), torch_dist, torch_dcp and zarr checkpoints and refuses them with the "
-             "conversion to use"),
+    NoEffect("--auto-detect-ckpt-format", "always so: --load recognises Megatron-LM's checkpoints: a torch_dist "
+             "GPT loads with --finetune (README, \"Checkpoints\"); the legacy (mp_rank_XX/model_optim_rng.pt), "
+             "torch_dcp and zarr formats are refused with the conversion to use"),
     NoEffect("--use-dist-ckpt", "always so: torch_dist is the format written here"),
     NoEffect("--ckpt-fully-parallel-save", "always so: each replicated tensor is written once, the writes spread "
              "over the ranks holding it (DCP's planner; --no-ckpt-fully-parallel-save writes from the lowest rank)",

@@ -30,14 +30,15 @@ import pickle
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.errors import InputError
 
-__all__ = ["megatron_lm_iteration_dir", "read_megatron_lm_args", "megatron_lm_flags", "row_blocks",
-           "megatron_lm_pieces", "load_megatron_lm_model"]
+__all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megatron_lm_args",
+           "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # megatron-core's stacked decoder keys -> ours per layer (`{}` the layer)
@@ -87,25 +88,37 @@ def read_megatron_lm_args(folder: str) -> argparse.Namespace:
     return args
 
 
-def megatron_lm_flags(args: argparse.Namespace) -> List[str]:
-    """Our flags for the architecture the Megatron-LM run recorded (the same flag names and meanings)."""
-    flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-             "--ffn-hidden-size", str(args.ffn_hidden_size), "--num-attention-heads", str(args.num_attention_heads),
-             "--normalization", args.normalization, "--norm-epsilon", str(args.norm_epsilon),
-             "--max-position-embeddings", str(args.max_position_embeddings),
-             "--position-embedding-type", args.position_embedding_type]
-    if getattr(args, "kv_channels", None):
-        flags += ["--kv-channels", str(args.kv_channels)]
-    if getattr(args, "group_query_attention", False):
-        flags += ["--group-query-attention", "--num-query-groups", str(args.num_query_groups)]
-    if args.position_embedding_type == "rope":
-        flags += ["--rotary-base", str(int(getattr(args, "rotary_base", 10000)))]
-    for flag, on in (("--swiglu", args.swiglu), ("--qk-layernorm", getattr(args, "qk_layernorm", False)),
-                     ("--disable-bias-linear", not args.add_bias_linear),
-                     ("--untie-embeddings-and-output-weights", args.untie_embeddings_and_output_weights)):
-        if on:
-            flags.append(flag)
-    return flags
+def is_megatron_lm_checkpoint(root: str) -> bool:
+    """Whether the iteration the tracker under `root` names is a Megatron-LM torch_dist checkpoint (its
+    metadata.json names a sharded backend and, unlike ours, no format version)."""
+    try:
+        with open(os.path.join(root, TRACKER)) as handle:
+            text = handle.read().strip()
+        folder = os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}")
+        with open(os.path.join(folder, "metadata.json")) as handle:
+            metadata = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(metadata, dict) and "sharded_backend" in metadata and "format_version" not in metadata
+
+
+def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
+    """Our flags' destinations for the architecture the Megatron-LM run recorded (the same flag names
+    and meanings; --use-checkpoint-args sets them)."""
+    if args.position_embedding_type not in ("rope",):
+        raise InputError(f"the checkpoint's --position-embedding-type {args.position_embedding_type} is not one "
+                         "this model has (rope); it cannot be loaded here")
+    gqa = bool(getattr(args, "group_query_attention", False))
+    return {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+            "num_attention_heads": args.num_attention_heads, "group_query_attention": gqa,
+            "num_query_groups": args.num_query_groups if gqa else None,
+            "kv_channels": getattr(args, "kv_channels", None), "normalization": args.normalization,
+            "norm_epsilon": args.norm_epsilon, "swiglu": bool(args.swiglu),
+            "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+            "disable_bias_linear": not args.add_bias_linear,
+            "untie_embeddings_and_output_weights": bool(args.untie_embeddings_and_output_weights),
+            "position_embedding_type": "rope", "rotary_base": int(getattr(args, "rotary_base", 10000)),
+            "max_position_embeddings": args.max_position_embeddings}
 
 
 def _megatron_key(key: str, index) -> Tuple[str, Optional[int]]:
@@ -141,7 +154,7 @@ def row_blocks(piece: ShardedTensor, shape: Tuple[int, ...]) -> List[Tuple[torch
     for index in itertools.product(*(range(size) for size in sizes[:split])):
         start = sum((offsets[k] + index[k]) * strides[k] for k in range(split)) + offsets[split] * strides[split]
         view = piece.data[index] if index else piece.data
-        blocks.append((view.reshape(-1, *rest), (start, *piece.global_offset[len(lead):])))
+        blocks.append((view.reshape(-1, *piece.data.shape[len(lead):]), (start, *piece.global_offset[len(lead):])))
     return blocks
 
 
@@ -153,22 +166,29 @@ def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[s
     for name, piece in model_sharded_state_dict(model, prefix="").items():
         key, layer = _megatron_key(piece.key, index)
         shape = tuple(index[key].size)
-        if layer is None:
-            pieces[name] = dataclasses.replace(piece, key=key) if shape == tuple(piece.global_shape) else None
-            if pieces[name] is not None:
-                continue
+        ours = tuple(piece.global_shape)
+        if layer is None and (shape == ours or (piece.padded_rows and shape[1:] == ours[1:])):
+            pieces[name] = dataclasses.replace(piece, key=key)  # (the vocabulary's rows both have: serialization)
+            continue
         stacked = shape[1:] if layer is not None else shape
         for number, (data, offset) in enumerate(row_blocks(piece, stacked)):
             if layer is not None:
                 data, offset = data.unsqueeze(0), (layer, *offset)
             pieces[f"{name}#{number}"] = ShardedTensor(key, data, shape, offset, piece.replica_id, piece.padded_rows)
-        pieces.pop(name, None)
+    return pieces
+
+
+def _check_all_read(index, pieces: Dict[str, ShardedTensor]) -> None:
+    """Collective: every tensor of the checkpoint has a place on some rank (a pipeline stage reads its part)."""
     read = {piece.key for piece in pieces.values()}
-    unread = [key for key in index if key not in read and "_extra_state" not in key]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: List[set] = [set() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, read)
+        read = set().union(*everyone)
+    unread = sorted(key for key in index if key not in read and "_extra_state" not in key)
     if unread:
         raise InputError(f"the checkpoint's {unread[0]} has no place in this model (MoE and other layer specs "
                          "are not read yet); is it a checkpoint of this architecture?")
-    return pieces
 
 
 def load_megatron_lm_model(model: torch.nn.Module, root: str) -> argparse.Namespace:
@@ -180,7 +200,9 @@ def load_megatron_lm_model(model: torch.nn.Module, root: str) -> argparse.Namesp
     args = read_megatron_lm_args(folder)
     index = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
     try:
-        serialization.load(megatron_lm_pieces(model, index, args.num_layers), folder)
+        pieces = megatron_lm_pieces(model, index, args.num_layers)
+        _check_all_read(index, pieces)
+        serialization.load(pieces, folder)
     except ValueError as error:  # a tensor missing or of another shape: InputError is one too
         raise InputError(f"--load {root}: {error}") from None
     return args

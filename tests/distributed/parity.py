@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.core.tensor_parallel.utils import local_tensor
 from megatron.training.initialize import initialize_distributed
 from megatron.training.run_config import parse_run_config
+from megatron.training.checkpointing import load_checkpoint
 from megatron.training.training import build_trainer
 
 TINY_GQA = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -127,6 +128,8 @@ def _train_and_capture(argv: list, runtime, entry: str = "pretrain_difflm") -> d
     config = parse_run_config(argv, getattr(module, "extra_args_provider", add_difflm_args))
     trainer = build_trainer(config, runtime, module.train_valid_test_datasets_provider, module.model_provider,
                             module.forward_step)
+    if config.checkpoint.load:  # as pretrain() starts: from the checkpoint's weights
+        load_checkpoint(config.checkpoint, config.record, trainer)
     model, shards, named, step = unwrap(trainer.model), {}, {}, trainer.optimizer.step
 
     def capturing_step(*a, **k):

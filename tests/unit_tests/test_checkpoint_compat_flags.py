@@ -130,9 +130,7 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
 
 @pytest.mark.parametrize("layout, kind", [
     ({"iter_0000005/mp_rank_00/model_optim_rng.pt": b""}, "legacy torch format"),
-    ({"release/mp_rank_00_000/model_optim_rng.pt": b""}, "legacy torch format"),
-    ({"iter_0000005/metadata.json": b'{"sharded_backend": "torch_dist"}', "iter_0000005/.metadata": b""},
-     "own torch_dist format")])
+    ({"release/mp_rank_00_000/model_optim_rng.pt": b""}, "legacy torch format")])
 def test_megatron_checkpoints_are_refused_with_the_conversion(layout, kind, tmp_path, capsys):
     for name, content in layout.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +139,15 @@ def test_megatron_checkpoints_are_refused_with_the_conversion(layout, kind, tmp_
                                                                 else "5")
     code, line = error_of(["--train-iters", "1", "--load", str(tmp_path), "--auto-detect-ckpt-format"], capsys)
     assert code == 1 and kind in line and "hf_to_megatron.py" in line
+
+
+def test_a_megatron_torch_dist_checkpoint_needs_finetune(tmp_path, capsys):
+    """Its weights load (test_megatron_lm_checkpoint.py); its optimizer state and progress do not."""
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "iter_0000005" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    code, line = error_of(["--train-iters", "1", "--load", str(tmp_path)], capsys)
+    assert code == 1 and "is a Megatron-LM checkpoint: add --finetune" in line
 
 
 @pytest.mark.parametrize("extra, words", [

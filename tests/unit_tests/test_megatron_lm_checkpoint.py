@@ -11,8 +11,9 @@ import torch
 from custom_args.difflm import add_difflm_args
 from megatron.core.errors import InputError
 from megatron.core.models.difflm.gpt_model import GPTModel
-from megatron.training.megatron_lm_checkpoint import (load_megatron_lm_model, megatron_lm_flags,
-                                                      megatron_lm_iteration_dir, read_megatron_lm_args)
+import pretrain_difflm
+from megatron.training.megatron_lm_checkpoint import (load_megatron_lm_model, megatron_lm_iteration_dir,
+                                                      read_megatron_lm_args)
 from megatron.training.run_config import parse_run_config
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "megatron"
@@ -22,8 +23,9 @@ RUN = ["--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "1
 
 
 def load(case: str, extra=()) -> GPTModel:
-    args = read_megatron_lm_args(megatron_lm_iteration_dir(str(ASSETS / case)))
-    config = parse_run_config(megatron_lm_flags(args) + RUN + list(extra), add_difflm_args, world_size=1)
+    """The architecture from the checkpoint (--use-checkpoint-args reads common.pt), then its weights."""
+    config = parse_run_config(["--load", str(ASSETS / case), "--use-checkpoint-args", "--finetune"] + RUN
+                              + list(extra), add_difflm_args, world_size=1)
     model = GPTModel(config.model, config.dlm)
     torch.nn.init.zeros_(model.embedding.word_embeddings.weight)  # whatever it held is replaced
     assert load_megatron_lm_model(model, str(ASSETS / case)).num_layers == 2
@@ -61,7 +63,12 @@ class _Evil:
 
 def test_a_model_of_another_shape_is_one_line_naming_the_tensor(runtime):
     with pytest.raises(InputError, match=r"--load .*dense: .*linear_fc1.weight' has shape \(128, 32\).*differs"):
-        load("dense", ["--ffn-hidden-size", "48"])
+        GPTModel_of = parse_run_config(["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
+                                        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups",
+                                        "2", "--normalization", "RMSNorm", "--swiglu", "--qk-layernorm",
+                                        "--disable-bias-linear", "--untie-embeddings-and-output-weights"] + RUN,
+                                       add_difflm_args, world_size=1)
+        load_megatron_lm_model(GPTModel(GPTModel_of.model, GPTModel_of.dlm), str(ASSETS / "dense"))
 
 
 @pytest.mark.parametrize("ours, box, flat", [
@@ -86,3 +93,26 @@ def test_a_pieces_rows_in_the_flattened_tensor(ours, box, flat):
         torch.testing.assert_close(view, flattened[tuple(slice(o, o + n) for o, n in zip(start, view.shape))])
         covered += view.numel()
     assert covered == data.numel() and len(blocks) == (2 if ours == (2, 6, 4) else 1)
+
+
+def test_pretraining_loads_it_with_finetune_and_trains_it_as_a_dlm(runtime, capsys):
+    """`--load MEGATRON_CKPT --finetune --use-checkpoint-args`: the run starts from megatron-core's weights
+    (its logits, in AR mode) and trains on as a DLM; without --finetune it is one line."""
+    flags = ["--load", str(ASSETS / "dense"), "--use-checkpoint-args", "--mock-data", "--vocab-size", "64",
+             "--make-vocab-size-divisible-by", "1", "--seq-length", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--lr", "1e-4", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+             "--attention-backend", "math"]
+    expected = torch.load(ASSETS / "dense" / "logits.pt")
+    trainer = pretrain_difflm.main(flags + ["--finetune", "--model-running-mode", "vanilla", "--train-iters", "1",
+                                            "--skip-train", "--eval-iters", "1"])
+    with torch.no_grad():
+        logits = trainer.model.eval()(expected["tokens"])
+    torch.testing.assert_close(logits.float(), expected["logits"], rtol=1e-5, atol=1e-5)
+    assert "loaded the weights of Megatron-LM's checkpoint" in capsys.readouterr().out
+    # a DLM with a mask token appended to the vocabulary (its row is new; the others are the checkpoint's)
+    dlm = pretrain_difflm.main(flags + ["--finetune", "--add-mask-token", "--train-iters", "2", "--eval-iters", "0"])
+    assert len(dlm.history) == 2 and all(torch.isfinite(torch.tensor(step.loss)) for step in dlm.history)
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_difflm.main(flags + ["--model-running-mode", "vanilla", "--train-iters", "1", "--eval-iters", "0"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and error.count("\n") == 1 and "add --finetune" in error
