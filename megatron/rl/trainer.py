@@ -178,7 +178,8 @@ class RLTrainer(Trainer):
         count = min(self.tasks.eval_prompts, len(self.tasks.valid))
         indices = self._replica_prompts(0, count)
         config = dataclasses.replace(self.tasks.rollout, group_size=1, temperature=0.0)
-        rewards = self._sample([self.tasks.valid[k] for k in indices], indices, config, seed=0).rewards
+        rewards = (self._sample([self.tasks.valid[k] for k in indices], indices, config, seed=0).rewards if indices
+                   else torch.zeros(0))  # a replica past the last held-out task samples nothing
         total, rows = self._sums([float(rewards.sum()), float(rewards.numel())])
         reward = total / max(rows, 1.0)
         if self.logger is not None:

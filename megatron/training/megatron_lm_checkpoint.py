@@ -36,11 +36,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.errors import InputError
+from megatron.training.checkpoint_files import TRACKER, iteration_dir
 
 __all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megatron_lm_args",
            "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # megatron-core's stacked decoder keys -> ours per layer (`{}` the layer)
 LAYER_KEYS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -54,22 +54,27 @@ LAYER_KEYS = {
 }
 
 
+def _tracked(root: str) -> Tuple[Optional[str], Optional[dict]]:
+    """(the iteration folder the tracker under `root` names, its metadata.json) or Nones where unreadable."""
+    try:
+        with open(os.path.join(root, TRACKER)) as handle:
+            text = handle.read().strip()
+        folder = os.path.join(root, "release") if text == "release" else iteration_dir(root, int(text))
+        with open(os.path.join(folder, "metadata.json")) as handle:
+            metadata = json.load(handle)
+    except (OSError, ValueError):
+        return None, None
+    return folder, metadata if isinstance(metadata, dict) else None
+
+
 def megatron_lm_iteration_dir(root: str) -> str:
     """The iteration folder the tracker names (a `torch_dist` one), or InputError naming what is wrong."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        raise InputError(f"--load {root}: no {TRACKER}; point it at a Megatron-LM --save directory")
-    with open(tracker) as handle:
-        text = handle.read().strip()
-    folder = os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else "")
-    try:
-        with open(os.path.join(folder, "metadata.json")) as handle:
-            backend = json.load(handle).get("sharded_backend")
-    except (OSError, ValueError, AttributeError):
-        backend = None
-    if backend != "torch_dist":
-        raise InputError(f"--load {root}: {folder} is not a torch_dist checkpoint (its metadata.json names "
-                         f"{backend!r}); save it with --ckpt-format torch_dist")
+    folder, metadata = _tracked(root)
+    backend = (metadata or {}).get("sharded_backend")
+    if folder is None or backend != "torch_dist":
+        raise InputError(f"--load {root}: not a Megatron-LM torch_dist checkpoint (no {TRACKER} naming an "
+                         f"iteration whose metadata.json says torch_dist: {backend!r}); save it with "
+                         "--ckpt-format torch_dist")
     return folder
 
 
@@ -91,15 +96,8 @@ def read_megatron_lm_args(folder: str) -> argparse.Namespace:
 def is_megatron_lm_checkpoint(root: str) -> bool:
     """Whether the iteration the tracker under `root` names is a Megatron-LM torch_dist checkpoint (its
     metadata.json names a sharded backend and, unlike ours, no format version)."""
-    try:
-        with open(os.path.join(root, TRACKER)) as handle:
-            text = handle.read().strip()
-        folder = os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}")
-        with open(os.path.join(folder, "metadata.json")) as handle:
-            metadata = json.load(handle)
-    except (OSError, ValueError):
-        return False
-    return isinstance(metadata, dict) and "sharded_backend" in metadata and "format_version" not in metadata
+    _, metadata = _tracked(root)
+    return metadata is not None and "sharded_backend" in metadata and "format_version" not in metadata
 
 
 def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:

@@ -171,3 +171,33 @@ def test_step_throughput_is_off_with_a_note(tmp_path, capsys):
     posttrain_rl.without_step_throughput(args)
     assert not args.logging_config.log_throughput
     assert "note: --log-throughput is off for RL" in capsys.readouterr().out
+
+
+def test_the_validation_reward_scores_the_held_out_tasks_greedily(runtime, tmp_path, capsys):
+    """--rl-valid-task: every --eval-interval, one greedy completion of each of --rl-eval-prompts tasks; greedy,
+    so a second evaluation of the same weights gives the same reward."""
+    tasks = task_file(tmp_path)
+    trainer = run(MODEL + ["--rl-task", tasks, "--rl-valid-task", tasks, "--rl-eval-prompts", "5",
+                           "--eval-interval", "2", "--eval-iters", "1", "--model-running-mode", "vanilla",
+                           "--rl-algorithm", "grpo", "--lr", "1e-2", "--train-iters", "2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "validation reward at iteration 2" in line]
+    assert len(lines) == 1 and "prompts: 5 |" in lines[0]
+    with RewardWorkersFor(trainer):
+        again = trainer.evaluate_and_log()
+    assert f"reward: {again:.4f}" in lines[0] and 0.0 < again < 1.0
+
+
+class RewardWorkersFor:
+    """The reward processes a finished RLTrainer needs to evaluate again."""
+
+    def __init__(self, trainer) -> None:
+        from megatron.rl.rewards import RewardWorkers
+
+        self.trainer, self.workers = trainer, RewardWorkers(1)
+
+    def __enter__(self):
+        self.trainer.workers = self.workers
+
+    def __exit__(self, *exc_info):
+        self.trainer.workers = None
+        self.workers.close()
