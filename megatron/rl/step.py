@@ -25,10 +25,10 @@ from megatron.rl.objectives import NORMALIZATIONS, policy_loss
 __all__ = ["KINDS", "RLConfig", "RolloutBatch", "rl_forward_step", "reference_logprobs"]
 
 KINDS = ESTIMATORS + ("spg",)
-UPDATE_STATISTICS = ("clip fraction", "kl", "ratio")
-"""What the clipped update records of each micro-batch (RolloutBatch.stats): per completion token."""
 """The update's estimators: estimators.ESTIMATORS' per-token log-probs under the clipped surrogate, and
 spg.py's sandwiched sequence bounds."""
+UPDATE_STATISTICS = ("clip fraction", "kl", "ratio")
+"""What the clipped update records of each micro-batch (RolloutBatch.stats): per completion token."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def _forward(model: torch.nn.Module, batch: RolloutBatch, estimate: EstimatorBat
         raise ValueError("the RL step reads each completion's per-token losses whole, which context parallelism "
                          "splits over ranks: use --context-parallel-size 1 for RL")
     blocks = {} if estimate.block_size is None else {"block_size": estimate.block_size}
-    repeat = estimate.input_ids.shape[0] // batch.sequence.shape[0]  # 2 for the coupled estimator's pair
+    repeat = estimate.input_ids.shape[0] // batch.sequence.shape[0]  # coupled's mask pair, SPG's masked copies
     layout = {name: value.repeat(repeat, 1) for name, value in
               (("document_ids", batch.document_ids), ("position_ids", batch.position_ids)) if value is not None}
     return model(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
