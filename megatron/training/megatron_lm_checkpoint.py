@@ -15,6 +15,8 @@ grouped per query group (the queries of the group, then its key, then its value)
 Each of our pieces (model_sharded_state_dict: its global shape and offset under our layout) is described as
 its part of the checkpoint's tensor (a layer's piece is the slice [layer] of the stacked one), so the DCP
 reader gives every rank only what it holds, whatever layout saved the checkpoint. So far: dense models.
+The other way (tools/weights_conversion/to_megatron.py): megatron_lm_tensor and megatron_lm_args_for give our
+tensors and architecture as megatron-core writes them.
 `tests/assets/megatron/` holds checkpoints megatron-core wrote and the logits it computed.
 """
 
@@ -39,7 +41,8 @@ from megatron.core.errors import InputError
 from megatron.training.checkpoint_files import TRACKER, iteration_dir
 
 __all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megatron_lm_args",
-           "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model"]
+           "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model",
+           "megatron_lm_tensor", "megatron_lm_args_for"]
 
 # megatron-core's stacked decoder keys -> ours per layer (`{}` the layer)
 LAYER_KEYS = {
@@ -102,20 +105,28 @@ def is_megatron_lm_checkpoint(root: str) -> bool:
 
 def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
     """Our flags' destinations for the architecture the Megatron-LM run recorded (the same flag names
-    and meanings; --use-checkpoint-args sets them)."""
+    and meanings; --use-checkpoint-args sets them). What this model cannot compute is one line."""
     if args.position_embedding_type not in ("rope",):
         raise InputError(f"the checkpoint's --position-embedding-type {args.position_embedding_type} is not one "
                          "this model has (rope); it cannot be loaded here")
+    for flag in ("squared_relu", "rotary_interleaved"):
+        if getattr(args, flag, False):
+            raise InputError(f"the checkpoint was trained with --{flag.replace('_', '-')}, which this model does "
+                             "not compute; it cannot be loaded here")
     gqa = bool(getattr(args, "group_query_attention", False))
     return {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
             "num_attention_heads": args.num_attention_heads, "group_query_attention": gqa,
             "num_query_groups": args.num_query_groups if gqa else None,
             "kv_channels": getattr(args, "kv_channels", None), "normalization": args.normalization,
-            "norm_epsilon": args.norm_epsilon, "swiglu": bool(args.swiglu),
-            "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
+            "norm_epsilon": args.norm_epsilon, "apply_layernorm_1p": bool(getattr(args, "apply_layernorm_1p", False)),
+            "swiglu": bool(args.swiglu), "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
             "disable_bias_linear": not args.add_bias_linear,
+            "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)) and not args.add_bias_linear,
             "untie_embeddings_and_output_weights": bool(args.untie_embeddings_and_output_weights),
             "position_embedding_type": "rope", "rotary_base": int(getattr(args, "rotary_base", 10000)),
+            "rotary_percent": float(getattr(args, "rotary_percent", 1.0)),
+            "use_rope_scaling": bool(getattr(args, "use_rope_scaling", False)),
+            "rope_scaling_factor": float(getattr(args, "rope_scaling_factor", 8.0)),
             "max_position_embeddings": args.max_position_embeddings}
 
 
@@ -174,6 +185,62 @@ def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[s
                 data, offset = data.unsqueeze(0), (layer, *offset)
             pieces[f"{name}#{number}"] = ShardedTensor(key, data, shape, offset, piece.replica_id, piece.padded_rows)
     return pieces
+
+
+# Our layer tensors -> the keys megatron-core writes for them (Transformer Engine's fused-norm names,
+# which its local spec's sharded state dict uses too)
+EXPORT_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" in theirs}
+# Our activation and gating -> Megatron-LM's flag for it (None: its default GeLU)
+EXPORT_ACTIVATIONS = {("silu", True): "swiglu", ("gelu", False): None}
+
+
+def megatron_lm_tensor(name: str, tensor: torch.Tensor) -> Tuple[str, Optional[int], torch.Tensor]:
+    """(the key megatron-core stores our tensor `name` under, its layer or None, the tensor in its layout:
+    our leading dimensions flattened into rows, as row_blocks reads them back)."""
+    layer = None
+    if name.startswith("decoder.layers."):
+        number, _, rest = name[len("decoder.layers."):].partition(".")
+        name, layer = "decoder.layers." + EXPORT_LAYER_KEYS.get(rest, rest), int(number)
+    if name.endswith("weight") and tensor.dim() > 2:
+        tensor = tensor.reshape(-1, tensor.shape[-1])
+    elif not name.endswith("weight") and tensor.dim() > 1:
+        tensor = tensor.reshape(-1)
+    return name, layer, tensor
+
+
+def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]) -> argparse.Namespace:
+    """The args Namespace a Megatron-LM run of our architecture (a checkpoint's `transformer_config`) records
+    in common.pt: what its --use-checkpoint-args and megatron_lm_architecture read. One layout (TP = PP = 1)."""
+    activation = (config["activation"], config["gated_linear_unit"])
+    refusals = {"MoE layers": config.get("moe"), f"the activation {activation}": activation not in EXPORT_ACTIVATIONS,
+                "--qk-layernorm-scope all": config.get("qk_layernorm_scope", "head") != "head",
+                f"RoPE scaling {config.get('rope_scaling_type')}": config.get("rope_scaling_type") not in
+                (None, "none", "llama3")}
+    for what, refused in refusals.items():
+        if refused:
+            raise InputError(f"the checkpoint has {what}, which Megatron-LM's GPT model has no flag for; "
+                             "it cannot be written in its format")
+    heads, groups = config["num_attention_heads"], config.get("num_query_groups") or config["num_attention_heads"]
+    return argparse.Namespace(
+        num_layers=config["num_layers"], hidden_size=config["hidden_size"], ffn_hidden_size=config["ffn_hidden_size"],
+        num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
+        kv_channels=config.get("kv_channels") or config["hidden_size"] // heads,
+        normalization=config["normalization"], norm_epsilon=config["layernorm_epsilon"],
+        apply_layernorm_1p=bool(config.get("layernorm_zero_centered_gamma")),
+        swiglu=EXPORT_ACTIVATIONS[activation] == "swiglu", squared_relu=False,
+        qk_layernorm=bool(config["qk_layernorm"]), add_bias_linear=bool(config["add_bias_linear"]),
+        add_qkv_bias=bool(config["add_bias_linear"] or config.get("add_qkv_bias")),
+        untie_embeddings_and_output_weights=not config["share_embeddings_and_output_weights"],
+        position_embedding_type="rope", use_rotary_position_embeddings=True, add_position_embedding=False,
+        rotary_base=config["rotary_base"], rotary_percent=config.get("rotary_percent", 1.0), rotary_interleaved=False,
+        use_rope_scaling=config.get("rope_scaling_type") == "llama3",
+        rope_scaling_factor=config.get("rope_scaling_factor", 8.0),
+        max_position_embeddings=config["max_position_embeddings"], seq_length=seq_length,
+        padded_vocab_size=config["vocab_size"], vocab_size=config.get("unpadded_vocab_size") or config["vocab_size"],
+        make_vocab_size_divisible_by=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        num_experts=None, transformer_impl="local", ckpt_format="torch_dist", iteration=iteration,
+        hidden_dropout=config.get("hidden_dropout", 0.0), attention_dropout=config.get("attention_dropout", 0.0),
+        apply_query_key_layer_scaling=False, bf16=False, fp16=False, params_dtype=torch.float32)
 
 
 def _check_all_read(index, pieces: Dict[str, ShardedTensor]) -> None:

@@ -10,6 +10,10 @@ outside this repository:
         --out REPO/tests/assets/megatron --case dense
     # the same model saved by TP=2 / PP=2 layouts (megatron-core reshards the one-process save):
     # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2
+    # megatron-core loads a checkpoint tools/weights_conversion/to_megatron.py wrote (the case's architecture)
+    # and writes the logits it computes to DIR/megatron_core_logits.pt:
+    cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
+        --case dense --check-export DIR
 
 It runs on CPU (gloo): two CUDA-only calls of megatron-core are replaced (the device a buffer moves to and a
 stream synchronisation), and its model-parallel RNG tracker is bypassed (dropout is 0). Each case writes
@@ -106,12 +110,37 @@ def save(model, args: argparse.Namespace, folder: str) -> None:
             handle.write(str(ITERATION))
 
 
+def reference_logits(model) -> dict:
+    """The whole model's logits (one process) for fixed token ids, causal."""
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(16).expand(2, 16)
+    causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)  # True = masked out
+    with torch.no_grad():
+        return {"tokens": tokens, "logits": model(tokens, positions, causal).float()}
+
+
+def check_export(model, folder: str) -> None:
+    """megatron-core's own load (its default strictness) of the latest iteration under `folder`."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt")) as handle:
+        iteration_dir = os.path.join(folder, f"iter_{int(handle.read()):07d}")
+    common = dist_checkpointing.load_common_state_dict(iteration_dir)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iteration_dir)
+    model.load_state_dict(loaded["model"])
+    torch.save(reference_logits(model), os.path.join(folder, "megatron_core_logits.pt"))
+    print(f"megatron-core loaded {iteration_dir} (iteration {common['iteration']}, "
+          f"checkpoint_version {common['checkpoint_version']})")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the assets folder (to make them)")
     parser.add_argument("--case", choices=sorted(CASES), required=True)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--check-export", help="a to_megatron.py checkpoint to load and compute logits of")
     options = parser.parse_args()
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
     dist.init_process_group("gloo")
@@ -121,6 +150,8 @@ def main() -> None:
     torch.manual_seed(1234)
     case = CASES[options.case]
     model = build(case, tp, pp)
+    if options.check_export:
+        return check_export(model, options.check_export)
     if tp * pp > 1:  # the one-process save's weights, resharded by megatron-core for this layout
         from megatron.core import dist_checkpointing
 
@@ -129,12 +160,7 @@ def main() -> None:
     folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}"))
     save(model, megatron_lm_args(case, tp, pp), folder)
     if dist.get_world_size() == 1:  # the reference logits: the whole model in one process
-        tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
-        positions = torch.arange(16).expand(2, 16)
-        causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)  # True = masked out
-        with torch.no_grad():
-            logits = model(tokens, positions, causal)
-        torch.save({"tokens": tokens, "logits": logits.float()}, os.path.join(folder, "logits.pt"))
+        torch.save(reference_logits(model), os.path.join(folder, "logits.pt"))
     if dist.get_rank() == 0:
         from importlib.metadata import version
 
