@@ -29,6 +29,8 @@ import json
 import math
 import os
 import pickle
+import pickletools
+import zipfile
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -40,7 +42,8 @@ from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
 from megatron.core.errors import InputError
 from megatron.training.checkpoint_files import TRACKER, iteration_dir
 
-__all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megatron_lm_args",
+__all__ = ["MegatronLMObject", "safe_torch_load", "is_megatron_lm_checkpoint", "megatron_lm_iteration_dir",
+           "read_megatron_lm_args",
            "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model",
            "megatron_lm_tensor", "megatron_lm_args_for"]
 
@@ -81,15 +84,51 @@ def megatron_lm_iteration_dir(root: str) -> str:
     return folder
 
 
-def read_megatron_lm_args(folder: str) -> argparse.Namespace:
-    """The `args` Namespace the run recorded in common.pt (weights-only unpickling)."""
-    path = os.path.join(folder, "common.pt")
+class MegatronLMObject:
+    """An object of Megatron-LM's own classes in a checkpoint's pickle (its args hold enum members:
+    `model_type`, `attention_backend`), kept inert: the class's name and what it was built from. Megatron's
+    code is never imported or run; a subclass per class name stands in for it."""
+
+    name = "?"
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+    def __setstate__(self, state) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"{self.name}{self.args}"
+
+
+def foreign_globals(path: str) -> List[str]:
+    """The `megatron.*` classes a torch.save file's pickle names (GLOBAL opcodes; nothing is loaded)."""
+    with zipfile.ZipFile(path) as archive:
+        pickled = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        data = archive.read(pickled[0]) if pickled else b""
+    names = set()
+    for opcode, argument, _ in pickletools.genops(data):
+        if opcode.name == "GLOBAL" and str(argument).split(" ")[0].split(".")[0] in ("megatron", "megatron_core"):
+            names.add(str(argument).replace(" ", "."))
+    return sorted(names)
+
+
+def safe_torch_load(path: str):
+    """torch.load with weights-only unpickling: tensors, builtins, argparse.Namespace, and Megatron-LM's own
+    classes as inert MegatronLMObject stand-ins; anything else is InputError, and no code from the file runs."""
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            common = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as error:
+        stand_ins = [(type(name, (MegatronLMObject,), {"name": name}), name) for name in foreign_globals(path)]
+        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"{path}: cannot be read safely ({first}); load a checkpoint you trust") from None
+
+
+def read_megatron_lm_args(folder: str) -> argparse.Namespace:
+    """The `args` Namespace the run recorded in common.pt (weights-only unpickling, safe_torch_load)."""
+    path = os.path.join(folder, "common.pt")
+    common = safe_torch_load(path)
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, argparse.Namespace):
         raise InputError(f"{path} holds no args Namespace: not a Megatron-LM checkpoint")

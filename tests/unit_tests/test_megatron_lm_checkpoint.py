@@ -12,8 +12,8 @@ from custom_args.difflm import add_difflm_args
 from megatron.core.errors import InputError
 from megatron.core.models.difflm.gpt_model import GPTModel
 import pretrain_difflm
-from megatron.training.megatron_lm_checkpoint import (load_megatron_lm_model, megatron_lm_iteration_dir,
-                                                      read_megatron_lm_args)
+from megatron.training.megatron_lm_checkpoint import (MegatronLMObject, load_megatron_lm_model,
+                                                      megatron_lm_iteration_dir, read_megatron_lm_args)
 from megatron.training.run_config import parse_run_config
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "megatron"
@@ -47,6 +47,9 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
 def test_the_args_come_from_common_pt_and_code_is_never_run(tmp_path):
     args = read_megatron_lm_args(megatron_lm_iteration_dir(str(ASSETS / "dense")))
     assert (args.num_layers, args.num_query_groups, args.swiglu, args.ckpt_format) == (2, 2, True, "torch_dist")
+    # megatron-core's enum members in the args (as Megatron-LM's pretrain() leaves them): inert stand-ins
+    assert isinstance(args.model_type, MegatronLMObject) and args.model_type.args == (1,)
+    assert args.attention_backend.name == "megatron.core.transformer.enums.AttnBackend"
     crafted = tmp_path / "iter_0000001"
     crafted.mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")

@@ -47,8 +47,12 @@ VOCAB, SEQ, ITERATION = 64, 32, 1
 
 
 def megatron_lm_args(case: dict, tp: int, pp: int) -> argparse.Namespace:
-    """The subset of Megatron-LM's flags its checkpoints record in common.pt that shape a GPT model."""
-    return argparse.Namespace(
+    """The subset of Megatron-LM's flags its checkpoints record in common.pt that shape a GPT model, and two
+    of its enum members, as Megatron-LM's pretrain() leaves them in args (its own classes in the pickle)."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"],
         group_query_attention=case["num_query_groups"] < case["num_attention_heads"],
