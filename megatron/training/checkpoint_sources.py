@@ -221,10 +221,8 @@ def refuse_foreign_format(root: Optional[str]) -> None:
         return
     names = set(os.listdir(source))
     kind = None
-    if any(name.startswith("mp_rank_") for name in names):
-        kind = "Megatron-LM's legacy torch format (mp_rank_XX/model_optim_rng.pt)"
-    elif "metadata.json" in names:
-        return  # ours, or Megatron-LM's torch_dist, which --finetune reads (megatron_lm_checkpoint.py)
+    if "metadata.json" in names or any(name.startswith("mp_rank_") for name in names):
+        return  # ours, or Megatron-LM's torch_dist or legacy torch, which --finetune reads (megatron_lm_checkpoint.py)
     elif ".metadata" in names:
         kind = "Megatron-LM's torch_dcp format"
     if kind is not None:

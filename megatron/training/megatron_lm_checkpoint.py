@@ -17,6 +17,7 @@ its part of the checkpoint's tensor (a layer's piece is the slice [layer] of the
 reader gives every rank only what it holds, whatever layout saved the checkpoint. So far: dense models.
 The other way (tools/weights_conversion/to_megatron.py): megatron_lm_tensor and megatron_lm_args_for give our
 tensors and architecture as megatron-core writes them.
+Megatron-LM's legacy `torch` format (per-rank files) joins into the same tensors first (megatron_lm_legacy.py).
 `tests/assets/megatron/` holds checkpoints megatron-core wrote and the logits it computed.
 """
 
@@ -28,9 +29,6 @@ import itertools
 import json
 import math
 import os
-import pickle
-import pickletools
-import zipfile
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -39,11 +37,12 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
+from megatron.core.dist_checkpointing.safe_torch_file import safe_torch_load
 from megatron.core.errors import InputError
+from megatron.training.megatron_lm_legacy import legacy_global_tensors, legacy_rank_files, read_legacy_args
 from megatron.training.checkpoint_files import TRACKER, iteration_dir
 
-__all__ = ["MegatronLMObject", "safe_torch_load", "is_megatron_lm_checkpoint", "megatron_lm_iteration_dir",
-           "read_megatron_lm_args",
+__all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megatron_lm_args",
            "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model",
            "megatron_lm_tensor", "megatron_lm_args_for"]
 
@@ -60,73 +59,42 @@ LAYER_KEYS = {
 }
 
 
-def _tracked(root: str) -> Tuple[Optional[str], Optional[dict]]:
-    """(the iteration folder the tracker under `root` names, its metadata.json) or Nones where unreadable."""
+def _tracked(root: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the iteration folder the tracker under `root` names, the Megatron-LM format it holds: "torch_dist" (its
+    metadata.json names a sharded backend and, unlike ours, no format version) or "torch" (per-rank files)
+    or None)."""
     try:
         with open(os.path.join(root, TRACKER)) as handle:
             text = handle.read().strip()
         folder = os.path.join(root, "release") if text == "release" else iteration_dir(root, int(text))
+    except (OSError, ValueError):
+        return None, None
+    if legacy_rank_files(folder):
+        return folder, "torch"
+    try:
         with open(os.path.join(folder, "metadata.json")) as handle:
             metadata = json.load(handle)
     except (OSError, ValueError):
-        return None, None
-    return folder, metadata if isinstance(metadata, dict) else None
+        return folder, None
+    foreign = isinstance(metadata, dict) and "format_version" not in metadata
+    return folder, metadata.get("sharded_backend") if foreign else None
 
 
 def megatron_lm_iteration_dir(root: str) -> str:
-    """The iteration folder the tracker names (a `torch_dist` one), or InputError naming what is wrong."""
-    folder, metadata = _tracked(root)
-    backend = (metadata or {}).get("sharded_backend")
-    if folder is None or backend != "torch_dist":
-        raise InputError(f"--load {root}: not a Megatron-LM torch_dist checkpoint (no {TRACKER} naming an "
-                         f"iteration whose metadata.json says torch_dist: {backend!r}); save it with "
-                         "--ckpt-format torch_dist")
+    """The iteration folder the tracker names (torch_dist or legacy torch), or InputError naming what is wrong."""
+    folder, backend = _tracked(root)
+    if folder is None or backend not in ("torch_dist", "torch"):
+        raise InputError(f"--load {root}: not a Megatron-LM torch_dist or torch checkpoint (no {TRACKER} naming an "
+                         f"iteration with mp_rank_* files or a metadata.json saying torch_dist: {backend!r}); save "
+                         "it with --ckpt-format torch_dist")
     return folder
 
 
-class MegatronLMObject:
-    """An object of Megatron-LM's own classes in a checkpoint's pickle (its args hold enum members:
-    `model_type`, `attention_backend`), kept inert: the class's name and what it was built from. Megatron's
-    code is never imported or run; a subclass per class name stands in for it."""
-
-    name = "?"
-
-    def __init__(self, *args) -> None:
-        self.args = args
-
-    def __setstate__(self, state) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"{self.name}{self.args}"
-
-
-def foreign_globals(path: str) -> List[str]:
-    """The `megatron.*` classes a torch.save file's pickle names (GLOBAL opcodes; nothing is loaded)."""
-    with zipfile.ZipFile(path) as archive:
-        pickled = [name for name in archive.namelist() if name.endswith("/data.pkl")]
-        data = archive.read(pickled[0]) if pickled else b""
-    names = set()
-    for opcode, argument, _ in pickletools.genops(data):
-        if opcode.name == "GLOBAL" and str(argument).split(" ")[0].split(".")[0] in ("megatron", "megatron_core"):
-            names.add(str(argument).replace(" ", "."))
-    return sorted(names)
-
-
-def safe_torch_load(path: str):
-    """torch.load with weights-only unpickling: tensors, builtins, argparse.Namespace, and Megatron-LM's own
-    classes as inert MegatronLMObject stand-ins; anything else is InputError, and no code from the file runs."""
-    try:
-        stand_ins = [(type(name, (MegatronLMObject,), {"name": name}), name) for name in foreign_globals(path)]
-        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise InputError(f"{path}: cannot be read safely ({first}); load a checkpoint you trust") from None
-
-
 def read_megatron_lm_args(folder: str) -> argparse.Namespace:
-    """The `args` Namespace the run recorded in common.pt (weights-only unpickling, safe_torch_load)."""
+    """The `args` Namespace the run recorded: in common.pt (torch_dist) or the first rank's file (legacy);
+    weights-only unpickling (safe_torch_load)."""
+    if legacy_rank_files(folder):
+        return read_legacy_args(folder)
     path = os.path.join(folder, "common.pt")
     common = safe_torch_load(path)
     args = common.get("args") if isinstance(common, dict) else None
@@ -136,10 +104,8 @@ def read_megatron_lm_args(folder: str) -> argparse.Namespace:
 
 
 def is_megatron_lm_checkpoint(root: str) -> bool:
-    """Whether the iteration the tracker under `root` names is a Megatron-LM torch_dist checkpoint (its
-    metadata.json names a sharded backend and, unlike ours, no format version)."""
-    _, metadata = _tracked(root)
-    return metadata is not None and "sharded_backend" in metadata and "format_version" not in metadata
+    """Whether the iteration the tracker under `root` names is a Megatron-LM checkpoint (_tracked)."""
+    return _tracked(root)[1] is not None
 
 
 def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
@@ -295,15 +261,36 @@ def _check_all_read(index, pieces: Dict[str, ShardedTensor]) -> None:
                          "are not read yet); is it a checkpoint of this architecture?")
 
 
+@torch.no_grad()
+def _copy_pieces(pieces: Dict[str, ShardedTensor], tensors: Dict[str, torch.Tensor]) -> None:
+    """Each piece's box of the whole tensor under its key, into the piece (our parameters' views); rows past
+    the stored ones (a vocabulary padded further, an appended mask row) keep their initialisation."""
+    for piece in pieces.values():
+        whole = tensors[piece.key]
+        stops = [min(start + size, extent) for start, size, extent in
+                 zip(piece.global_offset, piece.data.shape, whole.shape)]
+        if any(stop <= start for start, stop in zip(piece.global_offset, stops)):
+            continue
+        piece.data[tuple(slice(0, stop - start) for start, stop in zip(piece.global_offset, stops))].copy_(
+            whole[tuple(slice(start, stop) for start, stop in zip(piece.global_offset, stops))])
+
+
 def load_megatron_lm_model(model: torch.nn.Module, root: str) -> argparse.Namespace:
-    """Collective. The weights of the Megatron-LM torch_dist checkpoint under `root` into `model` (this
-    rank's parts, whatever layout saved them); returns the run's recorded args."""
+    """Collective. The weights of the Megatron-LM checkpoint under `root` (torch_dist or legacy torch) into
+    `model` (this rank's parts, whatever layout saved them); returns the run's recorded args."""
     from megatron.core.dist_checkpointing import serialization
 
     folder = megatron_lm_iteration_dir(root)
     args = read_megatron_lm_args(folder)
-    index = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
     try:
+        if legacy_rank_files(folder):
+            tensors = legacy_global_tensors(folder, args)
+            index = {key: argparse.Namespace(size=tensor.shape) for key, tensor in tensors.items()}
+            pieces = megatron_lm_pieces(model, index, args.num_layers)
+            _check_all_read(index, pieces)
+            _copy_pieces(pieces, tensors)
+            return args
+        index = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
         pieces = megatron_lm_pieces(model, index, args.num_layers)
         _check_all_read(index, pieces)
         serialization.load(pieces, folder)

@@ -128,17 +128,17 @@ def test_exit_on_missing_checkpoint(tmp_path, capsys):
     assert code == 1 and "--exit-on-missing-checkpoint" in line and str(tmp_path) in line
 
 
-@pytest.mark.parametrize("layout, kind", [
-    ({"iter_0000005/mp_rank_00/model_optim_rng.pt": b""}, "legacy torch format"),
-    ({"release/mp_rank_00_000/model_optim_rng.pt": b""}, "legacy torch format")])
-def test_megatron_checkpoints_are_refused_with_the_conversion(layout, kind, tmp_path, capsys):
-    for name, content in layout.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes(content)
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release" if "release/" in next(iter(layout))
-                                                                else "5")
+@pytest.mark.parametrize("name", ["iter_0000005/mp_rank_00/model_optim_rng.pt",
+                                  "release/mp_rank_00_000/model_optim_rng.pt"])
+def test_a_legacy_megatron_checkpoint_needs_finetune_and_a_damaged_one_is_named(name, tmp_path, capsys):
+    """Megatron-LM's legacy torch format (per-rank files; reading it: test_megatron_lm_checkpoint.py)."""
+    (tmp_path / name).parent.mkdir(parents=True)
+    (tmp_path / name).write_bytes(b"")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release" if name.startswith("release/") else "5")
     code, line = error_of(["--train-iters", "1", "--load", str(tmp_path), "--auto-detect-ckpt-format"], capsys)
-    assert code == 1 and kind in line and "hf_to_megatron.py" in line
+    assert code == 1 and "is a Megatron-LM checkpoint: add --finetune" in line
+    code, line = error_of(["--train-iters", "1", "--load", str(tmp_path), "--finetune"], capsys)
+    assert code == 1 and "model_optim_rng.pt: cannot be read safely" in line
 
 
 def test_a_megatron_torch_dist_checkpoint_needs_finetune(tmp_path, capsys):

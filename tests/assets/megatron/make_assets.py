@@ -10,6 +10,8 @@ outside this repository:
         --out REPO/tests/assets/megatron --case dense
     # the same model saved by TP=2 / PP=2 layouts (megatron-core reshards the one-process save):
     # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2
+    # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt) of the same weights, any layout:
+    # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2]
     # megatron-core loads a checkpoint tools/weights_conversion/to_megatron.py wrote (the case's architecture)
     # and writes the logits it computes to DIR/megatron_core_logits.pt:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
@@ -114,6 +116,31 @@ def save(model, args: argparse.Namespace, folder: str) -> None:
             handle.write(str(ITERATION))
 
 
+def save_legacy(model, args: argparse.Namespace, folder: str) -> None:
+    """Megatron-LM's legacy `torch` format, as its checkpointing.py writes it: per model-parallel rank
+    iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt (the PPP part only with pipeline parallelism), a torch.save
+    of args, version, iteration, `model.state_dict_for_save_checkpoint()` and the RNG states (Python's,
+    numpy's, torch's)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state
+
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}" if args.pipeline_model_parallel_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    rank_dir = os.path.join(folder, f"iter_{ITERATION:07d}", name)
+    os.makedirs(rank_dir, exist_ok=True)
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state()}]
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": model.state_dict_for_save_checkpoint(), "rng_state": rng},
+               os.path.join(rank_dir, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(str(ITERATION))
+
+
 def reference_logits(model) -> dict:
     """The whole model's logits (one process) for fixed token ids, causal."""
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
@@ -145,6 +172,8 @@ def main() -> None:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--check-export", help="a to_megatron.py checkpoint to load and compute logits of")
+    parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                        help="torch: Megatron-LM's legacy per-rank files (from the case's torch_dist save)")
     options = parser.parse_args()
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
     dist.init_process_group("gloo")
@@ -156,14 +185,20 @@ def main() -> None:
     model = build(case, tp, pp)
     if options.check_export:
         return check_export(model, options.check_export)
-    if tp * pp > 1:  # the one-process save's weights, resharded by megatron-core for this layout
+    if tp * pp > 1 or options.ckpt_format == "torch":  # the one-process save's weights, for this layout
         from megatron.core import dist_checkpointing
 
         source = os.path.join(options.out, options.case, f"iter_{ITERATION:07d}")
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, source)["model"])
     folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}"))
-    save(model, megatron_lm_args(case, tp, pp), folder)
-    if dist.get_world_size() == 1:  # the reference logits: the whole model in one process
+    if options.ckpt_format == "torch":
+        folder = os.path.join(options.out, f"legacy_{options.case}_tp{tp}_pp{pp}")
+        args = megatron_lm_args(case, tp, pp)
+        args.ckpt_format = "torch"
+        save_legacy(model, args, folder)
+    else:
+        save(model, megatron_lm_args(case, tp, pp), folder)
+    if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist":  # the whole model in one process
         torch.save(reference_logits(model), os.path.join(folder, "logits.pt"))
     if dist.get_rank() == 0:
         from importlib.metadata import version
