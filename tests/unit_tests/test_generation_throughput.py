@@ -280,3 +280,30 @@ def test_a_broken_prompt_file_is_one_line_before_any_work(prompt, content, messa
         gt.main([*TINY, "--prompt", prompt, "--prompt-file", str(path), "--batch-sizes", "1"])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_joint_ar_dlm_checkpoint_is_decoded_under_its_trained_attention(tmp_path):
+    """The joint objective's clean blocks are token-causal (DLMConfig.causal_clean_half): the tool decodes under
+    the model's own trained pattern, so its output is the model's own `generate`; the bidirectional clean
+    blocks it once used (a pattern of its own, without causal_clean) decode something else."""
+    from megatron.core.inference import generation
+    from megatron.core.transformer.transformer_config import DLMConfig
+    from tests.unit_tests.test_hf_conversion import save_checkpoint, tiny_config
+
+    dlm = DLMConfig(model_running_mode="difflm-noshift", block_diffusion=True, block_size=4, ar_loss_weight=1.0,
+                    mask_token_id=89)
+    save_checkpoint(tmp_path / "ckpt", tiny_config(init_method_std=1.0), dlm)  # logits that vary with the context
+    args = gt.build_parser().parse_args(["--load", str(tmp_path / "ckpt"), "--gen-length", "8", "--block-length",
+                                         "4", "--prompt-length", "8", "--device", "cpu", "--warmup", "0",
+                                         "--repeats", "1"])
+    gt.validate(args)
+    bench = gt.checkpoint_bench(args, torch.device("cpu"))
+    assert bench.pattern == bench.model.trained_pattern() and bench.pattern["causal_clean"]
+    prompts = torch.randint(0, 80, (2, 8), generator=torch.Generator().manual_seed(0))
+    tool = gt.run_variant(bench, prompts, gt.VARIANTS["baseline"], None, args, torch.device("cpu"))["output"]
+    ours = bench.model.generate(prompts, gen_length=8, block_length=4, steps=args.steps, temperature=0.0)
+    assert torch.equal(tool, ours)
+    options = dict(bench.pattern, causal_clean=False, running_mode=bench.model.running_mode, mask_token_id=89)
+    bidirectional = generation.generate(bench.model.inference_forward, prompts, gen_length=8, block_length=4,
+                                        steps=args.steps, temperature=0.0, **options)
+    assert not torch.equal(bidirectional, ours)

@@ -132,10 +132,9 @@ def _finish(model: GPTModel, device: torch.device) -> GPTModel:
 
 
 def _bench_of(model: GPTModel, weights: str, tokenizer=None) -> Bench:
-    dlm = model.dlm_config
-    pattern = dict(attention_mask_type=dlm.effective_mask_type, attention_block_size=dlm.block_size,
-                   sliding_window=model.config.sliding_window)
-    return Bench(model, dlm.mask_token_id, pattern, weights, model.config.max_position_embeddings, tokenizer)
+    # the attention it was trained under (a joint AR + DLM model's clean blocks token-causal included)
+    return Bench(model, model.dlm_config.mask_token_id, model.trained_pattern(), weights,
+                 model.config.max_position_embeddings, tokenizer)
 
 
 def random_bench(args: argparse.Namespace, device: torch.device) -> Bench:
