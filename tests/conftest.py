@@ -3,6 +3,8 @@ run under Triton's interpreter on CPU tensors. triton.jit reads TRITON_INTERPRET
 imported (torch._dynamo imports it), so it is set here, before any test module imports torch's compiler.
 Without Triton the environment is left alone.
 Each test runs with logging, os.environ and the deterministic switch restored after it (pytest_runtest_protocol below).
+Without CUDA, torch.compile defaults to the aot_eager backend except in tests marked `inductor`
+(tests/cpu_compile.py says why).
 
 The `gpu` mark is the one way a test says it needs CUDA: a marked test skips where there is no CUDA
 device, so `pytest -m gpu tests` on a GPU machine runs every CUDA path (tests/gpu/ holds the GPU parity
@@ -22,6 +24,23 @@ import torch
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.cpu_compile import use_inductor, use_test_backend  # noqa: E402
+
+use_test_backend()  # without CUDA: aot_eager, unless a test is marked inductor (tests/cpu_compile.py)
+
+
+@pytest.fixture(autouse=True)
+def _inductor_where_marked(request):
+    """A test marked `inductor` compiles with inductor (its C++ code generation on CPU)."""
+    if request.node.get_closest_marker("inductor") is None:
+        yield
+        return
+    use_inductor()
+    try:
+        yield
+    finally:
+        use_test_backend()
 
 
 def _logging_state():

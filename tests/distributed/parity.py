@@ -56,6 +56,9 @@ def _torn_down(rank: int, worker, *args) -> None:
     take the store (rank 0 serves it) away from peers still creating groups."""
     import torch.distributed as dist
 
+    from tests.cpu_compile import use_test_backend
+
+    use_test_backend()  # as in the test process (conftest.py): aot_eager without CUDA
     worker(rank, *args)
     if dist.is_initialized():
         dist.barrier()

@@ -72,6 +72,7 @@ def test_an_untied_embedding_adds_its_rows_into_the_gradient(mode, monkeypatch):
     assert reference.ne(0).any()
 
 
+@pytest.mark.inductor  # reads the code inductor generates
 def test_a_compiled_layer_adds_into_the_gradient_itself():
     """Under torch.compile the backward calls the in-place op on the gradient (no copy written back),
     and the gradients are those of the compiled layers without it."""

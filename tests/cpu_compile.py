@@ -1,0 +1,42 @@
+"""torch.compile in the CPU test runs: the aot_eager backend unless a test is marked `inductor`.
+
+On a machine without CUDA, inductor turns every compiled graph into C++ and builds it with the host
+compiler: seconds per graph, minutes over the suite, for a code path no training run takes (training
+compiles for a GPU, where inductor emits Triton: `pytest -m gpu` runs those tests with inductor). What
+the CPU tests check of compilation (dynamo's graphs and guards, graph breaks under fullgraph=True,
+recompiles, functionalized in-place updates, compiled equal to eager) is dynamo's and AOTAutograd's
+work, which aot_eager runs in full; only the last step, inductor's code generation, is left out. A test
+that checks inductor itself is marked `@pytest.mark.inductor` and compiles with it (conftest.py).
+
+`use_test_backend()` applies it in this process (conftest.py at collection; tests/distributed/parity.py
+in each worker); an explicit `backend=`, `mode=` or `options=` is left as given.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["TEST_BACKEND", "inductor_compile", "use_test_backend", "use_inductor"]
+
+TEST_BACKEND = "aot_eager"
+inductor_compile = torch.compile
+"""torch.compile as torch defines it (inductor by default)."""
+
+
+@functools.wraps(inductor_compile)
+def _test_compile(model=None, **options):
+    if not any(key in options for key in ("backend", "mode", "options")):
+        options["backend"] = TEST_BACKEND
+    return inductor_compile(**options) if model is None else inductor_compile(model, **options)
+
+
+def use_test_backend() -> None:
+    """torch.compile defaults to TEST_BACKEND in this process, where there is no CUDA device."""
+    if not torch.cuda.is_available():
+        torch.compile = _test_compile
+
+
+def use_inductor() -> None:
+    torch.compile = inductor_compile
