@@ -14,7 +14,8 @@ grouped per query group (the queries of the group, then its key, then its value)
 
 Each of our pieces (model_sharded_state_dict: its global shape and offset under our layout) is described as
 its part of the checkpoint's tensor (a layer's piece is the slice [layer] of the stacked one), so the DCP
-reader gives every rank only what it holds, whatever layout saved the checkpoint. So far: dense models.
+reader gives every rank only what it holds, whatever layout saved the checkpoint (expert parallelism
+included: the routed experts are [layers, experts, ...] tensors).
 The other way (tools/weights_conversion/to_megatron.py): megatron_lm_tensor and megatron_lm_args_for give our
 tensors and architecture as megatron-core writes them.
 Megatron-LM's legacy `torch` format (per-rank files) joins into the same tensors first (megatron_lm_legacy.py).
@@ -56,7 +57,16 @@ LAYER_KEYS = {
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
     "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
     "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias",
+    # MoE: the routed experts under SequentialMLP's (and the grouped MLPs' checkpoint) name, stacked per expert
+    "mlp.experts.experts.linear_fc1.weight": "mlp.experts.linear_fc1.weight",
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.linear_fc2.weight",
+    "mlp.experts.experts.linear_fc1.bias": "mlp.experts.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.bias": "mlp.experts.linear_fc2.bias",
 }
+# Megatron-LM's MoE flags this model reads as they are (the same names and meanings); the gate of shared
+# experts has no counterpart here
+MOE_FLAGS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",
+             "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias")
 
 
 def _tracked(root: str) -> Tuple[Optional[str], Optional[str]]:
@@ -119,7 +129,8 @@ def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
             raise InputError(f"the checkpoint was trained with --{flag.replace('_', '-')}, which this model does "
                              "not compute; it cannot be loaded here")
     gqa = bool(getattr(args, "group_query_attention", False))
-    return {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+    return _moe_architecture(args) | {
+            "num_layers": args.num_layers, "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
             "num_attention_heads": args.num_attention_heads, "group_query_attention": gqa,
             "num_query_groups": args.num_query_groups if gqa else None,
             "kv_channels": getattr(args, "kv_channels", None), "normalization": args.normalization,
@@ -133,6 +144,20 @@ def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
             "use_rope_scaling": bool(getattr(args, "use_rope_scaling", False)),
             "rope_scaling_factor": float(getattr(args, "rope_scaling_factor", 8.0)),
             "max_position_embeddings": args.max_position_embeddings}
+
+
+def _moe_architecture(args: argparse.Namespace) -> Dict[str, object]:
+    """The MoE flags of a run with experts (none for a dense one)."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    if getattr(args, "moe_shared_expert_gate", False):
+        raise InputError("the checkpoint's shared experts are gated (--moe-shared-expert-gate), which this model "
+                         "does not compute; it cannot be loaded here")
+    flags = {flag: getattr(args, flag) for flag in MOE_FLAGS if getattr(args, flag, None) is not None}
+    frequency = getattr(args, "moe_layer_freq", 1)  # an int, or Megatron's parsed pattern: a list of 0 / 1
+    if isinstance(frequency, (list, tuple)):
+        frequency = "[" + ",".join(str(int(flag)) for flag in frequency) + "]"
+    return {"num_experts": args.num_experts, "moe_layer_freq": str(frequency), **flags}
 
 
 def _megatron_key(key: str, index) -> Tuple[str, Optional[int]]:
@@ -154,11 +179,15 @@ def row_blocks(piece: ShardedTensor, shape: Tuple[int, ...]) -> List[Tuple[torch
     """Our piece as (data view, offset) blocks of the checkpoint's tensor of `shape`, whose first dimension
     flattens our leading ones (our QKV's [groups, q heads + 2, head dim, hidden] is its [rows, hidden]; our
     SwiGLU fc1's [2, ffn, hidden] its [2 ffn, hidden]): one block, or one per index of the dimensions
-    before the first our piece holds part of (a tensor-parallel fc1 piece: its gate rows and its up rows)."""
+    before the first our piece holds part of (a tensor-parallel fc1 piece: its gate rows and its up rows).
+    A leading dimension both share (the experts: our [experts, 2, ffn, hidden] is its [experts, 2 ffn,
+    hidden]) is taken index by index first."""
     ours = tuple(piece.global_shape)
     rest = tuple(shape[1:])
     lead = ours[:len(ours) - len(rest)]
     if ours[len(lead):] != rest or math.prod(lead) != shape[0]:
+        if len(ours) > 1 and len(shape) > 1 and ours[0] == shape[0]:
+            return _shared_leading_blocks(piece, shape)
         raise ValueError(f"tensor {piece.key!r} has shape {tuple(shape)}, this model expects one of "
                          f"{math.prod(lead)} x {ours[len(lead):]} rows; the architecture differs")
     sizes, offsets = piece.data.shape[:len(lead)], piece.global_offset[:len(lead)]
@@ -169,6 +198,16 @@ def row_blocks(piece: ShardedTensor, shape: Tuple[int, ...]) -> List[Tuple[torch
         start = sum((offsets[k] + index[k]) * strides[k] for k in range(split)) + offsets[split] * strides[split]
         view = piece.data[index] if index else piece.data
         blocks.append((view.reshape(-1, *piece.data.shape[len(lead):]), (start, *piece.global_offset[len(lead):])))
+    return blocks
+
+
+def _shared_leading_blocks(piece: ShardedTensor, shape: Tuple[int, ...]) -> List[Tuple[torch.Tensor, Tuple[int, ...]]]:
+    """row_blocks of each index of the leading dimension our piece and the checkpoint's tensor share."""
+    blocks = []
+    for index in range(piece.data.shape[0]):
+        inner = ShardedTensor(piece.key, piece.data[index], tuple(piece.global_shape[1:]), piece.global_offset[1:])
+        for view, offset in row_blocks(inner, shape[1:]):
+            blocks.append((view.unsqueeze(0), (piece.global_offset[0] + index, *offset)))
     return blocks
 
 
@@ -194,39 +233,57 @@ def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[s
 
 # Our layer tensors -> the keys megatron-core writes for them (Transformer Engine's fused-norm names,
 # which its local spec's sharded state dict uses too)
-EXPORT_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items() if ".layer_norm_" in theirs}
+EXPORT_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
+                     if ".layer_norm_" in theirs or ".experts.experts." in theirs}
 # Our activation and gating -> Megatron-LM's flag for it (None: its default GeLU)
 EXPORT_ACTIVATIONS = {("silu", True): "swiglu", ("gelu", False): None}
 
 
 def megatron_lm_tensor(name: str, tensor: torch.Tensor) -> Tuple[str, Optional[int], torch.Tensor]:
     """(the key megatron-core stores our tensor `name` under, its layer or None, the tensor in its layout:
-    our leading dimensions flattened into rows, as row_blocks reads them back)."""
+    our leading dimensions flattened into rows, as row_blocks reads them back; the experts' dimension kept)."""
     layer = None
     if name.startswith("decoder.layers."):
         number, _, rest = name[len("decoder.layers."):].partition(".")
         name, layer = "decoder.layers." + EXPORT_LAYER_KEYS.get(rest, rest), int(number)
-    if name.endswith("weight") and tensor.dim() > 2:
-        tensor = tensor.reshape(-1, tensor.shape[-1])
-    elif not name.endswith("weight") and tensor.dim() > 1:
-        tensor = tensor.reshape(-1)
+    lead = tensor.shape[:1] if ".experts.experts." in name else ()  # [experts, ...]
+    if name.endswith("weight") and tensor.dim() > 2 + len(lead):
+        tensor = tensor.reshape(*lead, -1, tensor.shape[-1])
+    elif not name.endswith("weight") and tensor.dim() > 1 + len(lead):
+        tensor = tensor.reshape(*lead, -1)
     return name, layer, tensor
+
+
+def _moe_args(moe: dict) -> Dict[str, object]:
+    """Megatron-LM's MoE flags for our MoEConfig (a checkpoint's `transformer_config.moe`; {} dense)."""
+    if not moe:
+        return {"num_experts": None}
+    names = {"moe_ffn_hidden_size": "ffn_hidden_size", "moe_router_topk": "router_topk",
+             "moe_router_pre_softmax": "router_pre_softmax", "moe_router_score_function": "router_score_function",
+             "moe_router_topk_scaling_factor": "router_topk_scaling_factor",
+             "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+             "moe_router_enable_expert_bias": "router_enable_expert_bias"}
+    return {"num_experts": moe["num_experts"], "moe_layer_freq": 1, "moe_grouped_gemm": False,
+            **{flag: moe.get(field) for flag, field in names.items()}}
 
 
 def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]) -> argparse.Namespace:
     """The args Namespace a Megatron-LM run of our architecture (a checkpoint's `transformer_config`) records
     in common.pt: what its --use-checkpoint-args and megatron_lm_architecture read. One layout (TP = PP = 1)."""
     activation = (config["activation"], config["gated_linear_unit"])
-    refusals = {"MoE layers": config.get("moe"), f"the activation {activation}": activation not in EXPORT_ACTIVATIONS,
+    moe = config.get("moe") or {}
+    refusals = {"MoE layers among dense ones": 0 in moe.get("layer_flags", [1]),
+                "shared experts": moe.get("shared_expert_intermediate_size"),
+                f"a {moe.get('router_type')} router": moe.get("router_type", "token_choice") != "token_choice",
+                f"the activation {activation}": activation not in EXPORT_ACTIVATIONS,
                 "--qk-layernorm-scope all": config.get("qk_layernorm_scope", "head") != "head",
                 f"RoPE scaling {config.get('rope_scaling_type')}": config.get("rope_scaling_type") not in
                 (None, "none", "llama3")}
     for what, refused in refusals.items():
         if refused:
-            raise InputError(f"the checkpoint has {what}, which Megatron-LM's GPT model has no flag for; "
-                             "it cannot be written in its format")
+            raise InputError(f"the checkpoint has {what}, which this export does not write in Megatron-LM's format")
     heads, groups = config["num_attention_heads"], config.get("num_query_groups") or config["num_attention_heads"]
-    return argparse.Namespace(
+    return argparse.Namespace(**_moe_args(moe),
         num_layers=config["num_layers"], hidden_size=config["hidden_size"], ffn_hidden_size=config["ffn_hidden_size"],
         num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
         kv_channels=config.get("kv_channels") or config["hidden_size"] // heads,
@@ -243,7 +300,7 @@ def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]
         max_position_embeddings=config["max_position_embeddings"], seq_length=seq_length,
         padded_vocab_size=config["vocab_size"], vocab_size=config.get("unpadded_vocab_size") or config["vocab_size"],
         make_vocab_size_divisible_by=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        num_experts=None, transformer_impl="local", ckpt_format="torch_dist", iteration=iteration,
+        transformer_impl="local", ckpt_format="torch_dist", iteration=iteration,
         hidden_dropout=config.get("hidden_dropout", 0.0), attention_dropout=config.get("attention_dropout", 0.0),
         apply_query_key_layer_scaling=False, bf16=False, fp16=False, params_dtype=torch.float32)
 

@@ -2,8 +2,9 @@
 --finetune --use-checkpoint-args under TP=2 with sequence parallelism, DP=2 and PP=2 trains as one process
 does: losses and step-1 gradients to 1e-5, from the Llama-style checkpoint (GQA, SwiGLU, QK-norm) and from
 Megatron's GPT defaults (LayerNorm, biases, tied), continued as an AR model and adapted to a DLM with an
-appended mask token. Each rank reads only its pieces (megatron_lm_checkpoint.megatron_lm_pieces), so a
-wrong slice (a tensor-parallel fc1's gate and up rows, a stage's layers) shows in the losses."""
+appended mask token; and a mixture of experts under expert parallelism (EP=2). Each rank reads only its
+pieces (megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up
+rows, a stage's layers, an expert-parallel rank's experts) shows in the losses."""
 
 from pathlib import Path
 
@@ -26,7 +27,9 @@ MODES = {"ar": ["--model-running-mode", "vanilla"],
 CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
-                     "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False)},
+                     "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),
+                     # megatron-core's MoE checkpoint, its 4 experts split over 2 expert-parallel ranks
+                     "ep2": (2, ["--expert-model-parallel-size", "2"], [("moe", "dlm", ())], False)},
                     lambda case, mode, extra: ["--load", str(ASSETS / case)] + BASE + MODES[mode])
 
 references = SUITE.references_fixture()

@@ -1,4 +1,4 @@
-"""Write a MegaDLMs checkpoint as a Megatron-LM `torch_dist` checkpoint (dense GPT models).
+"""Write a MegaDLMs checkpoint as a Megatron-LM `torch_dist` checkpoint (GPT models, dense or with MoE layers).
 
     python tools/weights_conversion/to_megatron.py --load CKPT_DIR [--iteration N] --save MEGATRON_DIR
 
@@ -8,7 +8,9 @@ local layer spec saved by one process: `latest_checkpointed_iteration.txt`, `ite
 `common.pt` (the run's `args` Namespace, `checkpoint_version` 3.0, `iteration`). The keys, the layers
 stacked along a leading dimension and the QKV and fc1 row orders are megatron-core's (the ones
 `--load MEGATRON_DIR --finetune --use-checkpoint-args` reads back here, megatron_lm_checkpoint.py); the
-`_extra_state` entries megatron-core's linear layers expect are written as its local spec writes them.
+`_extra_state` entries megatron-core's linear layers expect are written as its local spec writes them;
+routed experts as its SequentialMLP saves them (`mlp.experts.experts.*`, [layers, experts, ...]). Not
+written: MoE layers among dense ones, shared experts (refused in one line).
 Megatron-LM continues from it with `pretrain_gpt.py --load MEGATRON_DIR --finetune --use-checkpoint-args`
 (its own layout flags; megatron-core reshards on load). The weights keep the dtype they were saved in; a
 DLM checkpoint's mask token is a vocabulary row like any other, and its running mode and mask id ride in
@@ -45,8 +47,10 @@ from tools.weights_conversion import checkpoint_io, mapping  # noqa: E402
 # What megatron-core writes beside the shards (dist_checkpointing's metadata.json)
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
-# The linear layers whose `_extra_state` megatron-core's local spec saves (None, as a one-element list)
+# The linear layers whose `_extra_state` megatron-core's local spec saves (None, as a one-element list): per
+# layer, and per layer and expert for the routed experts (SequentialMLP's)
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -88,9 +92,19 @@ def megatron_state(iter_dir: str, config) -> Dict[str, object]:
         for name, tensor in checkpoint_io.read_tensors(iter_dir, names, shapes).items():
             key, _, tensor = megatron_lm_tensor(name, tensor)
             layers.setdefault(key, []).append(tensor)
-        for linear in LINEARS:
-            state[f"decoder.layers.{linear}._extra_state/shard_{index}_{config.num_layers}"] = _serialized(None)
+        state.update(_extra_states(config, index))
     state.update({key: torch.stack(tensors) for key, tensors in layers.items()})
+    return state
+
+
+def _extra_states(config, index: int) -> Dict[str, io.BytesIO]:
+    """Layer `index`'s `_extra_state` objects under megatron-core's keys (`/shard_<offset>_<global shape>`)."""
+    layers, experts = config.num_layers, config.moe.num_experts if config.moe else 0
+    linears = LINEARS[:2] if experts else LINEARS
+    state = {f"decoder.layers.{linear}._extra_state/shard_{index}_{layers}": _serialized(None) for linear in linears}
+    for linear in EXPERT_LINEARS if experts else ():
+        for expert in range(experts):
+            state[f"decoder.layers.{linear}._extra_state/shard_{index}.{expert}_{layers}.{experts}"] = _serialized(None)
     return state
 
 

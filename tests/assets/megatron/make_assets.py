@@ -44,7 +44,16 @@ CASES = {
     "dense_gpt": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
                       normalization="LayerNorm", swiglu=False, qk_layernorm=False, add_bias_linear=True,
                       untie_embeddings_and_output_weights=False, position_embedding_type="rope"),
+    # the first with a mixture of experts in every layer: 4 experts of width 16, top-2 (SequentialMLP, the local
+    # spec's experts; dropless, the allgather dispatcher), Megatron's default softmax router after the top-k
+    "moe": dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                normalization="RMSNorm", swiglu=True, qk_layernorm=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=True, position_embedding_type="rope", num_experts=4,
+                moe_ffn_hidden_size=16, moe_router_topk=2),
 }
+MOE_ARGS = {"moe_router_pre_softmax": False, "moe_router_score_function": "softmax",  # Megatron-LM's defaults
+            "moe_router_topk_scaling_factor": None, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+            "moe_router_enable_expert_bias": False, "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather"}
 VOCAB, SEQ, ITERATION = 64, 32, 1
 
 
@@ -54,7 +63,9 @@ def megatron_lm_args(case: dict, tp: int, pp: int) -> argparse.Namespace:
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
-    return argparse.Namespace(model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
+    moe = {} if "num_experts" not in case else {**MOE_ARGS, "moe_ffn_hidden_size": case["moe_ffn_hidden_size"],
+                                                "moe_router_topk": case["moe_router_topk"]}
+    return argparse.Namespace(**moe, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"],
         group_query_attention=case["num_query_groups"] < case["num_attention_heads"],
@@ -66,7 +77,7 @@ def megatron_lm_args(case: dict, tp: int, pp: int) -> argparse.Namespace:
         position_embedding_type=case["position_embedding_type"], rotary_base=10000, rotary_percent=1.0,
         max_position_embeddings=SEQ, seq_length=SEQ, padded_vocab_size=VOCAB, vocab_size=VOCAB,
         make_vocab_size_divisible_by=1, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        num_experts=None, transformer_impl="local", ckpt_format="torch_dist", iteration=ITERATION,
+        num_experts=case.get("num_experts"), transformer_impl="local", ckpt_format="torch_dist", iteration=ITERATION,
         hidden_dropout=0.0, attention_dropout=0.0, apply_query_key_layer_scaling=False, bf16=False, fp16=False,
         params_dtype=torch.float32)
 
@@ -78,7 +89,16 @@ def build(case: dict, tp: int, pp: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mc_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()  # no CUDA RNG
-    config = TransformerConfig(
+    moe = {}
+    if "num_experts" in case:  # the router's gating GEMM is Transformer Engine's: a plain linear on CPU
+        from megatron.core.transformer.moe import router
+
+        router.router_gating_linear = lambda x, weight, bias, dtype: torch.nn.functional.linear(
+            x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        moe = dict(num_moe_experts=case["num_experts"], moe_ffn_hidden_size=case["moe_ffn_hidden_size"],
+                   moe_router_topk=case["moe_router_topk"], moe_token_dispatcher_type="allgather",
+                   moe_aux_loss_coeff=0.0)
+    config = TransformerConfig(**moe,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"], num_query_groups=case["num_query_groups"],
         normalization=case["normalization"], gated_linear_unit=case["swiglu"],
@@ -89,7 +109,8 @@ def build(case: dict, tp: int, pp: int):
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float32 if pp > 1 else None)
-    spec = get_gpt_layer_local_spec(qk_layernorm=case["qk_layernorm"], normalization=case["normalization"])
+    spec = get_gpt_layer_local_spec(num_experts=case.get("num_experts"), moe_grouped_gemm=False,
+                                    qk_layernorm=case["qk_layernorm"], normalization=case["normalization"])
     from megatron.core import parallel_state
 
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
