@@ -9,7 +9,8 @@ outside this repository:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
         --out REPO/tests/assets/megatron --case dense
     # the same model saved by TP=2 / PP=2 layouts (megatron-core reshards the one-process save):
-    # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2
+    # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2 (the MoE case
+    # with --expert-model-parallel-size 2)
     # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt) of the same weights, any layout:
     # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2]
     # megatron-core loads a checkpoint tools/weights_conversion/to_megatron.py wrote (the case's architecture)
@@ -57,14 +58,15 @@ MOE_ARGS = {"moe_router_pre_softmax": False, "moe_router_score_function": "softm
 VOCAB, SEQ, ITERATION = 64, 32, 1
 
 
-def megatron_lm_args(case: dict, tp: int, pp: int) -> argparse.Namespace:
+def megatron_lm_args(case: dict, tp: int, pp: int, ep: int = 1) -> argparse.Namespace:
     """The subset of Megatron-LM's flags its checkpoints record in common.pt that shape a GPT model, and two
     of its enum members, as Megatron-LM's pretrain() leaves them in args (its own classes in the pickle)."""
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
     moe = {} if "num_experts" not in case else {**MOE_ARGS, "moe_ffn_hidden_size": case["moe_ffn_hidden_size"],
-                                                "moe_router_topk": case["moe_router_topk"]}
+                                                "moe_router_topk": case["moe_router_topk"],
+                                                "expert_model_parallel_size": ep}
     return argparse.Namespace(**moe, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"],
@@ -192,33 +194,36 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), required=True)
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--check-export", help="a to_megatron.py checkpoint to load and compute logits of")
     parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                         help="torch: Megatron-LM's legacy per-rank files (from the case's torch_dist save)")
     options = parser.parse_args()
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    ep = options.expert_model_parallel_size
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     case = CASES[options.case]
     model = build(case, tp, pp)
     if options.check_export:
         return check_export(model, options.check_export)
-    if tp * pp > 1 or options.ckpt_format == "torch":  # the one-process save's weights, for this layout
+    if tp * pp * ep > 1 or options.ckpt_format == "torch":  # the one-process save's weights, for this layout
         from megatron.core import dist_checkpointing
 
         source = os.path.join(options.out, options.case, f"iter_{ITERATION:07d}")
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, source)["model"])
-    folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}"))
+    folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}")
+                          + ("" if ep == 1 else f"_ep{ep}"))
     if options.ckpt_format == "torch":
         folder = os.path.join(options.out, f"legacy_{options.case}_tp{tp}_pp{pp}")
         args = megatron_lm_args(case, tp, pp)
         args.ckpt_format = "torch"
         save_legacy(model, args, folder)
     else:
-        save(model, megatron_lm_args(case, tp, pp), folder)
+        save(model, megatron_lm_args(case, tp, pp, ep), folder)
     if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist":  # the whole model in one process
         torch.save(reference_logits(model), os.path.join(folder, "logits.pt"))
     if dist.get_rank() == 0:
