@@ -9,7 +9,8 @@ optimizer and RNG states. Read with safe_torch_load (weights-only, memory-mapped
 under the same keys (layers stacked in order, tensor-parallel pieces concatenated along the dimension the
 layer splits: column-parallel rows, row-parallel columns, SwiGLU's fc1 as all gates then all ups), so the
 torch_dist reader places them in our model under any layout. Megatron-LM's older `language_model.*` GPT
-(before megatron-core) and uneven pipeline stages are refused in one line.
+(before megatron-core), uneven pipeline stages and MoE models (their experts saved per expert-parallel rank)
+are refused in one line.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def _layout(folder: str, files: Dict[Tuple[int, int], str], args: argparse.Names
     if missing:
         raise InputError(f"{folder} has no {RANK_FILE} of tensor-parallel rank {missing[0][0]}, pipeline stage "
                          f"{missing[0][1]}: copy the whole checkpoint")
+    if getattr(args, "num_experts", None):
+        raise InputError(f"{folder}: a mixture-of-experts checkpoint in the legacy torch format is not read yet (its "
+                         "experts per expert-parallel rank); save it with --ckpt-format torch_dist, which loads")
     uneven = [flag for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
               if getattr(args, flag, None) is not None]
     if uneven or args.num_layers % pp:

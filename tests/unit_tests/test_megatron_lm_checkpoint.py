@@ -124,3 +124,15 @@ def test_pretraining_loads_it_with_finetune_and_trains_it_as_a_dlm(runtime, caps
         pretrain_difflm.main(flags + ["--model-running-mode", "vanilla", "--train-iters", "1", "--eval-iters", "0"])
     error = capsys.readouterr().err
     assert exit_info.value.code == 1 and error.count("\n") == 1 and "add --finetune" in error
+
+
+def test_what_the_legacy_reader_does_not_take_is_one_line(tmp_path):
+    """An MoE model or uneven pipeline stages in the legacy torch format: one line before anything is read."""
+    from megatron.training.megatron_lm_legacy import legacy_global_tensors
+
+    folder = ASSETS / "legacy_dense_tp1_pp2" / "iter_0000001"
+    args = read_megatron_lm_args(str(folder))
+    for change, words in [({"num_experts": 4}, "mixture-of-experts"), ({"decoder_first_pipeline_num_layers": 1},
+                                                                        "uneven depth")]:
+        with pytest.raises(InputError, match=words):
+            legacy_global_tensors(str(folder), argparse.Namespace(**{**vars(args), **change}))
