@@ -8,9 +8,11 @@ optimizer and RNG states. Read with safe_torch_load (weights-only, memory-mapped
 `legacy_global_tensors` joins the ranks' pieces into the tensors megatron-core's `torch_dist` format stores
 under the same keys (layers stacked in order, tensor-parallel pieces concatenated along the dimension the
 layer splits: column-parallel rows, row-parallel columns, SwiGLU's fc1 as all gates then all ups), so the
-torch_dist reader places them in our model under any layout. Megatron-LM's older `language_model.*` GPT
-(before megatron-core), uneven pipeline stages and MoE models (their experts saved per expert-parallel rank)
-are refused in one line.
+torch_dist reader places them in our model under any layout. Each rank joins the whole model in host memory
+(the files are memory-mapped, the joined tensors are copies): a model's size per rank, once at start; for a
+model too large for that, Megatron-LM's own converter to torch_dist first (which loads here piece by piece).
+Megatron-LM's older `language_model.*` GPT (before megatron-core), uneven pipeline stages and MoE models
+(their experts saved per expert-parallel rank) are refused in one line.
 """
 
 from __future__ import annotations
