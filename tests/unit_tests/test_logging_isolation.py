@@ -7,6 +7,7 @@ rewires the logger's handlers breaks every later test at setup. This runs two te
 session with the project's conftest: the first configures lm-eval's logging as an evaluation does, the
 second must find the logger as it was and log cleanly."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,11 @@ def _run_pair(tmp_path, tests: str) -> str:
     """Two tests in a child pytest session under the project's conftest; its output, asserting both passed."""
     shutil.copy(Path(__file__).parents[1] / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_pair.py").write_text(tests)
+    root = str(Path(__file__).parents[2])  # the conftest imports tests.cpu_compile from the repository
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": path})
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "2 passed" in out, out
     return out
