@@ -9,7 +9,8 @@ work, which aot_eager runs in full; only the last step, inductor's code generati
 that checks inductor itself is marked `@pytest.mark.inductor` and compiles with it (conftest.py).
 
 `use_test_backend()` applies it in this process (conftest.py at collection; tests/distributed/parity.py
-in each worker); an explicit `backend=`, `mode=` or `options=` is left as given.
+in each worker); an explicit `backend=` is left as given, and without one inductor's own settings (`mode=`,
+`options=`) are dropped with it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ inductor_compile = torch.compile
 
 @functools.wraps(inductor_compile)
 def _test_compile(model=None, **options):
-    if not any(key in options for key in ("backend", "mode", "options")):
+    if "backend" not in options:  # inductor's own settings (`mode`, `options`) go with it
+        options = {key: value for key, value in options.items() if key not in ("mode", "options")}
         options["backend"] = TEST_BACKEND
     return inductor_compile(**options) if model is None else inductor_compile(model, **options)
 
