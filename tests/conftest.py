@@ -4,7 +4,7 @@ imported (torch._dynamo imports it), so it is set here, before any test module i
 Without Triton the environment is left alone.
 Each test runs with logging, os.environ and the deterministic switch restored after it (pytest_runtest_protocol below).
 Without CUDA, torch.compile defaults to the aot_eager backend except in tests marked `inductor`
-(tests/cpu_compile.py says why).
+(tests/cpu_compile.py says why). Process groups a test creates are destroyed after it (_process_groups_released).
 
 The `gpu` mark is the one way a test says it needs CUDA: a marked test skips where there is no CUDA
 device, so `pytest -m gpu tests` on a GPU machine runs every CUDA path (tests/gpu/ holds the GPU parity
@@ -21,6 +21,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,6 +29,39 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
 from tests.cpu_compile import use_inductor, use_test_backend  # noqa: E402
 
 use_test_backend()  # without CUDA: aot_eager, unless a test is marked inductor (tests/cpu_compile.py)
+
+
+# Every process group a test creates (each Trainer's ParallelState makes a dozen, even in one process), so
+# that it is destroyed after the test: each gloo group keeps three threads, and hundreds of them left behind
+# slowed the rest of the suite by several times.
+_created_groups = []
+_new_group = dist.new_group
+
+
+def _recording_new_group(*args, **kwargs):
+    group = _new_group(*args, **kwargs)
+    _created_groups.append(group)
+    return group
+
+
+dist.new_group = _recording_new_group
+
+
+@pytest.fixture(autouse=True)
+def _process_groups_released():
+    """The groups created during the test (not those of module fixtures, set up before it) are destroyed."""
+    start = len(_created_groups)
+    yield
+    created = _created_groups[start:]
+    del _created_groups[start:]
+    if not dist.is_initialized():
+        return  # gone with the default group (a run that owned it destroyed it)
+    for group in created:
+        if isinstance(group, dist.ProcessGroup):
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already destroyed, or of a default group since replaced
+                pass
 
 
 @pytest.fixture(autouse=True)
