@@ -3,6 +3,7 @@ saved (tests/assets/megatron/make_assets.py: its local layer spec, one process a
 into our GPTModel, whose logits then equal the ones megatron-core computed for the same ids (fp32)."""
 
 import argparse
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,16 @@ RUN = ["--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "1
        "--train-iters", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--attention-backend", "math"]
 
 
+def _configs(folder, extra=()) -> tuple:
+    """(model, dlm) configs with the architecture from the checkpoint (--use-checkpoint-args reads its args)."""
+    config = parse_run_config(["--load", str(folder), "--use-checkpoint-args", "--finetune"] + RUN + list(extra),
+                              add_difflm_args, world_size=1)
+    return config.model, config.dlm
+
+
 def load(case: str, extra=()) -> GPTModel:
     """The architecture from the checkpoint (--use-checkpoint-args reads common.pt), then its weights."""
-    config = parse_run_config(["--load", str(ASSETS / case), "--use-checkpoint-args", "--finetune"] + RUN
-                              + list(extra), add_difflm_args, world_size=1)
-    model = GPTModel(config.model, config.dlm)
+    model = GPTModel(*_configs(ASSETS / case, extra))
     torch.nn.init.zeros_(model.embedding.word_embeddings.weight)  # whatever it held is replaced
     assert load_megatron_lm_model(model, str(ASSETS / case)).num_layers == 2
     return model.eval()
@@ -136,3 +142,42 @@ def test_what_the_legacy_reader_does_not_take_is_one_line(tmp_path):
                                                                         "uneven depth")]:
         with pytest.raises(InputError, match=words):
             legacy_global_tensors(str(folder), argparse.Namespace(**{**vars(args), **change}))
+
+
+def test_a_copy_under_the_local_modules_names_loads_the_same(runtime, tmp_path):
+    """megatron-core 0.16 saves its local spec under Transformer Engine's fused names (`linear_qkv.layer_norm_weight`
+    is the input norm): the assets. Earlier releases, and Transformer-Engine-free forks, save the local modules'
+    own names (`input_layernorm.weight`, `pre_mlp_layernorm.weight`): a renamed copy of the `dense` asset, stated
+    as such, loads to the same logits."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.core.dist_checkpointing.safe_reader import SafeFileSystemReader
+
+    source = ASSETS / "dense" / "iter_0000001"
+    index = SafeFileSystemReader(str(source)).read_metadata().state_dict_metadata
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in index.items()
+             if hasattr(item, "size")}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(source)))
+    local = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+    def local_name(key: str) -> str:
+        for theirs, ours in local.items():
+            key = key.replace(theirs, ours)
+        return key
+
+    renamed = {local_name(key): tensor for key, tensor in state.items()}
+    assert sum(key.endswith(("input_layernorm.weight", "pre_mlp_layernorm.weight")) for key in renamed) == 2
+    copy = tmp_path / "local_names"
+    target = copy / "iter_0000001"
+    with warnings.catch_warnings():  # DCP notes that it runs without a process group here: intended
+        warnings.simplefilter("ignore")
+        dcp.save(renamed, storage_writer=dcp.FileSystemWriter(str(target)))
+    for name in ("common.pt", "metadata.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    (copy / "latest_checkpointed_iteration.txt").write_text("1")
+    expected = torch.load(ASSETS / "dense" / "logits.pt")
+    model = GPTModel(*_configs(copy))
+    load_megatron_lm_model(model, str(copy))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(expected["tokens"]).float(), expected["logits"], rtol=1e-5,
+                                   atol=1e-5)
