@@ -47,16 +47,13 @@ __all__ = ["is_megatron_lm_checkpoint", "megatron_lm_iteration_dir", "read_megat
            "megatron_lm_architecture", "row_blocks", "megatron_lm_pieces", "load_megatron_lm_model",
            "megatron_lm_tensor", "megatron_lm_args_for"]
 
-# megatron-core's stacked decoder keys -> ours per layer (`{}` the layer)
+# megatron-core's stacked decoder keys that differ from ours per layer (a key under our own name, as the local
+# modules save their norms, is read as it is: _megatron_key)
 LAYER_KEYS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "input_layernorm.weight": "input_layernorm.weight",
-    "input_layernorm.bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-    "pre_mlp_layernorm.weight": "pre_mlp_layernorm.weight",
-    "pre_mlp_layernorm.bias": "pre_mlp_layernorm.bias",
     # MoE: the routed experts under SequentialMLP's (and the grouped MLPs' checkpoint) name, stacked per expert
     "mlp.experts.experts.linear_fc1.weight": "mlp.experts.linear_fc1.weight",
     "mlp.experts.experts.linear_fc2.weight": "mlp.experts.linear_fc2.weight",
@@ -233,8 +230,7 @@ def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[s
 
 # Our layer tensors -> the keys megatron-core writes for them (Transformer Engine's fused-norm names,
 # which its local spec's sharded state dict uses too)
-EXPORT_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()
-                     if ".layer_norm_" in theirs or ".experts.experts." in theirs}
+EXPORT_LAYER_KEYS = {ours: theirs for theirs, ours in LAYER_KEYS.items()}
 # Our activation and gating -> Megatron-LM's flag for it (None: its default GeLU)
 EXPORT_ACTIVATIONS = {("silu", True): "swiglu", ("gelu", False): None}
 
