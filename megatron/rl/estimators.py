@@ -82,7 +82,10 @@ def estimator_batch(kind: str, sequence: torch.Tensor, prompt_length: int, mask_
                               prompt_length, block_size=1)
     if kind == "diffu_grpo":
         hidden = torch.zeros(sequence.shape, dtype=torch.bool, device=sequence.device)
-        draw = torch.stack([torch.rand(prompt_length, generator=row) for row in generators]).to(sequence.device)
+        # Read from the prompt's end: the token d places before the completion takes the row's d-th draw, so
+        # its mask does not depend on the left padding (the batch's longest prompt); the stream is prefix-stable.
+        draw = torch.stack([torch.rand(prompt_length, generator=row).flip(0) for row in generators])
+        draw = draw.to(sequence.device)
         hidden[:, :prompt_length] = draw < prompt_mask_prob
         hidden[:, prompt_length:] = True
         scored = torch.zeros_like(hidden)

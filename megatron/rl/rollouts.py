@@ -7,10 +7,10 @@ into the update's micro-batches (step.RolloutBatch).
   and samples all of each prompt's completions itself, so group advantages need no communication.
 - Sampling. The prompt is the chat template's rendering with the generation prompt (the SFT data's
   encoding); prompts of a batch are left-padded, which the sampler masks (generation.generate's
-  attention_mask). Every tensor-parallel peer samples the same completions: the sampler's generator is
-  seeded by (seed, iteration, the replica's first prompt), never the global RNG (which dropout uses). A
-  batch shares one noise stream, so the completions depend on how prompts are batched: under data
-  parallelism they are other draws than one process's (the update for given rollouts is the same).
+  attention_mask). Each row's sampling noise is its own stream keyed by (seed, prompt k, slot) (the
+  sampler's per-row `seeds`), never the global RNG (which dropout uses): every tensor-parallel peer samples
+  the same completions, and a completion does not depend on the rows batched with it, so data-parallel
+  replicas sample what one process samples (up to the model's arithmetic on a batch of another shape).
 - The update reads each row as the sampler did: where a micro-batch holds padding, its forward gets
   document ids (padding apart from the row) and positions counted from the first real token. A
   completion counts up to and with its first EOS (`completion_mask`).
@@ -34,6 +34,7 @@ __all__ = ["RolloutConfig", "PromptOrder", "PromptEncoder", "Rollouts", "complet
            "sample_rollouts", "micro_batches"]
 
 ADVANTAGES = ("grpo", "dr_grpo")
+SAMPLING_SALT = 0x5A3C_96E1_0F7B_2D48  # a row's sampling seed: its estimator seed ^ this (two unrelated streams)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Rollouts:
 
 
 def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord], indices: Sequence[int],
-                    config: RolloutConfig, generator: torch.Generator, score) -> Rollouts:
+                    config: RolloutConfig, score) -> Rollouts:
     """Sample G completions of each record (`indices`: their run-wide prompt numbers) with `model` (the
     unwrapped GPTModel, in eval mode) and score them with `score(pairs) -> rewards`."""
     tokenizer, group = encoder.tokenizer, config.group_size
@@ -132,24 +133,23 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
         ids[row, length - len(prompt):] = torch.tensor(prompt)
         real[row, length - len(prompt):] = True
     ids, real = ids.repeat_interleave(group, dim=0).to(device), real.repeat_interleave(group, dim=0).to(device)
+    seeds = [(config.seed * 1_000_003 + k * group + slot) % (2 ** 62) for k in indices for slot in range(group)]
     start = time.perf_counter()
     sequence = model.generate(ids, attention_mask=real, eos_token_id=pad, pad_token_id=pad,
-                              **_sampling_options(model, config, generator))
+                              **_sampling_options(model, config, [SAMPLING_SALT ^ seed for seed in seeds]))
     seconds = time.perf_counter() - start
     completions = sequence[:, length:]
     mask = completion_mask(completions, pad)
     texts = [tokenizer.detokenize([t for t in row if t != pad]) for row in (completions * mask).tolist()]
     rewards = torch.tensor(score([(records[row // group], text) for row, text in enumerate(texts)]),
                            dtype=torch.float32)
-    seeds = torch.tensor([(config.seed * 1_000_003 + k * group + slot) % (2 ** 62) for k in indices
-                          for slot in range(group)], dtype=torch.long)
     full_real = torch.cat([real, torch.ones_like(completions, dtype=torch.bool)], dim=1)
-    return Rollouts(sequence, full_real, length, mask, rewards, seeds, seconds)
+    return Rollouts(sequence, full_real, length, mask, rewards, torch.tensor(seeds, dtype=torch.long), seconds)
 
 
-def _sampling_options(model, config: RolloutConfig, generator: torch.Generator) -> Dict[str, object]:
+def _sampling_options(model, config: RolloutConfig, seeds: List[int]) -> Dict[str, object]:
     options: Dict[str, object] = {"gen_length": config.gen_length, "temperature": config.temperature,
-                                  "generator": generator}
+                                  "seeds": seeds}
     if model.running_mode == "vanilla":
         return options
     dlm = {"steps": config.steps, "threshold": config.threshold}

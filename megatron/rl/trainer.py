@@ -74,16 +74,13 @@ class RLTrainer(Trainer):
                 self.workers = None
 
     # ------------------------------------------------------------------ rollouts
-    def _sample(self, records: Sequence[TaskRecord], indices: Sequence[int], config: RolloutConfig,
-                seed: int) -> Rollouts:
+    def _sample(self, records: Sequence[TaskRecord], indices: Sequence[int], config: RolloutConfig) -> Rollouts:
         """Rollouts of `records` by the live model (eval mode, no gradients, the run's RNG untouched)."""
         model, rng = unwrap(self.model), capture_rng_state(self.model)
-        generator = torch.Generator(device=self.runtime.device).manual_seed(seed)
         self.model.eval()
         try:
             with torch.no_grad(), whole_weights(self.model):
-                return sample_rollouts(model, self.tasks.encoder, records, indices, config, generator,
-                                       self.workers.score)
+                return sample_rollouts(model, self.tasks.encoder, records, indices, config, self.workers.score)
         finally:
             self.model.train()
             restore_rng_state(self.model, rng)
@@ -99,9 +96,7 @@ class RLTrainer(Trainer):
             group = config.group_size
             indices = self._replica_prompts(self.state.consumed_train_samples // group,
                                             self.config.global_batch_size // group)
-            # the sampler's noise: a function of the step and the replica's first prompt (not of the rank)
-            seed = (config.seed * 1_000_003 + self.state.iteration) * 1_000_003 + indices[0]
-            rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config, seed)
+            rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config)
             self.batches = micro_batches(rollouts, config, self.config.micro_batch_size)
             if self.tasks.update.beta > 0:
                 reference = self._reference_policy()
@@ -178,7 +173,7 @@ class RLTrainer(Trainer):
         count = min(self.tasks.eval_prompts, len(self.tasks.valid))
         indices = self._replica_prompts(0, count)
         config = dataclasses.replace(self.tasks.rollout, group_size=1, temperature=0.0)
-        rewards = (self._sample([self.tasks.valid[k] for k in indices], indices, config, seed=0).rewards if indices
+        rewards = (self._sample([self.tasks.valid[k] for k in indices], indices, config).rewards if indices
                    else torch.zeros(0))  # a replica past the last held-out task samples nothing
         total, rows = self._sums([float(rewards.sum()), float(rewards.numel())])
         reward = total / max(rows, 1.0)

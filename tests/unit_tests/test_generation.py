@@ -16,14 +16,14 @@ MASK_ID = 63
 EOS_ID = 62
 
 
-def build(mode="difflm-noshift", mask_type="no_mask", block_size=None, backend="math", seed=0) -> GPTModel:
+def build(mode="difflm-noshift", mask_type="no_mask", block_size=None, backend="math", seed=0, **dlm) -> GPTModel:
     # A large init std makes a random model's predictions depend on the context, so
     # token-for-token comparisons are not trivially equal (std 0.02 predicts one token everywhere).
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=48, vocab_size=VOCAB, max_position_embeddings=64, qk_layernorm=True,
                                attention_backend=backend, init_method_std=0.5)
     dlm = DLMConfig(model_running_mode=mode, attention_mask_type=mask_type, block_size=block_size,
-                    mask_token_id=MASK_ID)
+                    mask_token_id=MASK_ID, **dlm)
     torch.manual_seed(seed)
     return GPTModel(config, dlm).eval()
 
@@ -279,6 +279,52 @@ def test_left_padded_batch_equals_one_prompt_at_a_time_ar():
         assert torch.equal(batched[index, ids.shape[1] - len(row):], alone[0]), index
 
 
+SEEDED_CASES = {  # (running mode, DLMConfig fields, generation options)
+    "llada": ("difflm-noshift", {}, dict(steps=8, block_length=4)),
+    "random_remasking": ("difflm-noshift", {}, dict(steps=8, block_length=4, remasking="random")),
+    "threshold_cfg": ("difflm-noshift", {}, dict(block_length=4, threshold=0.3, cfg_scale=1.0)),
+    "shift_top_k": ("difflm-shift", {}, dict(steps=8, block_length=4, top_k=5)),
+    "block_diffusion": ("difflm-noshift", dict(block_diffusion=True, block_size=4), dict(steps=8)),
+    "ar": ("vanilla", {}, {}),
+}
+
+
+@pytest.mark.parametrize("case", SEEDED_CASES)
+def test_per_row_seeds_sample_a_row_alike_in_any_batch(case):
+    """With `seeds` a row's sampled completion is the same alone, in a batch and in the batch reversed;
+    one generator for the batch gives a row other draws when it is batched otherwise."""
+    mode, dlm, extra = SEEDED_CASES[case]
+    model = build(mode, **dlm)
+    rows, seeds = prompts([3, 7, 5, 6]), [11, 12, 13, 2 ** 62]
+    options = dict(gen_length=8, temperature=1.0, **extra)
+
+    def completions(order, **noise):
+        ids, mask = left_pad([rows[index] for index in order])
+        out = model.generate(ids, mask, **noise, **options)
+        return [out[slot, ids.shape[1]:] for slot in range(len(order))]
+
+    alone = [completions([index], seeds=[seeds[index]])[0] for index in range(4)]
+    batched = completions([0, 1, 2, 3], seeds=seeds)
+    reverse = completions([3, 2, 1, 0], seeds=seeds[::-1])[::-1]
+    for index in range(4):
+        assert torch.equal(batched[index], alone[index]) and torch.equal(reverse[index], alone[index]), index
+    assert len({tuple(row.tolist()) for row in alone}) > 1
+    shared = completions([0, 1, 2, 3], generator=torch.Generator().manual_seed(5))
+    each = [completions([index], generator=torch.Generator().manual_seed(5))[0] for index in range(4)]
+    assert any(not torch.equal(shared[index], each[index]) for index in range(4))
+
+
+def test_per_row_seeds_draw_from_the_softmax_row_by_row():
+    logits = torch.tensor([0.0, torch.tensor(3.0).log().item(), -30.0]).expand(4000, 3)
+    options = generation.GenerationOptions(temperature=1.0, seeds=tuple(range(4000)))
+    tokens, _ = generation._predict(logits, options, (5, 2))
+    assert abs((tokens == 1).float().mean().item() - 0.75) < 0.03
+    again, _ = generation._predict(logits, options, (5, 2))
+    other, _ = generation._predict(logits, options, (5, 3))
+    assert torch.equal(tokens, again) and not torch.equal(tokens, other)
+    assert (tokens == other).float().mean() < 0.75  # another step's draw: independent, not a copy
+
+
 def test_right_padding_is_rejected_before_the_model_runs():
     def model_fn(*args):
         raise AssertionError("the model must not be called")
@@ -315,7 +361,7 @@ def test_ar_sampling_is_reproducible_and_follows_the_filters():
 def test_gumbel_sampling_draws_from_the_softmax_and_filters_cut_the_tail():
     logits = torch.tensor([0.0, torch.tensor(3.0).log().item(), -30.0]).expand(20000, 3)
     options = generation.GenerationOptions(temperature=1.0, generator=torch.Generator().manual_seed(0))
-    tokens, probability = generation._predict(logits, options)
+    tokens, probability = generation._predict(logits, options, (0,))
     assert abs((tokens == 1).float().mean().item() - 0.75) < 0.02
     torch.testing.assert_close(probability[tokens == 1], torch.full_like(probability[tokens == 1], 0.75),
                                rtol=1e-4, atol=1e-4)
@@ -458,6 +504,10 @@ def test_bad_ar_options_and_inputs_raise_clear_errors():
         generate(never_called, prompt, running_mode="difflm-noshift")
     with pytest.raises(ValueError, match="running_mode"):
         generate(never_called, prompt, running_mode="diffusion")
+    with pytest.raises(ValueError, match="either generator .* or seeds"):
+        generate(never_called, prompt, running_mode="vanilla", seeds=[1], generator=torch.Generator())
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        generate(never_called, prompt, running_mode="vanilla", seeds=[1, 2])
     with pytest.raises(ValueError, match="at least one real token"):
         generate(never_called, prompt, torch.tensor([[0, 0]]), running_mode="difflm-shift", mask_token_id=MASK_ID)
 

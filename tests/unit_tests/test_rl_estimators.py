@@ -35,7 +35,8 @@ def test_the_one_step_estimate_masks_the_completion_and_some_prompt_tokens(mode)
     sequence = tokens(batch=3, seq=P + T)
     ours = estimators.diffu_grpo_logprobs(model, sequence, P, MASK_ID, prompt_mask_prob=0.4,
                                           seeds=[7, 8, 9])
-    draw = torch.stack([torch.rand(P, generator=torch.Generator().manual_seed(seed)) for seed in (7, 8, 9)])
+    # the token d places before the completion takes the row's d-th draw (independent of left padding)
+    draw = torch.stack([torch.rand(P, generator=torch.Generator().manual_seed(seed)).flip(0) for seed in (7, 8, 9)])
     noisy = sequence.clone()
     noisy[:, :P][draw < 0.4] = MASK_ID
     noisy[:, P:] = MASK_ID

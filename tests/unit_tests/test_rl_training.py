@@ -74,11 +74,12 @@ def test_resume_goes_on_bit_for_bit(runtime, tmp_path):
 
 @pytest.mark.parametrize("estimator", ["ar", "diffu_grpo", "ar_order", "coupled"])
 def test_a_left_padded_row_scores_as_the_row_alone(estimator):
-    """The update's forward reads padding apart (document ids, positions from the first real token)."""
+    """The update's forward reads padding apart (document ids, positions from the first real token), and
+    d1's random prompt masks fall on the same prompt tokens whatever the padding."""
     dlm = (dlm_config(model_running_mode="vanilla", attention_mask_type="causal") if estimator == "ar" else
            dlm_config(block_diffusion=True, block_size=4) if estimator == "ar_order" else dlm_config())
     model = build(config=tiny_config(), dlm=dlm)
-    config = RLConfig(estimator=estimator, mask_token_id=MASK_ID, prompt_mask_prob=0.0)
+    config = RLConfig(estimator=estimator, mask_token_id=MASK_ID, prompt_mask_prob=0.5)  # d1's prompt masks too
     prompt, completion, pad = torch.arange(5, 10), torch.arange(20, 26), 3
 
     def logp(sequence, prompt_length, real=None):
@@ -125,12 +126,14 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
     assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and message in error, error
 
 
-def test_tensor_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path):
-    """TP=2 (2 gloo processes): the same completions (rewards) and losses as one process, step by step."""
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], []], ids=["tp2", "dp2"])
+def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layout):
+    """TP=2 or DP=2 (2 gloo processes): the same completions (rewards) and losses as one process, step by
+    step (under DP each replica samples half the prompts: per-row sampling seeds make them the same draws)."""
     argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
     alone = run(argv)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "posttrain_rl.py"), *argv, "--tensor-model-parallel-size", "2"]
+               str(ROOT / "posttrain_rl.py"), *argv, *layout]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode == 0, result.stderr[-2000:]

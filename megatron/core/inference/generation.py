@@ -41,6 +41,10 @@ block whose confidence exceeds it (at least one per step, until the block is ful
 with one full pass at each block start, then re-runs only ``[block_start, end)`` (prefix)
 or the block itself (dual) against it.
 
+Random draws come from ``generator`` (one stream for the batch) or, with ``seeds`` (one integer a
+row), from a stream per row keyed by the draw's place in the row's generation (block, step; AR: the
+token index): a row then samples the same completion alone or in any batch.
+
 End of sequence (both kinds)
 ----------------------------
 With ``eos_token_id`` set, a row is finished once it holds a committed EOS in the generated
@@ -53,6 +57,7 @@ finished when it emits EOS. The result always has the full shape
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -270,8 +275,34 @@ def _filter_logits(logits: torch.Tensor, top_k: Optional[int], top_p: Optional[f
     return logits
 
 
-def _predict(logits: torch.Tensor, opts: GenerationOptions) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, their probability) for logits [..., V], in float64 as LLaDA.
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finaliser folded over them)."""
+    state = 0
+    for value in values:
+        state = (state ^ (value & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        state = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & _MASK64
+        state ^= state >> 31
+    return state >> 1
+
+
+def uniform(opts: GenerationOptions, shape, device, draw: Tuple[int, ...], dtype=torch.float64) -> torch.Tensor:
+    """Uniform [0, 1) draws of `shape` ([B, ...]): from the batch's generator, or with `opts.seeds` row b's
+    from a stream keyed by (seeds[b], `draw`), where `draw` names the draw's place in the row's generation."""
+    if opts.seeds is None:
+        return torch.rand(shape, generator=opts.generator, dtype=dtype, device=device)
+    generator, out = torch.Generator(device=device), torch.empty(shape, dtype=dtype, device=device)
+    for row, seed in enumerate(opts.seeds):
+        out[row].uniform_(generator=generator.manual_seed(_mix(seed, *draw)))
+    return out
+
+
+def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their probability) for logits [B, ..., V], in float64 as LLaDA; `draw` keys the noise
+    under per-row seeds (`uniform`).
 
     Sampling is Gumbel-max, argmax of exp(logit) / (-log u)^T, which draws from
     softmax(logit / T); float64 because low-precision Gumbel noise measurably skews the
@@ -281,7 +312,7 @@ def _predict(logits: torch.Tensor, opts: GenerationOptions) -> Tuple[torch.Tenso
     if opts.temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
-        noise = torch.rand(logits.shape, generator=opts.generator, dtype=torch.float64, device=logits.device)
+        noise = uniform(opts, logits.shape, logits.device, draw)
         # Shifting by the row maximum keeps exp() finite and leaves the argmax unchanged.
         scores = (logits - logits.amax(dim=-1, keepdim=True)).exp() / (-torch.log(noise)) ** opts.temperature
         tokens = scores.argmax(dim=-1)
@@ -376,12 +407,10 @@ class _DiffusionSampler:
             if opts.threshold is None and step == steps:
                 break
             logits = self._block_logits(start, end, first_step=step == 0)
-            tokens, confidence = _predict(logits, opts)
+            place = start - self.prompt_length, step  # the draw's place in a row's generation
+            tokens, confidence = _predict(logits, opts, (*place, 0))
             if opts.remasking == "random":
-                # Drawn over the whole canvas in float32, as LLaDA does, so a fixed generator
-                # reproduces LLaDA's choices.
-                scores = torch.rand(self.canvas.shape, generator=opts.generator, device=self.canvas.device)
-                confidence = scores[:, start:end].double()
+                confidence = self._random_scores(start, end, place)
             masked = self.canvas[:, start:end] == self.mask_token_id
             count = None if opts.threshold is not None else schedule[:, step]
             commit = _select(confidence, masked, count, opts.threshold)
@@ -390,6 +419,15 @@ class _DiffusionSampler:
                 self.finished = _finish_at_eos(self.canvas, self.prompt_length, self.finished, self.eos_token_id,
                                                self.fill_id, self.mask_token_id)
             step += 1
+
+    def _random_scores(self, start: int, end: int, place: Tuple[int, int]) -> torch.Tensor:
+        """Random remasking's scores of the block: with a generator drawn over the whole canvas in
+        float32, as LLaDA does, so a fixed generator reproduces LLaDA's choices; with per-row seeds
+        over the block only (the canvas width depends on the batch's longest prompt)."""
+        if self.opts.seeds is not None:
+            return uniform(self.opts, (self.canvas.shape[0], end - start), self.canvas.device, (*place, 1))
+        scores = torch.rand(self.canvas.shape, generator=self.opts.generator, device=self.canvas.device)
+        return scores[:, start:end].double()
 
     def _block_logits(self, start: int, end: int, first_step: bool) -> torch.Tensor:
         """Logits predicting canvas slots [start, end) (read one slot earlier in the shift mode).
@@ -472,7 +510,7 @@ def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: Canv
         # last token only. The logits at index - 1 predict the token at index.
         q0 = 0 if cache is None or index == prompt_length else index - 1
         logits = _call_model(model_fn, canvas, layout, q0, index, cache)
-        tokens, _ = _predict(logits[:, -1].float(), opts)
+        tokens, _ = _predict(logits[:, -1].float(), opts, (index - prompt_length,))
         if eos_token_id is not None:
             tokens = tokens.masked_fill(finished, fill_id)
             finished = finished | (tokens == eos_token_id)
@@ -500,6 +538,8 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     prompt_real = _check_inputs(input_ids, attention_mask, running_mode, mask_token_id, eos_token_id,
                                 pad_token_id)
     batch, prompt_length = input_ids.shape
+    if opts.seeds is not None and len(opts.seeds) != batch:
+        raise ValueError(f"{len(opts.seeds)} seeds for {batch} prompts: give one seed a row")
     fill_id = pad_token_id if pad_token_id is not None else eos_token_id
     layout = canvas_layout(prompt_real.to(input_ids.device), opts.gen_length, opts)
     placeholder = mask_token_id if running_mode != "vanilla" else (fill_id if fill_id is not None else 0)
@@ -515,7 +555,8 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     offsets = prompt_real.sum(dim=1) % opts.attention_block_size
     for offset in offsets.unique().tolist():
         rows = (offsets == offset).nonzero()[:, 0].to(canvas.device)
-        part = CanvasLayout(layout.real[rows], layout.positions[rows], opts)
+        seeds = None if opts.seeds is None else tuple(opts.seeds[row] for row in rows.tolist())
+        part = CanvasLayout(layout.real[rows], layout.positions[rows], dataclasses.replace(opts, seeds=seeds))
         canvas[rows] = _DiffusionSampler(model_fn, canvas[rows], part, prompt_length, False, mask_token_id,
                                          eos_token_id, fill_id).run()
     return canvas

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -71,6 +71,10 @@ class GenerationOptions:
     """Window of sliding_window attention."""
     generator: Optional[torch.Generator] = None
     """Random source of Gumbel noise and random remasking, for reproducible samples."""
+    seeds: Optional[Tuple[int, ...]] = None
+    """Instead of `generator`, one integer a row: row b's draws are a function of seeds[b] and of the
+    draw's place in the row's generation (block, step) alone, so a row samples the same completion
+    whichever rows share its batch (data-parallel RL rollouts equal one process's)."""
 
 
 def _label(name: str) -> str:
@@ -125,7 +129,18 @@ def resolve_options(running_mode: str, **options) -> GenerationOptions:
     _check_attention(running_mode, opts)
     if opts.generator is not None and not isinstance(opts.generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(opts.generator).__name__}")
-    return opts
+    return _resolve_seeds(opts)
+
+
+def _resolve_seeds(opts: GenerationOptions) -> GenerationOptions:
+    if opts.seeds is None:
+        return opts
+    if opts.generator is not None:
+        raise ValueError("give either generator (one stream for the batch) or seeds (one a row), not both")
+    seeds = [int(seed) for seed in opts.seeds]
+    if any(seed < 0 for seed in seeds):
+        raise ValueError(f"seeds must be non-negative integers, got {min(seeds)}")
+    return dataclasses.replace(opts, seeds=tuple(seeds))
 
 
 def _check_int(label: str, value) -> None:
