@@ -114,6 +114,8 @@ class Rollouts:
     """[N G] float32."""
     seeds: torch.Tensor
     """[N G] int64 estimator seeds."""
+    entropy: torch.Tensor
+    """[N G, T] float32: the policy's entropy at each completion token, as the sampler drew it."""
     seconds: float
     """Wall time of the sampling."""
 
@@ -134,8 +136,9 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
         real[row, length - len(prompt):] = True
     ids, real = ids.repeat_interleave(group, dim=0).to(device), real.repeat_interleave(group, dim=0).to(device)
     seeds = [(config.seed * 1_000_003 + k * group + slot) % (2 ** 62) for k in indices for slot in range(group)]
+    entropy = torch.zeros(ids.shape[0], config.gen_length, device=device)
     start = time.perf_counter()
-    sequence = model.generate(ids, attention_mask=real, eos_token_id=pad, pad_token_id=pad,
+    sequence = model.generate(ids, attention_mask=real, eos_token_id=pad, pad_token_id=pad, entropy=entropy,
                               **_sampling_options(model, config, [SAMPLING_SALT ^ seed for seed in seeds]))
     seconds = time.perf_counter() - start
     completions = sequence[:, length:]
@@ -144,7 +147,8 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
     rewards = torch.tensor(score([(records[row // group], text) for row, text in enumerate(texts)]),
                            dtype=torch.float32)
     full_real = torch.cat([real, torch.ones_like(completions, dtype=torch.bool)], dim=1)
-    return Rollouts(sequence, full_real, length, mask, rewards, torch.tensor(seeds, dtype=torch.long), seconds)
+    return Rollouts(sequence, full_real, length, mask, rewards, torch.tensor(seeds, dtype=torch.long),
+                    entropy.cpu(), seconds)
 
 
 def _sampling_options(model, config: RolloutConfig, seeds: List[int]) -> Dict[str, object]:

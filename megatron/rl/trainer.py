@@ -60,6 +60,8 @@ class RLTrainer(Trainer):
         self.workers: Optional[RewardWorkers] = None
         self.rollout_rewards: List[float] = []
         """The mean reward of each batch of rollouts, over all replicas."""
+        self.rollout_entropy: List[float] = []
+        """The policy's mean entropy (nats) over each batch's completion tokens, at sampling."""
         self.update_statistics: List[dict] = []
         """Each step's clipped-update statistics ({name: value per completion token}, UPDATE_STATISTICS)."""
         self.reference: Optional[torch.nn.Module] = None
@@ -149,18 +151,20 @@ class RLTrainer(Trainer):
     def _log_rollouts(self, rollouts: Rollouts) -> None:
         mask = rollouts.completion_mask
         finished = mask.sum(dim=1) < mask.shape[1]
-        rows, reward, length, done, generated, seconds = self._sums(
+        rows, reward, length, done, generated, seconds, entropy = self._sums(
             [float(mask.shape[0]), float(rollouts.rewards.sum()), float(mask.sum()), float(finished.sum()),
-             float(mask.numel()), rollouts.seconds])
+             float(mask.numel()), rollouts.seconds, float((rollouts.entropy * mask.cpu()).sum())])
         self.rollout_rewards.append(reward / rows)
+        self.rollout_entropy.append(entropy / max(length, 1.0))
         if self.logger is None:
             return
         replicas = group_size(self.groups.dp)
         scalars = {"rl/reward": reward / rows, "rl/completion tokens": length / rows, "rl/finished": done / rows,
+                   "rl/entropy": self.rollout_entropy[-1],
                    "rl/rollout tokens per second": generated / (seconds / replicas)}
         self.logger.print(f" rollouts before iteration {self.state.iteration + 1} | reward: {scalars['rl/reward']:.4f} "
                           f"| completion tokens: {scalars['rl/completion tokens']:.1f} | finished: "
-                          f"{scalars['rl/finished']:.3f} | rollout tokens/s: "
+                          f"{scalars['rl/finished']:.3f} | entropy: {scalars['rl/entropy']:.4f} | rollout tokens/s: "
                           f"{scalars['rl/rollout tokens per second']:.1f} |")
         self.logger.on_scalars(scalars, self.state.iteration + 1)
 

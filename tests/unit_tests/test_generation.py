@@ -317,10 +317,10 @@ def test_per_row_seeds_sample_a_row_alike_in_any_batch(case):
 def test_per_row_seeds_draw_from_the_softmax_row_by_row():
     logits = torch.tensor([0.0, torch.tensor(3.0).log().item(), -30.0]).expand(4000, 3)
     options = generation.GenerationOptions(temperature=1.0, seeds=tuple(range(4000)))
-    tokens, _ = generation._predict(logits, options, (5, 2))
+    tokens, _, _ = generation._predict(logits, options, (5, 2))
     assert abs((tokens == 1).float().mean().item() - 0.75) < 0.03
-    again, _ = generation._predict(logits, options, (5, 2))
-    other, _ = generation._predict(logits, options, (5, 3))
+    again, _, _ = generation._predict(logits, options, (5, 2))
+    other, _, _ = generation._predict(logits, options, (5, 3))
     assert torch.equal(tokens, again) and not torch.equal(tokens, other)
     assert (tokens == other).float().mean() < 0.75  # another step's draw: independent, not a copy
 
@@ -361,7 +361,7 @@ def test_ar_sampling_is_reproducible_and_follows_the_filters():
 def test_gumbel_sampling_draws_from_the_softmax_and_filters_cut_the_tail():
     logits = torch.tensor([0.0, torch.tensor(3.0).log().item(), -30.0]).expand(20000, 3)
     options = generation.GenerationOptions(temperature=1.0, generator=torch.Generator().manual_seed(0))
-    tokens, probability = generation._predict(logits, options, (0,))
+    tokens, probability, _ = generation._predict(logits, options, (0,))
     assert abs((tokens == 1).float().mean().item() - 0.75) < 0.02
     torch.testing.assert_close(probability[tokens == 1], torch.full_like(probability[tokens == 1], 0.75),
                                rtol=1e-4, atol=1e-4)
@@ -369,6 +369,38 @@ def test_gumbel_sampling_draws_from_the_softmax_and_filters_cut_the_tail():
     assert torch.isinf(generation._filter_logits(row, 2, None)[0, 2:]).all()
     nucleus = generation._filter_logits(row, None, 0.7)  # probs .64 .24 .09 .03: keeps two
     assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+
+
+def test_ar_records_the_entropy_of_each_sampled_token():
+    """The entropy the sampler records is the policy's at each generated token (the model's softmax before
+    temperature and top-k), as a teacher-forced forward over the result gives it."""
+    model = build("vanilla")
+    prompt = torch.stack(prompts([5, 5]))
+    entropy = torch.full((2, 6), float("nan"))
+    out = model.generate(prompt, max_new_tokens=6, temperature=1.5, top_k=4, entropy=entropy,
+                         seeds=[1, 2])
+    with torch.no_grad():
+        probs = model(out)[:, 4:-1].float().softmax(dim=-1)
+    expected = -(probs * probs.log()).sum(dim=-1)
+    torch.testing.assert_close(entropy, expected, rtol=1e-4, atol=1e-4)
+    assert entropy.std() > 0.01
+
+
+@pytest.mark.parametrize("options", [dict(steps=8, block_length=4), dict(threshold=0.5, block_length=8)])
+def test_dlm_records_the_entropy_each_token_was_committed_from(options):
+    """A scripted model whose slot p puts margin c_p on one token: the distribution over the vocabulary but
+    the mask token has the closed-form entropy log Z - c_p e^c_p / Z, Z = e^c_p + V - 2."""
+    margins = torch.linspace(1.0, 6.0, 11)
+    model_fn, _ = scripted_model(torch.full((2, 11), 20), margins)
+    entropy = torch.zeros(2, 8)
+    generate(model_fn, torch.tensor([[5, 6, 7], [8, 9, 10]]), running_mode="difflm-noshift", mask_token_id=MASK_ID,
+             gen_length=8, entropy=entropy, **options)
+    z = margins[3:].double().exp() + VOCAB - 2
+    expected = (z.log() - margins[3:] * margins[3:].double().exp() / z).float()
+    torch.testing.assert_close(entropy, expected.expand(2, 8), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"entropy must be a float \[2, 8\] tensor"):
+        generate(model_fn, torch.tensor([[5, 6, 7], [8, 9, 10]]), running_mode="difflm-noshift",
+                 mask_token_id=MASK_ID, gen_length=8, entropy=torch.zeros(2, 7))
 
 
 # ---------------------------------------------------------------------------- EOS

@@ -3,6 +3,7 @@
 bad RL flags are one line before anything is built."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -55,6 +56,8 @@ def test_the_mean_reward_rises(runtime, tmp_path, mode, algorithm, lr, iteration
     rewards = trainer.rollout_rewards
     assert len(rewards) == iterations
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.08, rewards
+    entropy = trainer.rollout_entropy  # the policy sharpens as it learns
+    assert sum(entropy[-4:]) / 4 < sum(entropy[:4]) / 4 - 0.1, entropy
 
 
 def test_resume_goes_on_bit_for_bit(runtime, tmp_path):
@@ -140,7 +143,11 @@ def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layo
     rewards = [float(match) for match in re.findall(r"rollouts before iteration \d+ \| reward: ([0-9.]+)",
                                                     result.stdout)]
     losses = [float(match) for match in re.findall(r"\| lm loss: ([-0-9.E+]+) \|", result.stdout)]
+    entropy = [float(match) for match in re.findall(r"\| entropy: ([0-9.]+) \|", result.stdout)]
     assert rewards == [round(value, 4) for value in alone.rollout_rewards]
+    assert entropy == pytest.approx(alone.rollout_entropy, abs=2e-4) and len(entropy) == 3
+    # a young policy is near uniform: below log of the padded vocabulary (8192 tokens and the mask, padded)
+    assert 8.5 < min(entropy) and max(entropy) < math.log(8320)
     assert losses == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
 
 

@@ -300,14 +300,15 @@ def uniform(opts: GenerationOptions, shape, device, draw: Tuple[int, ...], dtype
     return out
 
 
-def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, their probability) for logits [B, ..., V], in float64 as LLaDA; `draw` keys the noise
-    under per-row seeds (`uniform`).
+def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...]):
+    """(tokens, their probability, the distribution's entropy or None) for logits [B, ..., V], in float64
+    as LLaDA; `draw` keys the noise under per-row seeds (`uniform`); the entropy only with opts.entropy.
 
     Sampling is Gumbel-max, argmax of exp(logit) / (-log u)^T, which draws from
     softmax(logit / T); float64 because low-precision Gumbel noise measurably skews the
     samples (LLaDA, arXiv 2409.02908). T = 0 is the plain argmax.
     """
+    entropy = None if opts.entropy is None else torch.special.entr(logits.float().softmax(dim=-1)).sum(dim=-1)
     logits = _filter_logits(logits.double(), opts.top_k, opts.top_p)
     if opts.temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -317,7 +318,15 @@ def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...
         scores = (logits - logits.amax(dim=-1, keepdim=True)).exp() / (-torch.log(noise)) ** opts.temperature
         tokens = scores.argmax(dim=-1)
     probability = logits.softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, probability
+    return tokens, probability, entropy
+
+
+def _record_entropy(opts: GenerationOptions, commit: torch.Tensor, entropy: Optional[torch.Tensor],
+                    first: int) -> None:
+    """Write `entropy` [B, n] into opts.entropy's generated slots [first, first + n) where `commit`."""
+    if entropy is not None:
+        slots = opts.entropy[:, first:first + commit.shape[1]]
+        slots.copy_(torch.where(commit, entropy.to(slots.dtype), slots))
 
 
 def transfer_schedule(masked: torch.Tensor, steps: int) -> torch.Tensor:
@@ -408,13 +417,14 @@ class _DiffusionSampler:
                 break
             logits = self._block_logits(start, end, first_step=step == 0)
             place = start - self.prompt_length, step  # the draw's place in a row's generation
-            tokens, confidence = _predict(logits, opts, (*place, 0))
+            tokens, confidence, entropy = _predict(logits, opts, (*place, 0))
             if opts.remasking == "random":
                 confidence = self._random_scores(start, end, place)
             masked = self.canvas[:, start:end] == self.mask_token_id
             count = None if opts.threshold is not None else schedule[:, step]
             commit = _select(confidence, masked, count, opts.threshold)
             self.canvas[:, start:end] = torch.where(commit, tokens, self.canvas[:, start:end])
+            _record_entropy(opts, commit, entropy, start - self.prompt_length)
             if self.eos_token_id is not None:
                 self.finished = _finish_at_eos(self.canvas, self.prompt_length, self.finished, self.eos_token_id,
                                                self.fill_id, self.mask_token_id)
@@ -510,7 +520,8 @@ def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: Canv
         # last token only. The logits at index - 1 predict the token at index.
         q0 = 0 if cache is None or index == prompt_length else index - 1
         logits = _call_model(model_fn, canvas, layout, q0, index, cache)
-        tokens, _ = _predict(logits[:, -1].float(), opts, (index - prompt_length,))
+        tokens, _, entropy = _predict(logits[:, -1].float(), opts, (index - prompt_length,))
+        _record_entropy(opts, ~finished[:, None], None if entropy is None else entropy[:, None], index - prompt_length)
         if eos_token_id is not None:
             tokens = tokens.masked_fill(finished, fill_id)
             finished = finished | (tokens == eos_token_id)
@@ -540,6 +551,10 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     batch, prompt_length = input_ids.shape
     if opts.seeds is not None and len(opts.seeds) != batch:
         raise ValueError(f"{len(opts.seeds)} seeds for {batch} prompts: give one seed a row")
+    if opts.entropy is not None and (tuple(opts.entropy.shape) != (batch, opts.gen_length)
+                                     or not opts.entropy.is_floating_point()):
+        raise ValueError(f"entropy must be a float [{batch}, {opts.gen_length}] tensor (prompts, gen_length), got "
+                         f"{tuple(opts.entropy.shape)} {opts.entropy.dtype}")
     fill_id = pad_token_id if pad_token_id is not None else eos_token_id
     layout = canvas_layout(prompt_real.to(input_ids.device), opts.gen_length, opts)
     placeholder = mask_token_id if running_mode != "vanilla" else (fill_id if fill_id is not None else 0)
@@ -556,7 +571,11 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     for offset in offsets.unique().tolist():
         rows = (offsets == offset).nonzero()[:, 0].to(canvas.device)
         seeds = None if opts.seeds is None else tuple(opts.seeds[row] for row in rows.tolist())
-        part = CanvasLayout(layout.real[rows], layout.positions[rows], dataclasses.replace(opts, seeds=seeds))
+        entropy = None if opts.entropy is None else opts.entropy[rows]
+        part = CanvasLayout(layout.real[rows], layout.positions[rows],
+                            dataclasses.replace(opts, seeds=seeds, entropy=entropy))
         canvas[rows] = _DiffusionSampler(model_fn, canvas[rows], part, prompt_length, False, mask_token_id,
                                          eos_token_id, fill_id).run()
+        if entropy is not None:
+            opts.entropy[rows] = entropy
     return canvas

@@ -71,6 +71,10 @@ class GenerationOptions:
     """Window of sliding_window attention."""
     generator: Optional[torch.Generator] = None
     """Random source of Gumbel noise and random remasking, for reproducible samples."""
+    entropy: Optional[torch.Tensor] = None
+    """A float [B, gen_length] tensor the sampler fills (an output): at each generated slot the entropy in
+    nats of the model's distribution (softmax of the logits, before temperature and filters) it was
+    committed from; RL logs it as the policy's entropy."""
     seeds: Optional[Tuple[int, ...]] = None
     """Instead of `generator`, one integer a row: row b's draws are a function of seeds[b] and of the
     draw's place in the row's generation (block, step) alone, so a row samples the same completion
