@@ -44,9 +44,24 @@ def forward_step(data_iterator, model, ctx, config, rl: RLConfig):
 def build_tasks(args, update, rollout) -> RLTasks:
     """The task files read and checked, and the prompt encoding (InputError / ValueError: one line)."""
     valid = load_tasks(args.rl_valid_task) if args.rl_valid_task else []
-    return RLTasks(load_tasks(args.rl_task), valid, PromptEncoder(args.tokenizer, args.rl_chat_template), rollout,
-                   eval_prompts=args.rl_eval_prompts, reward_workers=args.rl_reward_workers,
-                   reward_timeout_s=args.rl_reward_timeout, update=update, reference=args.rl_reference)
+    tasks = RLTasks(load_tasks(args.rl_task), valid, PromptEncoder(args.tokenizer, args.rl_chat_template), rollout,
+                    eval_prompts=args.rl_eval_prompts, reward_workers=args.rl_reward_workers,
+                    reward_timeout_s=args.rl_reward_timeout, update=update, reference=args.rl_reference)
+    check_lengths(tasks, args.max_position_embeddings)
+    return tasks
+
+
+def check_lengths(tasks: RLTasks, positions: int) -> None:
+    """InputError unless every prompt (as the chat template renders it) and --rl-gen-length fit the model's
+    positions: a row counts its positions from its first prompt token."""
+    gen_length = tasks.rollout.gen_length
+    for flag, records in (("--rl-task", tasks.train), ("--rl-valid-task", tasks.valid)):
+        longest = max((len(tasks.encoder(record.prompt)) for record in records), default=0)
+        if longest + gen_length > positions:
+            raise InputError(f"{flag}: its longest prompt ({longest} tokens with the chat template) and "
+                             f"--rl-gen-length {gen_length} need {longest + gen_length} positions, but the model has "
+                             f"{positions} (--max-position-embeddings, by default --seq-length); pass --seq-length "
+                             f"{longest + gen_length} or more")
 
 
 def without_step_throughput(args) -> None:

@@ -152,6 +152,11 @@ def check_policy(kind: str, dlm) -> None:
                          "ar_order (block diffusion), diffu_grpo or coupled")
     if kind != "ar" and not dlm.is_diffusion:
         raise ValueError(f"the {kind} estimator masks tokens for a diffusion policy; an autoregressive one uses ar")
+    if kind != "ar_order" and dlm.block_diffusion:  # the masking estimators and SPG's
+        raise ValueError(f"the {kind} estimator would score a block-diffusion policy under blocks counted from each "
+                         "row's first slot, while the sampler counts them from its first prompt token (left-padded "
+                         "prompts sample under other blocks); use ar_order (--rl-algorithm ar_order_grpo), exact "
+                         "for it")
     if kind == "ar_order" and not dlm.block_diffusion:
         raise ValueError("the ar_order estimator reads block diffusion at blocks of 1; this policy is not a "
                          "block-diffusion model (--difflm-block-diffusion): use diffu_grpo or coupled")

@@ -118,6 +118,9 @@ def test_completion_mask_and_prompt_order():
     (["--rl-task", "TASKS", "--rl-kl-beta", "0.1"], "--rl-kl-beta 0.1 needs --rl-reference"),
     (["--rl-task", "TASKS", "--rl-algorithm", "spg", "--rl-kl-beta", "0.1", "--rl-reference", "x"],
      "the spg estimator takes no KL term"),
+    (["--rl-task", "TASKS", "--rl-gen-length", "44"], "--rl-gen-length 44 need"),  # past --seq-length 48
+    (["--rl-task", "TASKS", "--difflm-block-diffusion", "--difflm-block-size", "4"],
+     "--rl-algorithm diffu_grpo: the diffu_grpo estimator would score a block-diffusion policy"),
 ])
 def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
     tasks = task_file(tmp_path)

@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tools/benchmark/trained_generation.sh"
 
 
-def _stage(tmp_path: Path, stage: str, fail_on: str = "", **extra_env) -> list:
-    """Each recorded call of `stage` as its argument list; a call whose arguments hold `fail_on` fails."""
+def run_stage(tmp_path: Path, stage: str, fail_on: str = "", script: str = SCRIPT, args=(), **extra_env) -> list:
+    """(exit code, each recorded call of `script`'s `stage` (with `args`) as its argument list); a call whose
+    arguments hold `fail_on` fails."""
     bin_dir, record = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(exist_ok=True)
     stand_in = ('#!/usr/bin/env bash\nprintf "%q " "$@" >> {record}; echo >> {record}\n'
@@ -25,7 +26,8 @@ def _stage(tmp_path: Path, stage: str, fail_on: str = "", **extra_env) -> list:
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", WORK=str(tmp_path / "work"), PYTHON="fakepython",
                **extra_env)
-    result = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(["bash", script, stage, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
     calls = [shlex.split(line) for line in record.read_text().splitlines()] if record.exists() else []
     return result.returncode, calls
 
@@ -35,7 +37,7 @@ def _flag(call: list, name: str) -> str:
 
 
 def test_train_fine_tunes_ar_then_the_dlm_twice_and_measure_judges_by_the_ar_model(tmp_path):
-    code, calls = _stage(tmp_path, "train")
+    code, calls = run_stage(tmp_path, "train")
     work = str(tmp_path / "work")
     assert code == 0 and [c[2] for c in calls] == ["pretrain_difflm.py"] * 3
     chain = [(_flag(c, "--load"), _flag(c, "--save"), _flag(c, "--model-running-mode"), _flag(c, "--train-iters"))
@@ -45,20 +47,20 @@ def test_train_fine_tunes_ar_then_the_dlm_twice_and_measure_judges_by_the_ar_mod
                      (f"{work}/dlm_first", f"{work}/dlm.new", "difflm-shift", "1200")]
     assert all(os.path.exists(f"{work}/{name}/written") for name in ("ar", "dlm_first", "dlm"))
     assert _flag(calls[1], "--mask-token") == "16" and "--finetune" in calls[0]
-    code, calls = _stage(tmp_path, "measure")
+    code, calls = run_stage(tmp_path, "measure")
     assert code == 0 and [_flag(c, "--load") for c in calls[-2:]] == [f"{work}/dlm", f"{work}/ar"]
     assert all(_flag(c, "--judge") == f"{work}/ar" for c in calls[-2:])
 
 
 def test_a_failed_training_run_keeps_the_earlier_model(tmp_path):
-    assert _stage(tmp_path, "train")[0] == 0
+    assert run_stage(tmp_path, "train")[0] == 0
     (tmp_path / "work" / "ar" / "earlier").touch()
-    code, _ = _stage(tmp_path, "train", fail_on="ar.new")
+    code, _ = run_stage(tmp_path, "train", fail_on="ar.new")
     assert code != 0 and (tmp_path / "work" / "ar" / "earlier").exists()
 
 
 def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_eos(tmp_path):
-    code, calls = _stage(tmp_path, "sft")
+    code, calls = run_stage(tmp_path, "sft")
     work = str(tmp_path / "work")
     assert code == 0 and [c[0] for c in calls[:2]] == ["tools/preprocess_data.py"] * 2
     assert all("--chat" in c for c in calls[:2])
@@ -72,7 +74,7 @@ def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_e
         assert _flag(run, "--train-iters") == "1000"
     assert _flag(runs[1], "--sft-normalizer") == "llada" and "--sft-normalizer" not in runs[0]
     assert all(os.path.exists(f"{work}/{name}/written") for name in ("ar_sft", "dlm_sft"))
-    code, calls = _stage(tmp_path, "measure_chat")
+    code, calls = run_stage(tmp_path, "measure_chat")
     measured, full = calls[-3:-1], calls[-1]
     assert "--no-eos-stop" in full and _flag(full, "--load") == f"{work}/dlm_sft"
     assert _flag(full, "--json").endswith("/dlm_chat_full.json") and "--no-eos-stop" not in measured[0]
@@ -84,7 +86,7 @@ def test_sft_tokenizes_the_task_then_fine_tunes_both_and_measure_chat_stops_at_e
 
 
 def test_no_extra_dlm_iterations_makes_the_first_fine_tuning_the_dlm(tmp_path):
-    code, calls = _stage(tmp_path, "train", DLM_EXTRA_ITERS="0")
+    code, calls = run_stage(tmp_path, "train", DLM_EXTRA_ITERS="0")
     work = tmp_path / "work"
     assert code == 0 and [_flag(c, "--save") for c in calls] == [f"{work}/ar.new", f"{work}/dlm_first.new"]
     assert (work / "dlm" / "written").exists() and not (work / "dlm.new").exists()

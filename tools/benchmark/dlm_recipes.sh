@@ -7,6 +7,7 @@
 #   tools/benchmark/dlm_recipes.sh prepare                 # the GGUF -> Hugging Face; tokenize corpus and tasks
 #   tools/benchmark/dlm_recipes.sh train [ARM...]          # per arm: convert, adapt, fine-tune (GPU)
 #   tools/benchmark/dlm_recipes.sh measure [ARM...]        # per arm: the figures, one table row each
+# (`train` is `adapt` then `sft`, each also a stage of its own.)
 #
 # Arms (default all four, in this order):
 #   mdlm        today's recipe (trained_generation.sh's): the AR weights as a difflm-shift MDLM
@@ -14,10 +15,13 @@
 #               then 32 (the schedule at 15/25/35/80% of ADAPT_ITERS)
 #   joint       curriculum + the joint AR + DLM loss (AR_LOSS_WEIGHT, 1.0): the clean half stays an AR model
 #   cap         joint + LLaDA 2.0's confidence-aware loss (CONFIDENCE_LOSS_WEIGHT, 0.5), in both stages
+#   ar          (not in the default four) the AR twin: the same network as itself, not adapted, only
+#               fine-tuned (dlm_rl.sh's reference policy)
 # Every arm: ADAPT_ITERS (400) of GLOBAL_BATCH_SIZE (32) rows of SEQ_LENGTH (512) corpus tokens, then
 # SFT_ITERS (800) on SFT_TASK (addition: "What is 347 + 58?" answered <answer>405</answer>, 20,000
 # examples from tools/build_rl_task.py, 500 held out; or verses: finish a KJV verse, whose exact match is 0%
-# at 135M) with the dllm SFT recipe (1/p weights over the answer tokens, whose `tokens` normalizer the joint
+# at 135M; or any task whose $WORK/data/TASK_train/_valid files exist, as dlm_rl.sh's sudoku: its
+# fine-tuned checkpoint is then recipe_ARM_sft_TASK, beside the addition one, recipe_ARM_sft) with the dllm SFT recipe (1/p weights over the answer tokens, whose `tokens` normalizer the joint
 # loss shares), lr LR (1e-4) cosine to a tenth, bf16.
 # `measure` prints per arm: the adaptation's validation ELBO (nats/token: the diffusion term; a block
 # diffusion arm's is its BD3 bound at the final block size), the joint arms' AR perplexity (exp of the
@@ -97,31 +101,55 @@ publish() {
     rm -rf "$2.old"
 }
 
-train() {
+# init_checkpoint MODE: the Hugging Face model converted in running mode MODE, once ($WORK/init_MODE).
+init_checkpoint() {
+    local init="$WORK/init_$1"
+    if [[ ! -f "$init/latest_checkpointed_iteration.txt" ]]; then
+        rm -rf "$init.new"
+        "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$init.new" --no-progress \
+            --model-running-mode "$1" --mask-token-id "$MASK_TOKEN"
+        publish "$init.new" "$init"
+    fi
+}
+
+# sft_suffix: "" for the addition task (the table's), "_TASK" for another.
+sft_suffix() { [[ $SFT_TASK == addition ]] || echo "_$SFT_TASK"; }
+
+adapt() {
     mkdir -p "$OUT"
     for arm in "$@"; do
-        local mode=difflm-noshift init
+        if [[ $arm == ar ]]; then init_checkpoint vanilla; continue; fi  # the AR twin is not adapted
+        local mode=difflm-noshift
         [[ $arm == mdlm ]] && mode=difflm-shift
-        init="$WORK/init_$mode"
-        if [[ ! -f "$init/latest_checkpointed_iteration.txt" ]]; then
-            rm -rf "$init.new"
-            "$PYTHON" tools/weights_conversion/hf_to_megatron.py --hf-path "$WORK/hf" --save "$init.new" --no-progress \
-                --model-running-mode "$mode" --mask-token-id "$MASK_TOKEN"
-            publish "$init.new" "$init"
-        fi
+        init_checkpoint "$mode"
         # shellcheck disable=SC2046
-        run "$init" "$WORK/recipe_$arm" "$ADAPT_ITERS" "" "$SEQ_LENGTH" $(arm_flags "$arm") 2>&1 \
+        run "$WORK/init_$mode" "$WORK/recipe_$arm" "$ADAPT_ITERS" "" "$SEQ_LENGTH" $(arm_flags "$arm") 2>&1 \
             | tee "$OUT/$arm.adapt.log"
-        local sft=()
-        [[ $arm == cap ]] && sft=(--difflm-confidence-loss-weight "$CONFIDENCE_LOSS_WEIGHT")
-        run "$WORK/recipe_$arm" "$WORK/recipe_${arm}_sft" "${SFT_ITERS:-800}" "${SFT_TASK}_" "${SFT_SEQ_LENGTH:-128}" \
-            --sft --sft-padding eos --sft-normalizer dllm ${sft[@]+"${sft[@]}"} 2>&1 | tee "$OUT/$arm.sft.log"
     done
+}
+
+sft() {
+    mkdir -p "$OUT"
+    for arm in "$@"; do
+        local from="$WORK/recipe_$arm" extra=()
+        [[ $arm == ar ]] && from="$WORK/init_vanilla"
+        [[ $arm == cap ]] && extra=(--difflm-confidence-loss-weight "$CONFIDENCE_LOSS_WEIGHT")
+        run "$from" "$WORK/recipe_${arm}_sft$(sft_suffix)" "${SFT_ITERS:-800}" "${SFT_TASK}_" "${SFT_SEQ_LENGTH:-128}" \
+            --sft --sft-padding eos --sft-normalizer dllm ${extra[@]+"${extra[@]}"} 2>&1 \
+            | tee "$OUT/$arm.sft$(sft_suffix).log"
+    done
+}
+
+train() {
+    adapt "$@"
+    sft "$@"
 }
 
 measure() {
     mkdir -p "$OUT"
     for arm in "$@"; do
+        if [[ $arm == ar ]]; then echo "$0: measure: the ar twin has no adaptation figures (dlm_rl.sh measures it)" >&2
+            exit 2; fi
         local variants=baseline,threshold
         [[ $arm == joint || $arm == cap ]] && variants=baseline,threshold,ar
         "$PYTHON" tools/benchmark/generation_throughput.py --load "$WORK/recipe_${arm}_sft" \
@@ -138,8 +166,14 @@ stage=${1:-}
 shift || true
 arms=("$@")
 [[ ${#arms[@]} -eq 0 ]] && arms=("${ARMS[@]}")
+for arm in "${arms[@]}"; do
+    case $arm in
+        mdlm | curriculum | joint | cap | ar) ;;
+        *) echo "$0: unknown arm $arm: one of ${ARMS[*]} ar" >&2; exit 2 ;;
+    esac
+done
 case "$stage" in
     prepare) prepare ;;
-    train | measure) "$stage" "${arms[@]}" ;;
-    *) echo "usage: $0 prepare|train|measure [ARM...] (see the header)" >&2; exit 2 ;;
+    adapt | sft | train | measure) "$stage" "${arms[@]}" ;;
+    *) echo "usage: $0 prepare|adapt|sft|train|measure [ARM...] (see the header)" >&2; exit 2 ;;
 esac

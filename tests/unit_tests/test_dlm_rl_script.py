@@ -1,0 +1,45 @@
+"""tools/benchmark/dlm_rl.sh (and the dlm_recipes.sh stages it chains): the runs each stage makes, read with
+stand-in `torchrun` and `python` that record their arguments (the real runs need a GPU)."""
+
+from tests.unit_tests.test_trained_generation_script import run_stage
+
+SCRIPT = "tools/benchmark/dlm_rl.sh"
+
+
+def flag(call: list, name: str) -> str:
+    return call[call.index(name) + 1]
+
+
+def test_sft_adapts_the_dlm_then_fine_tunes_it_and_the_ar_twin_on_sudoku(tmp_path):
+    code, calls = run_stage(tmp_path, "sft", script=SCRIPT)
+    work = str(tmp_path / "work")
+    assert code == 0
+    conversions = [c for c in calls if c[0] == "tools/weights_conversion/hf_to_megatron.py"]
+    assert [flag(c, "--model-running-mode") for c in conversions] == ["difflm-shift", "vanilla"]
+    runs = [(flag(c, "--load"), flag(c, "--save"), flag(c, "--train-iters"), flag(c, "--seq-length"))
+            for c in calls if c[0] == "--standalone"]
+    assert runs == [(f"{work}/init_difflm-shift", f"{work}/recipe_mdlm.new", "400", "512"),
+                    (f"{work}/recipe_mdlm", f"{work}/recipe_mdlm_sft_sudoku.new", "300", "192"),
+                    (f"{work}/init_vanilla", f"{work}/recipe_ar_sft_sudoku.new", "300", "192")]
+    fine_tuning = [c for c in calls if "--sft" in c]
+    assert len(fine_tuning) == 2 and all(flag(c, "--train-data-path") == f"{work}/data/sudoku_train_text_document"
+                                         for c in fine_tuning)
+
+
+def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
+    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "spg"), RL_ITERS="7")
+    work = str(tmp_path / "work")
+    assert code == 0 and len(calls) == 2 and all(c[3] == "posttrain_rl.py" for c in calls)
+    before, training = calls
+    assert "--skip-train" in before and "--skip-train" not in training
+    for call in calls:
+        assert flag(call, "--load") == f"{work}/recipe_mdlm_sft_sudoku" and flag(call, "--rl-algorithm") == "spg"
+        assert flag(call, "--seq-length") == "256" and flag(call, "--global-batch-size") == "128"
+        assert flag(call, "--train-iters") == "7" and flag(call, "--rl-block-length") == "32"
+    results = tmp_path / "work" / "rl"
+    assert (results / "dlm_spg.log").exists() and (results / "dlm_spg.before.log").exists()
+    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("ar", "grpo"))
+    assert code == 0 and flag(calls[-1], "--load") == f"{work}/recipe_ar_sft_sudoku"
+    assert "--rl-block-length" not in calls[-1]
+    code, _ = run_stage(tmp_path, "rl", script=SCRIPT, args=("policy", "grpo"))
+    assert code == 2

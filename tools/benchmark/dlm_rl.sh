@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# RL on a real model: SmolLM2-135M adapted into a DLM by dlm_recipes.sh (arm DLM_ARM, default mdlm: the
+# trained-generation benchmark's shift MDLM), fine-tuned on 4x4 Sudoku, then trained by posttrain_rl.py with
+# d1's diffu_grpo and with SPG; beside them the AR twin (the same network as itself, fine-tuned the same way)
+# with GRPO, the reference (docs/rl.md, "On a real model"). A block-diffusion arm (curriculum, joint) takes
+# ar_order_grpo, the estimator exact for it.
+#
+#   tools/benchmark/dlm_rl.sh prepare               # CPU: Sudoku SFT records and RL tasks, tokenized with $WORK/hf
+#   tools/benchmark/dlm_rl.sh sft [dlm] [ar]        # GPU: adapt (if not done) and fine-tune the DLM; the AR twin
+#   tools/benchmark/dlm_rl.sh rl NAME ALGORITHM     # GPU: NAME dlm or ar; held-out reward, then RL_ITERS steps
+#   tools/benchmark/dlm_rl.sh measure               # the table of every run in $RESULTS (rl_table.py)
+#
+# WORK as dlm_recipes.sh's (the converted model $WORK/hf; the adaptation $WORK/recipe_$DLM_ARM); results and logs
+# in RESULTS (default $WORK/rl). Sudoku: SFT_COUNT (20,000) fine-tuning records, SFT_ITERS (300: short, so the
+# policy leaves room to learn), RL_COUNT (4,000) training tasks, EVAL_PROMPTS (256) held out, each drawn by
+# tools/build_rl_task.py from its own seed; fine-tuning rows of SFT_SEQ_LENGTH (192: a Sudoku example is 144
+# tokens), RL rows of RL_SEQ_LENGTH (256) positions. Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8) completions of
+# GEN_LENGTH (32) tokens at temperature 1 (the DLM one token a step, block 32), one clipped update (0.2 / 0.28)
+# at RL_LR (1e-5) constant, RL_ITERS (100) steps, MICRO_BATCH_SIZE (32). The held-out reward is greedy, before
+# (--skip-train) and after. Runs may go side by side on one 80 GB card (each torchrun picks its own port).
+set -euo pipefail
+
+ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WORK=${WORK:-/tmp/trained_generation}
+RESULTS=${RESULTS:-$WORK/rl}
+PYTHON=${PYTHON:-python}
+DLM_ARM=${DLM_ARM:-mdlm}
+MASK_TOKEN=16  # dlm_recipes.sh's
+GROUP_SIZE=${GROUP_SIZE:-8}
+RL_ITERS=${RL_ITERS:-100}
+cd "$ROOT_DIR"
+
+prepare() {
+    mkdir -p "$WORK/data"
+    "$PYTHON" tools/build_rl_task.py --kind sudoku --count "${SFT_COUNT:-20000}" --seed 11 --sft --force \
+        --output "$WORK/sudoku_train.jsonl.gz"
+    "$PYTHON" tools/build_rl_task.py --kind sudoku --count 500 --seed 12 --sft --force --output "$WORK/sudoku_valid.jsonl.gz"
+    "$PYTHON" tools/build_rl_task.py --kind sudoku --count "${RL_COUNT:-4000}" --seed 13 --force \
+        --output "$WORK/sudoku_rl_train.jsonl.gz"
+    "$PYTHON" tools/build_rl_task.py --kind sudoku --count "${EVAL_PROMPTS:-256}" --seed 14 --force \
+        --output "$WORK/sudoku_rl_valid.jsonl.gz"
+    for split in train valid; do
+        "$PYTHON" tools/preprocess_data.py --input "$WORK/sudoku_$split.jsonl.gz" --chat \
+            --output-prefix "$WORK/data/sudoku_$split" --tokenizer-type HuggingFaceTokenizer \
+            --tokenizer-model "$WORK/hf" --workers 2
+    done
+}
+
+# recipes ARGS...: dlm_recipes.sh with this script's task and its fine-tuning length.
+recipes() {
+    SFT_TASK=sudoku SFT_ITERS=${SFT_ITERS:-300} SFT_SEQ_LENGTH=${SFT_SEQ_LENGTH:-192} bash tools/benchmark/dlm_recipes.sh "$@"
+}
+
+sft() {
+    local names=("$@")
+    [[ ${#names[@]} -eq 0 ]] && names=(dlm ar)
+    for name in "${names[@]}"; do
+        if [[ $name == ar ]]; then recipes train ar; continue; fi
+        [[ -f $WORK/recipe_$DLM_ARM/latest_checkpointed_iteration.txt ]] || recipes adapt "$DLM_ARM"
+        recipes sft "$DLM_ARM"
+    done
+}
+
+# policy NAME: the fine-tuned checkpoint RL starts from.
+policy() { if [[ $1 == ar ]]; then echo "$WORK/recipe_ar_sft_sudoku"; else echo "$WORK/recipe_${DLM_ARM}_sft_sudoku"; fi; }
+
+# posttrain NAME ALGORITHM FLAGS...: posttrain_rl.py on NAME's policy.
+posttrain() {
+    local prompts=${PROMPTS:-16}
+    torchrun --standalone --nproc-per-node 1 posttrain_rl.py --load "$(policy "$1")" --finetune --use-checkpoint-args \
+        --no-load-optim --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --mask-token "$MASK_TOKEN" \
+        --rl-task "$WORK/sudoku_rl_train.jsonl.gz" --rl-valid-task "$WORK/sudoku_rl_valid.jsonl.gz" \
+        --rl-eval-prompts "${EVAL_PROMPTS:-256}" --rl-algorithm "$2" --rl-group-size "$GROUP_SIZE" \
+        --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature 1.0 --rl-clip-low 0.2 --rl-clip-high 0.28 \
+        --rl-reward-workers 4 --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
+        --global-batch-size $(( prompts * GROUP_SIZE )) --train-iters "$RL_ITERS" --lr "${RL_LR:-1e-5}" \
+        --min-lr "${RL_LR:-1e-5}" --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.99 \
+        --clip-grad 1.0 --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1 \
+        --eval-interval "$RL_ITERS" --eval-iters 1 --seq-length "${RL_SEQ_LENGTH:-256}" --seed 1234 "${@:3}"
+}
+
+rl() {
+    local name=${1:?usage: rl NAME ALGORITHM} algorithm=${2:?usage: rl NAME ALGORITHM} dlm=()
+    [[ $name == dlm || $name == ar ]] || { echo "$0: rl NAME is dlm or ar, not $name" >&2; exit 2; }
+    [[ $name == dlm ]] && dlm=(--rl-block-length 32 --rl-spg-samples 2)
+    mkdir -p "$RESULTS"
+    posttrain "$name" "$algorithm" --skip-train "${dlm[@]}" 2>&1 | tee "$RESULTS/${name}_$algorithm.before.log"
+    posttrain "$name" "$algorithm" "${dlm[@]}" 2>&1 | tee "$RESULTS/${name}_$algorithm.log"
+}
+
+measure() {
+    local runs=()
+    for log in "$RESULTS"/*.log; do
+        [[ $log == *.before.log ]] || runs+=("$(basename "$log" .log)")
+    done
+    "$PYTHON" tools/benchmark/rl_table.py --results "$RESULTS" "${runs[@]}"
+}
+
+stage=${1:-}
+shift || true
+case "$stage" in
+    prepare | sft | rl | measure) "$stage" "$@" ;;
+    *) echo "usage: $0 prepare|sft|rl|measure (see the header)" >&2; exit 2 ;;
+esac
