@@ -88,9 +88,12 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
         if value and value % inner:
             raise ValueError(f"{flag} {value} must be a multiple of --rl-inner-steps {inner}: checkpoints fall "
                              "between batches of rollouts")
-    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1 or args.sequence_parallel:
+    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
         raise ValueError("rollouts decode with the model's sampler, which needs whole sequences and layers on each "
-                         "rank: use --tensor-model-parallel-size without --sequence-parallel, and data parallelism")
+                         "rank: use tensor (and sequence) parallelism and data parallelism, not pipeline or context")
+    if args.sequence_parallel and args.num_experts:
+        raise ValueError("--sequence-parallel with MoE layers: rollouts sample with sequence parallelism off, which "
+                         "MoE layers under tensor parallelism cannot do; drop --sequence-parallel")
     if args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
         raise ValueError("FSDP2 gathers weights per forward, which replicas sampling different lengths would not "
                          "match: use --data-parallel-sharding-strategy optim (ZeRO-1) or no_shard (FSDP2 is for later)")

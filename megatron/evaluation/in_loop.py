@@ -30,7 +30,7 @@ from megatron.core.errors import InputError
 from megatron.training.configs import LMEvalConfig
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
 
-__all__ = ["InLoopEvaluation", "build_in_loop_evaluation", "numeric_metrics", "whole_weights"]
+__all__ = ["InLoopEvaluation", "build_in_loop_evaluation", "numeric_metrics", "inference_ready"]
 
 Metrics = Dict[str, Dict[str, float]]
 
@@ -72,14 +72,17 @@ def _live_backend(model: nn.Module, tokenizer):
 
 
 @contextmanager
-def whole_weights(model: nn.Module):
-    """FSDP2 gathers a module's weights in its forward hook, which inference_forward bypasses for the
-    root module (embedding, final norm, output layer): gather those explicitly, shard them again after."""
+def inference_ready(model: nn.Module):
+    """The live model as its inference_forward needs it. FSDP2 gathers a module's weights in its forward hook,
+    which inference_forward bypasses for the root module (embedding, final norm, output layer): those are
+    gathered explicitly and sharded again after. Sequence parallelism is off inside (GPTModel.
+    sequence_parallel_off: whole sequences, the same weights)."""
     sharded = is_fully_sharded(model)
     if sharded:
         model.unshard()
     try:
-        yield
+        with unwrap(model).sequence_parallel_off():
+            yield
     finally:
         if sharded:
             model.reshard()
@@ -136,7 +139,7 @@ class InLoopEvaluation:
             self.lm.backend.pattern["attention_block_size"] = dlm.block_size_at(max(iteration - 1, 0))
         model.eval()
         try:
-            with torch.no_grad(), whole_weights(model):
+            with torch.no_grad(), inference_ready(model):
                 results = lm_eval.simple_evaluate(model=self.lm, tasks=list(self.config.lm_eval_tasks),
                                                   limit=self.config.lm_eval_limit, task_manager=self.task_manager,
                                                   log_samples=False)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core.distributed.data_parallel import unwrap
 from megatron.core.parallel_state import ParallelContext
 from megatron.core.tensor_parallel.utils import group_rank, group_size
-from megatron.evaluation.in_loop import whole_weights
+from megatron.evaluation.in_loop import inference_ready
 from megatron.rl.rewards import RewardWorkers
 from megatron.rl.rollouts import PromptEncoder, PromptOrder, RolloutConfig, Rollouts, micro_batches, sample_rollouts
 from megatron.rl.step import UPDATE_STATISTICS, RLConfig, reference_logprobs
@@ -81,7 +81,7 @@ class RLTrainer(Trainer):
         model, rng = unwrap(self.model), capture_rng_state(self.model)
         self.model.eval()
         try:
-            with torch.no_grad(), whole_weights(self.model):
+            with torch.no_grad(), inference_ready(self.model):
                 return sample_rollouts(model, self.tasks.encoder, records, indices, config, self.workers.score)
         finally:
             self.model.train()

@@ -59,15 +59,19 @@ def _check_model_args(text: str) -> None:
 
 
 def _check_layout(args: argparse.Namespace) -> None:
-    """The live model's inference forward needs the whole model and whole sequences on every rank."""
+    """The live model's inference forward needs the whole model and whole sequences on every rank (sequence
+    parallelism is switched off for it, which MoE layers under tensor parallelism cannot follow)."""
     for dest, ok in (("pipeline_model_parallel_size", args.pipeline_model_parallel_size == 1),
-                     ("context_parallel_size", args.context_parallel_size == 1),
-                     ("sequence_parallel", not args.sequence_parallel)):
+                     ("context_parallel_size", args.context_parallel_size == 1)):
         if not ok:
-            shown = f"--{dest.replace('_', '-')}" + ("" if dest == "sequence_parallel" else f" {getattr(args, dest)}")
+            shown = f"--{dest.replace('_', '-')} {getattr(args, dest)}"
             raise ValueError(f"--lm-eval-tasks scores with the live model's inference forward, which needs the whole "
                              f"model and sequence on each rank; {shown} splits them: evaluate a saved checkpoint "
                              "with tools/lm_eval_harness.py instead")
+    if args.sequence_parallel and getattr(args, "num_experts", None):
+        raise ValueError("--lm-eval-tasks scores with sequence parallelism off, which MoE layers under tensor "
+                         "parallelism cannot do (--sequence-parallel with --num-experts): evaluate a saved "
+                         "checkpoint with tools/lm_eval_harness.py instead")
 
 
 def validate_lm_eval_args(args: argparse.Namespace, given: Collection[str] = frozenset()) -> None:

@@ -1,6 +1,7 @@
 """Generation under tensor parallelism equals one process: the KV cache holds each rank's own
 kv heads (tp=2 splits the groups; tp=4 with two kv heads splits their rows), and the logits are
-gathered over the vocabulary. Sequence parallelism is refused with a clear message."""
+gathered over the vocabulary. A model built with sequence parallelism generates the same (the sampler
+switches it off, and back on after)."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def _config(**changes):
                              **changes)
 
 
-def _generate_all(pg=None) -> dict:
+def _generate_all(pg=None, **changes) -> dict:
     from megatron.core.models.difflm.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import DLMConfig
 
@@ -29,11 +30,13 @@ def _generate_all(pg=None) -> dict:
     results = {}
     for mode in ("difflm-noshift", "vanilla"):
         torch.manual_seed(0)
-        model = GPTModel(_config(), DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID), pg=pg).eval()
+        model = GPTModel(_config(**changes), DLMConfig(model_running_mode=mode, mask_token_id=MASK_ID), pg=pg).eval()
         if mode == "vanilla":
             results[mode] = model.generate(ids, mask, max_new_tokens=8)
         else:
             results[mode] = model.generate(ids, mask, gen_length=8, steps=4, block_length=4, cache="dual", cfg=0.5)
+        results[f"{mode} sequence parallel after"] = any(getattr(module, "sequence_parallel", False) is True
+                                                         for module in model.modules())
     return results
 
 
@@ -42,22 +45,13 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from megatron.core.models.difflm.gpt_model import GPTModel
     from megatron.core.parallel_state import initialize_model_parallel
-    from megatron.core.transformer.transformer_config import DLMConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     state = initialize_model_parallel(tensor_model_parallel_size=world_size)
-    results = _generate_all(state.groups)
-    sequence_parallel = GPTModel(_config(sequence_parallel=True), DLMConfig(mask_token_id=MASK_ID),
-                                 pg=state.groups).eval()
-    try:
-        sequence_parallel.generate(torch.tensor([[1, 2]]), gen_length=4)
-        results["sp_error"] = ""
-    except ValueError as error:
-        results["sp_error"] = str(error)
+    results = {"tp": _generate_all(state.groups), "tp_sp": _generate_all(state.groups, sequence_parallel=True)}
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -72,6 +66,6 @@ def test_tensor_parallel_generation_equals_one_process(world_size, tmp_path):
     reference = _generate_all()
     for rank in range(world_size):
         got = torch.load(f"{out}.{rank}")
-        for mode in ("difflm-noshift", "vanilla"):
-            assert torch.equal(got[mode], reference[mode]), (rank, mode)
-        assert "sequence parallelism" in got["sp_error"]
+        for layout, mode in [(layout, mode) for layout in ("tp", "tp_sp") for mode in ("difflm-noshift", "vanilla")]:
+            assert torch.equal(got[layout][mode], reference[mode]), (rank, layout, mode)
+            assert got[layout][f"{mode} sequence parallel after"] == (layout == "tp_sp"), (rank, layout, mode)

@@ -1,6 +1,6 @@
-"""--lm-eval-tasks under data and tensor parallelism and FSDP2: every rank scores every request with
-the live model (the tensor-parallel and FSDP2 forwards are collectives), and the metrics rank 0
-logs are the single-process run's."""
+"""--lm-eval-tasks under data and tensor parallelism (with sequence parallelism too) and FSDP2: every rank
+scores every request with the live model (the tensor-parallel and FSDP2 forwards are collectives; under
+sequence parallelism it is switched off for scoring), and the metrics rank 0 logs are the single-process run's."""
 
 import os
 
@@ -9,7 +9,7 @@ import torch
 
 import pretrain_difflm
 from custom_args.difflm import add_difflm_args
-from megatron.evaluation.in_loop import whole_weights
+from megatron.evaluation.in_loop import inference_ready
 from megatron.training.initialize import initialize_distributed
 from megatron.training.run_config import parse_run_config
 from megatron.training.training import build_trainer
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 PAIRS = [("Fellow-Citizens of the Senate and House of", " Representatives"),
          ("Congress shall have power to lay and collect", " taxes"), ("We the People", " of the United States")]
 LAYOUTS = {"dp2": ["--micro-batch-size", "1"], "tp2": ["--tensor-model-parallel-size", "2"],
+           "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
            "fsdp2": ["--data-parallel-sharding-strategy", "optim_grads_params"]}
 
 
@@ -35,7 +36,7 @@ def _train_and_score(argv: list, runtime) -> dict:
     trainer.logger.close()
     trainer.model.eval()
     requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(PAIRS)]
-    with whole_weights(trainer.model):  # every rank: the forward is a collective (TP, FSDP2)
+    with inference_ready(trainer.model):  # every rank: the forward is a collective (TP, FSDP2)
         scores = [score for score, _ in trainer.lm_eval.lm.loglikelihood(requests)]
     return {"history": trainer.lm_eval.history, "scores": scores, "losses": [r.loss for r in trainer.history]}
 
@@ -53,7 +54,7 @@ def _worker(rank: int, port: int, argvs: list, out: str) -> None:
         assert all(result["history"] and not any(result["history"].values()) for result in results)
 
 
-def test_dp2_tp2_and_fsdp2_log_the_single_process_metrics(tmp_path, monkeypatch):
+def test_dp2_tp2_sp_and_fsdp2_log_the_single_process_metrics(tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")  # an optional (dev) dependency, like the adapter's own tests
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -122,8 +122,8 @@ def test_bad_model_args_and_unknown_tasks_exit_1_while_building(offline, monkeyp
     (["--lm-eval-tasks", "x", "--lm-eval-model-args", "load=/ckpt"], 1, "load= is the run's own"),
     (["--lm-eval-tasks", "x", "--lm-eval-model-args", "mc_num"], 1, "'mc_num' is not key=value"),
     (["--lm-eval-tasks", "x", "--pipeline-model-parallel-size", "2"], 2, "--pipeline-model-parallel-size 2 splits"),
-    (["--lm-eval-tasks", "x", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     "--sequence-parallel splits"),
+    (["--lm-eval-tasks", "x", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4"], 2,
+     "MoE layers under tensor parallelism cannot"),
     (["--difflm-eval-mc-samples", "0"], 1, "--difflm-eval-mc-samples 0 must be >= 1"),
 ])
 def test_bad_lm_eval_flags_are_one_line_at_start_up(extra, world, message, capsys):

@@ -108,6 +108,17 @@ def test_completion_mask_and_prompt_order():
     assert first[:5] != first[5:] and first == [rollouts.PromptOrder(5, seed=3)(k) for k in range(10)]
 
 
+def test_sequence_parallel_moe_rollouts_are_one_line(tmp_path, capsys, monkeypatch):
+    """Rollouts run the model with sequence parallelism off, which MoE layers under TP cannot do."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = MODEL + ["--lr", "1e-3", "--train-iters", "2", "--rl-task", task_file(tmp_path), "--num-experts", "4",
+                    "--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "16"]
+    with pytest.raises(SystemExit) as exit_info:
+        posttrain_rl.main(argv)
+    error = capsys.readouterr().err
+    assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and "drop --sequence-parallel" in error, error
+
+
 @pytest.mark.parametrize("extra, message", [
     ([], "--rl-task is required"),
     (["--rl-task", "TASKS", "--model-running-mode", "difflm-noshift", "--rl-algorithm", "grpo"],
@@ -132,10 +143,13 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
     assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and message in error, error
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], []], ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], [],
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+                         ids=["tp2", "dp2", "tp2_sp"])
 def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layout):
-    """TP=2 or DP=2 (2 gloo processes): the same completions (rewards) and losses as one process, step by
-    step (under DP each replica samples half the prompts: per-row sampling seeds make them the same draws)."""
+    """TP=2, DP=2 or TP=2 with sequence parallelism (2 gloo processes): the same completions (rewards) and
+    losses as one process, step by step (under DP each replica samples half the prompts: per-row sampling
+    seeds make them the same draws; under SP the sampler runs the model with sequence parallelism off)."""
     argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
     alone = run(argv)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

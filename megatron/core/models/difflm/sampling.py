@@ -4,6 +4,8 @@ the model's `inference_forward`; kept beside the model so gpt_model.py holds the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron.core.inference import generation, likelihood
@@ -25,13 +27,33 @@ class SamplingMethods:
             pattern["causal_clean"] = True
         return pattern
 
+    @contextlib.contextmanager
+    def sequence_parallel_off(self):
+        """Run the model without sequence parallelism inside (no-op without it): the tensor-parallel layers
+        all-reduce whole sequences instead of reduce-scattering slices, the weights being the same, so a model
+        trained under --sequence-parallel samples and scores with `inference_forward` (which needs whole
+        sequences). MoE layers under tensor parallelism split their tokens by sequence: refused."""
+        switched = [module for module in self.modules() if getattr(module, "sequence_parallel", False) is True]
+        if switched and self.config.moe is not None:
+            raise ValueError("an MoE model under tensor and sequence parallelism routes sequence slices: it cannot "
+                             "sample or score with inference_forward; use --sequence-parallel off or evaluate a "
+                             "saved checkpoint")
+        for module in switched:
+            module.sequence_parallel = False
+        try:
+            yield
+        finally:
+            for module in switched:
+                module.sequence_parallel = True
+
     def log_likelihood(self, prompt: torch.Tensor, answer: torch.Tensor, **options) -> float:
         """log p(answer | prompt) for 1-D id tensors: LLaDA's Monte Carlo ELBO in the diffusion
         modes, exact for AR; options (mc_num, batch_size, cfg_scale, generator) and the method
         in megatron.core.inference.likelihood. The attention pattern is the one trained."""
-        return likelihood.log_likelihood(self.inference_forward, prompt, answer, running_mode=self.running_mode,
-                                         mask_token_id=self.dlm_config.mask_token_id,
-                                         **(self.trained_pattern() | options))
+        with self.sequence_parallel_off():
+            return likelihood.log_likelihood(self.inference_forward, prompt, answer, running_mode=self.running_mode,
+                                             mask_token_id=self.dlm_config.mask_token_id,
+                                             **(self.trained_pattern() | options))
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  cuda_graphs: bool = False, autoregressive: bool = False, **options) -> torch.Tensor:
@@ -49,5 +71,6 @@ class SamplingMethods:
         running_mode, pattern = self.running_mode, self.trained_pattern()
         if autoregressive:
             running_mode, pattern = autoregressive_decoding(running_mode, pattern)
-        return generation.generate(model_fn, input_ids, attention_mask, running_mode=running_mode,
-                                   mask_token_id=self.dlm_config.mask_token_id, **(pattern | options))
+        with self.sequence_parallel_off():
+            return generation.generate(model_fn, input_ids, attention_mask, running_mode=running_mode,
+                                       mask_token_id=self.dlm_config.mask_token_id, **(pattern | options))
