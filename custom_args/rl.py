@@ -11,7 +11,6 @@ from typing import Tuple
 
 from custom_args.difflm import add_difflm_args
 from megatron.rl.estimators import check_policy
-from megatron.training.data_parallel_args import FSDP2_STRATEGIES
 from megatron.rl.objectives import NORMALIZATIONS
 from megatron.rl.rollouts import ADVANTAGES, RolloutConfig
 from megatron.rl.step import RLConfig
@@ -94,9 +93,6 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
     if args.sequence_parallel and args.num_experts:
         raise ValueError("--sequence-parallel with MoE layers: rollouts sample with sequence parallelism off, which "
                          "MoE layers under tensor parallelism cannot do; drop --sequence-parallel")
-    if args.data_parallel_sharding_strategy in FSDP2_STRATEGIES:
-        raise ValueError("FSDP2 gathers weights per forward, which replicas sampling different lengths would not "
-                         "match: use --data-parallel-sharding-strategy optim (ZeRO-1) or no_shard (FSDP2 is for later)")
     if args.rl_kl_beta > 0 and not args.rl_reference:
         raise ValueError(f"--rl-kl-beta {args.rl_kl_beta} needs --rl-reference: the checkpoint of the reference "
                          "policy (usually the policy's first --load)")

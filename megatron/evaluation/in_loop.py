@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from megatron.core.distributed.data_parallel import is_fully_sharded, unwrap
+from megatron.core.distributed.data_parallel import unwrap, whole_weights
 from megatron.core.errors import InputError
 from megatron.training.configs import LMEvalConfig
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
@@ -73,19 +73,11 @@ def _live_backend(model: nn.Module, tokenizer):
 
 @contextmanager
 def inference_ready(model: nn.Module):
-    """The live model as its inference_forward needs it. FSDP2 gathers a module's weights in its forward hook,
-    which inference_forward bypasses for the root module (embedding, final norm, output layer): those are
-    gathered explicitly and sharded again after. Sequence parallelism is off inside (GPTModel.
-    sequence_parallel_off: whole sequences, the same weights)."""
-    sharded = is_fully_sharded(model)
-    if sharded:
-        model.unshard()
-    try:
-        with unwrap(model).sequence_parallel_off():
-            yield
-    finally:
-        if sharded:
-            model.reshard()
+    """The live model as its inference_forward needs it: under FSDP2 its weights gathered for the duration
+    (data_parallel.whole_weights), sequence parallelism off (GPTModel.sequence_parallel_off: whole sequences,
+    the same weights)."""
+    with whole_weights(model), unwrap(model).sequence_parallel_off():
+        yield
 
 
 def numeric_metrics(results: Optional[dict]) -> Metrics:

@@ -144,12 +144,14 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
 
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], [],
-                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
-                         ids=["tp2", "dp2", "tp2_sp"])
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--data-parallel-sharding-strategy", "optim_grads_params"]],
+                         ids=["tp2", "dp2", "tp2_sp", "fsdp2"])
 def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layout):
-    """TP=2, DP=2 or TP=2 with sequence parallelism (2 gloo processes): the same completions (rewards) and
-    losses as one process, step by step (under DP each replica samples half the prompts: per-row sampling
-    seeds make them the same draws; under SP the sampler runs the model with sequence parallelism off)."""
+    """TP=2, DP=2, TP=2 with sequence parallelism or DP=2 under FSDP2 (2 gloo processes): the same completions
+    (rewards) and losses as one process, step by step (under DP each replica samples half the prompts: per-row
+    sampling seeds make them the same draws; under SP the sampler runs the model with sequence parallelism
+    off; under FSDP2 with the weights gathered once, so replicas may sample to different lengths)."""
     argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
     alone = run(argv)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -229,8 +229,35 @@ def _fully_shard(model: nn.Module, meshes: tuple, group, reshard_after_forward: 
     for name, param in model.named_parameters():
         for tag, value in tags[name].items():
             setattr(param, tag, value)
-    model.data_parallel_group = group
+    model.data_parallel_group, model.reshard_after_forward = group, reshard_after_forward
     return model
+
+
+@contextmanager
+def whole_weights(model: nn.Module):
+    """FSDP2 (no-op otherwise): every sharded module's weights gathered once up front and kept gathered through
+    the forwards inside, then sharded again. A forward then needs no all-gather, so ranks may run different
+    numbers of forwards (RL replicas sampling to different lengths), and forwards that bypass a module's hooks
+    (inference_forward: the root's embedding, final norm and output layer) see whole weights. Each rank holds
+    the whole model meanwhile."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if sharded:
+        # FSDP2 makes the first module to run forward its root: before any training forward (RL's first
+        # rollouts) that would be a layer; initialize from the model's root as its forward does (idempotent).
+        model._get_fsdp_state()._lazy_init()
+    for module in sharded:
+        module.unshard()
+    if sharded:
+        model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        if sharded:
+            model.set_reshard_after_forward(model.reshard_after_forward)
+            for module in sharded:
+                module.reshard()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
