@@ -38,9 +38,12 @@ ARCHITECTURE_FIELDS: Dict[str, Tuple[str, str, Callable]] = {
     "qk_layernorm_scope": ("--qk-layernorm-scope", "qk_layernorm_scope", lambda v: v),
     # Not a shape, but the stored norm weights mean w or 1 + w: never reinterpreted, even by --finetune.
     "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "apply_layernorm_1p", lambda v: v),
+    # A learned table or none (yarn is RoPE: checkpoint_rope_flags sets the flag's value).
+    "position_embedding_type": ("--position-embedding-type", None, None),
 }
 # What checkpoints written before a field existed hold.
-ARCHITECTURE_DEFAULTS = {"qk_layernorm_scope": "head", "layernorm_zero_centered_gamma": False}
+ARCHITECTURE_DEFAULTS = {"qk_layernorm_scope": "head", "layernorm_zero_centered_gamma": False,
+                         "position_embedding_type": "rope"}
 # MoEConfig fields (the checkpoint's `transformer_config.moe`) that decide the shapes, and those that
 # change what the same weights compute; each field's flag is --moe-<field> (num_experts: --num-experts).
 MOE_ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "shared_expert_intermediate_size", "layer_flags",
@@ -120,6 +123,10 @@ def check_compatible(record, finetune: bool, metadata: dict, source: str) -> Non
     for field, (flag, _, _) in ARCHITECTURE_FIELDS.items():
         if saved.get(field, ARCHITECTURE_DEFAULTS.get(field)) != current[field]:
             raise _mismatch(source, field, flag, saved.get(field), current[field], changeable=False)
+    if current["position_embedding_type"] == "learned_absolute":  # the table's rows are a shape
+        if saved.get("max_position_embeddings") != current["max_position_embeddings"]:
+            raise _mismatch(source, "max_position_embeddings", "--max-position-embeddings",
+                            saved.get("max_position_embeddings"), current["max_position_embeddings"], changeable=False)
     _check_moe(saved.get("moe"), current["moe"], finetune, source)
     if not finetune:
         for field, (flag, _, _) in FUNCTION_FIELDS.items():
@@ -210,6 +217,8 @@ def apply_checkpoint_args(args) -> None:
         args.sliding_window = saved["sliding_window"]
     _apply_moe(args, saved.get("moe"))
     checkpoint_rope_flags(args, saved)
+    if saved.get("position_embedding_type") == "learned_absolute" and args.max_position_embeddings is None:
+        args.max_position_embeddings = saved["max_position_embeddings"]  # the table's rows
     if args.seq_length is None and metadata.get("seq_length"):
         args.seq_length = metadata["seq_length"]
     dlm = metadata.get("dlm_config") or {}

@@ -118,9 +118,9 @@ def is_megatron_lm_checkpoint(root: str) -> bool:
 def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
     """Our flags' destinations for the architecture the Megatron-LM run recorded (the same flag names
     and meanings; --use-checkpoint-args sets them). What this model cannot compute is one line."""
-    if args.position_embedding_type not in ("rope",):
+    if args.position_embedding_type not in ("rope", "learned_absolute"):
         raise InputError(f"the checkpoint's --position-embedding-type {args.position_embedding_type} is not one "
-                         "this model has (rope); it cannot be loaded here")
+                         "this model has (rope, learned_absolute); it cannot be loaded here")
     for flag in ("squared_relu", "rotary_interleaved"):
         if getattr(args, flag, False):
             raise InputError(f"the checkpoint was trained with --{flag.replace('_', '-')}, which this model does "
@@ -136,7 +136,8 @@ def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
             "disable_bias_linear": not args.add_bias_linear,
             "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)) and not args.add_bias_linear,
             "untie_embeddings_and_output_weights": bool(args.untie_embeddings_and_output_weights),
-            "position_embedding_type": "rope", "rotary_base": int(getattr(args, "rotary_base", 10000)),
+            "position_embedding_type": args.position_embedding_type,
+            "rotary_base": int(getattr(args, "rotary_base", 10000)),
             "rotary_percent": float(getattr(args, "rotary_percent", 1.0)),
             "use_rope_scaling": bool(getattr(args, "use_rope_scaling", False)),
             "rope_scaling_factor": float(getattr(args, "rope_scaling_factor", 8.0)),
@@ -289,7 +290,9 @@ def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]
         qk_layernorm=bool(config["qk_layernorm"]), add_bias_linear=bool(config["add_bias_linear"]),
         add_qkv_bias=bool(config["add_bias_linear"] or config.get("add_qkv_bias")),
         untie_embeddings_and_output_weights=not config["share_embeddings_and_output_weights"],
-        position_embedding_type="rope", use_rotary_position_embeddings=True, add_position_embedding=False,
+        position_embedding_type=config.get("position_embedding_type", "rope"),
+        use_rotary_position_embeddings=config.get("position_embedding_type", "rope") == "rope",
+        add_position_embedding=config.get("position_embedding_type") == "learned_absolute",
         rotary_base=config["rotary_base"], rotary_percent=config.get("rotary_percent", 1.0), rotary_interleaved=False,
         use_rope_scaling=config.get("rope_scaling_type") == "llama3",
         rope_scaling_factor=config.get("rope_scaling_factor", 8.0),

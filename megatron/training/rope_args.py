@@ -90,6 +90,8 @@ def checkpoint_rope_flags(args: argparse.Namespace, saved: dict) -> None:
     kind = saved.get("rope_scaling_type", "none")
     args.use_rope_scaling = kind == "llama3"
     args.position_embedding_type = "yarn" if kind == "yarn" else "rope"
+    if saved.get("position_embedding_type") == "learned_absolute":  # a learned table: no RoPE to scale
+        args.position_embedding_type = "learned_absolute"
     for dest in _LLAMA3:
         if kind == "llama3" and dest in saved:
             setattr(args, dest, saved[dest])

@@ -35,13 +35,14 @@ ZERO2, FSDP2 = (["--data-parallel-sharding-strategy", strategy] for strategy in 
 
 SHIFT = ("--model-running-mode", "difflm-shift")
 CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
-         ("megatron", "dlm", VARILEN), ("llama", "dlm", BLOCK), ("megatron", "dlm", WINDOW), ("llama", "dlm", SHIFT)]
+         ("megatron", "dlm", VARILEN), ("llama", "dlm", BLOCK), ("megatron", "dlm", WINDOW), ("llama", "dlm", SHIFT),
+         ("gpt3", "dlm", ()), ("gpt3", "ar", ())]
 # layout: (world size, parallel flags, the cases it trains, gradients compared by name)
 LAYOUTS = {
-    "cp2": (2, CP2, [CASES[0], CASES[1], CASES[5], CASES[6], CASES[7]], False),
+    "cp2": (2, CP2, [CASES[0], CASES[1], CASES[5], CASES[6], CASES[7], CASES[8], CASES[9]], False),
     "cp4": (4, CP4, [CASES[0], CASES[3], CASES[5]], False),
     "cp2_tp2_sp": (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                   [CASES[0], CASES[1], CASES[4]], False),
+                   [CASES[0], CASES[1], CASES[4], CASES[8]], False),
     "cp2_dp2_zero1": (4, CP2 + ["--use-distributed-optimizer"], [CASES[2], CASES[1]], False),
     "cp2_pp2": (4, CP2 + ["--pipeline-model-parallel-size", "2"], [CASES[0], CASES[3]], False),
     "cp2_dp2_fsdp2": (4, CP2 + FSDP2, [CASES[7], CASES[3]], True),
@@ -60,8 +61,10 @@ LAYOUTS = {
 
 def argv_of(config: str, mode: str, extra: tuple) -> list:
     """The case's command line; "megatron" here is Megatron's default configuration (biases, LayerNorm,
-    GeLU, tied embeddings) with grouped-query attention (2 kv heads for 4 query heads)."""
-    return FOUR_LAYERS + BATCH + (GQA if config == "megatron" else CONFIGS[config]) + MODES[mode] + list(extra)
+    GeLU, tied embeddings) with grouped-query attention (2 kv heads for 4 query heads), "gpt3" the same
+    with the learned position table."""
+    gqa = GQA if config in ("megatron", "gpt3") else []
+    return FOUR_LAYERS + BATCH + gqa + CONFIGS[config] + MODES[mode] + list(extra)
 
 
 SUITE = LayoutCases(LAYOUTS, argv_of)

@@ -2,8 +2,9 @@
 
 The matrix crosses each layout with model configurations that between them take every value
 of every axis (linear biases on and off, LayerNorm and RMSNorm, qk-layernorm, GeLU and
-SwiGLU, tied and untied embeddings, --add-qkv-bias), in DLM and AR modes. `megatron` is
-Megatron-LM's default configuration (no flags: biases on, LayerNorm, GeLU, tied); `llama`
+SwiGLU, tied and untied embeddings, --add-qkv-bias, RoPE and learned absolute positions), in DLM and AR
+modes. `megatron` is Megatron-LM's default configuration with RoPE (no flags: biases on, LayerNorm, GeLU,
+tied), `gpt3` the same with Megatron-LM's default learned position table; `llama`
 and `qwen2` are the styles most DLMs start from. Each layout trains all its configurations
 in one set of processes (spawning costs more than a tiny training), and every loss and
 step-1 gradient must match the single-process run to 1e-5.
@@ -28,6 +29,8 @@ CONFIGS = {
     "llama": GQA + UNTIED + ["--normalization", "RMSNorm", "--swiglu", "--qk-layernorm", "--disable-bias-linear"],
     "qwen2": GQA + UNTIED + ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--add-qkv-bias"],
     "layernorm_qk_swiglu": ["--qk-layernorm", "--swiglu", "--add-qkv-bias"],
+    # Megatron-LM's default GPT entirely: its learned absolute position table instead of RoPE
+    "gpt3": ["--position-embedding-type", "learned_absolute"],
 }
 MODES = {"dlm": ["--model-running-mode", "difflm-noshift", "--difflm-t-sampling", "antithetic"],
          "ar": ["--model-running-mode", "vanilla"]}
@@ -42,8 +45,9 @@ LAYOUTS = {
     "dp2_zero1": (2, ["--use-distributed-optimizer"], [("megatron", "dlm"), ("qwen2", "ar")]),
     "dp2_zero2": (2, ["--data-parallel-sharding-strategy", "optim_grads"], [("llama", "dlm"), ("megatron", "ar")]),
     "dp2_fsdp2": (2, ["--data-parallel-sharding-strategy", "optim_grads_params"],
-                  [("megatron", "ar"), ("layernorm_qk_swiglu", "dlm")]),
-    "tp2_sp_dp2": (4, TP2_SP, [("megatron", "dlm"), ("megatron", "ar"), ("llama", "dlm"), ("qwen2", "ar")]),
+                  [("megatron", "ar"), ("layernorm_qk_swiglu", "dlm"), ("gpt3", "dlm")]),
+    "tp2_sp_dp2": (4, TP2_SP, [("megatron", "dlm"), ("megatron", "ar"), ("llama", "dlm"), ("qwen2", "ar"),
+                               ("gpt3", "ar")]),
     "tp4_two_kv_heads": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
                          [("llama", "ar"), ("qwen2", "dlm")]),
 }
@@ -70,6 +74,7 @@ def test_every_axis_value_appears_under_tp_sp_and_under_dp():
                 "qk": {"--qk-layernorm" in CONFIGS[c] for c, _ in pairs},
                 "mlp": {"--swiglu" in CONFIGS[c] for c, _ in pairs},
                 "tied": {"--untie-embeddings-and-output-weights" in CONFIGS[c] for c, _ in pairs},
+                "positions": {"learned_absolute" in CONFIGS[c] for c, _ in pairs},
                 "qkv_bias": "--add-qkv-bias" in flags, "modes": {m for _, m in pairs}}
 
     for layout in ("tp2_sp", "dp2"):

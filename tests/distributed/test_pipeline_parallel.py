@@ -32,15 +32,16 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 SHIFT = ("--model-running-mode", "difflm-shift")  # replaces the dlm mode's noshift (the later flag wins)
 CASES = [("megatron", "dlm", ()), ("megatron", "ar", ()), ("llama", "dlm", ()), ("llama", "ar", ()),
-         ("megatron", "dlm", VARILEN), ("llama", "dlm", VARILEN), ("megatron", "dlm", SHIFT)]
+         ("megatron", "dlm", VARILEN), ("llama", "dlm", VARILEN), ("megatron", "dlm", SHIFT), ("gpt3", "dlm", ()),
+         ("gpt3", "ar", ())]
 # layout: (world size, parallel flags, the cases it trains, gradients compared by name)
 LAYOUTS = {
-    "pp2": (2, PP2, CASES[:5], False),
+    "pp2": (2, PP2, CASES[:5] + CASES[7:9], False),
     "pp4": (4, PP4, [CASES[0], CASES[3]], False),
     "pp2_interleaved": (2, PP2 + ["--num-virtual-stages-per-pipeline-rank", "2"],
                         [CASES[0], CASES[3], CASES[5]], False),
     "pp2_uneven": (2, PP2 + ["--decoder-first-pipeline-num-layers", "1"], [CASES[1], CASES[2]], False),
-    "pp2_tp2_sp": (4, PP2 + TP2_SP, [CASES[0], CASES[1], CASES[2], CASES[4]], False),
+    "pp2_tp2_sp": (4, PP2 + TP2_SP, [CASES[0], CASES[1], CASES[2], CASES[4], CASES[8]], False),
     "pp2_dp2_zero1": (4, PP2 + ["--use-distributed-optimizer"], [CASES[0], CASES[3]], False),
     "pp2_dp2": (4, PP2, [CASES[6], CASES[1]], False),
     "pp2_dp2_fsdp2": (4, PP2 + ["--data-parallel-sharding-strategy", "optim_grads_params"],

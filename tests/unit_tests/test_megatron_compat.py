@@ -292,13 +292,6 @@ def test_deterministic_mode_turns_on_deterministic_algorithms():
         torch.use_deterministic_algorithms(False)
 
 
-def test_pretrain_gpt_defaults_to_autoregressive_and_keeps_an_explicit_mode():
-    assert pretrain_gpt.with_ar_default(["--num-layers", "2"]) == ["--model-running-mode", "vanilla",
-                                                                   "--num-layers", "2"]
-    explicit = ["--model-running-mode=difflm-noshift", "--num-layers", "2"]
-    assert pretrain_gpt.with_ar_default(explicit) == explicit
-
-
 def documented_flags() -> set:
     return {m.group(1) for line in DOC.read_text().splitlines() if (m := re.match(r"\| `(--[a-z0-9_-]+)`", line))}
 
@@ -442,12 +435,12 @@ def test_exit_signal_chooses_the_signal_the_handler_waits_for():
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_pretrain_gpt_says_positions_are_rope_when_a_megatron_script_leaves_them_out(capsys, monkeypatch):
+def test_pretrain_gpt_takes_megatron_lms_gpt_defaults_for_what_a_script_leaves_out(monkeypatch):
     monkeypatch.setattr(pretrain_difflm, "main", lambda argv: argv)
-    assert pretrain_gpt.main(["--num-layers", "2"])[:2] == ["--model-running-mode", "vanilla"]
-    assert notes(capsys) == [f"note: {pretrain_gpt.POSITION_NOTE}"]
-    pretrain_gpt.main(["--position-embedding-type", "rope"])
-    assert notes(capsys) == []
+    assert pretrain_gpt.main(["--num-layers", "2"]) == ["--model-running-mode", "vanilla", "--position-embedding-type",
+                                                        "learned_absolute", "--num-layers", "2"]
+    given = ["--position-embedding-type", "rope", "--model-running-mode=difflm-noshift"]
+    assert pretrain_gpt.main(given) == given
 
 
 def _profiling(args):

@@ -48,10 +48,10 @@ def save_ours(model: GPTModel, folder: Path) -> None:
     checkpoint_io.write_checkpoint(str(folder), tensors, metadata)
 
 
-@pytest.mark.parametrize("case", ["dense", "dense_gpt", "moe"])
+@pytest.mark.parametrize("case", ["dense", "dense_gpt", "dense_gpt_learned", "moe"])
 def test_the_export_of_megatron_cores_weights_is_megatron_cores_checkpoint(runtime, case, tmp_path):
-    """The Llama style, Megatron's GPT defaults and a mixture of experts (its router, SequentialMLP's experts):
-    a wrong key, row order, stacking or missing object fails."""
+    """The Llama style, Megatron's GPT defaults (with RoPE, and with its learned position table) and a mixture of
+    experts (its router, SequentialMLP's experts): a wrong key, row order, stacking or missing object fails."""
     save_ours(load(case), tmp_path / "ours")
     assert to_megatron.main(["--load", str(tmp_path / "ours"), "--save", str(tmp_path / "megatron")]) == 0
     theirs = stored(str(ASSETS / case / "iter_0000001"))

@@ -113,6 +113,8 @@ def layer_names(config: TransformerConfig, index: int) -> List[str]:
 
 def global_names(config: TransformerConfig) -> List[str]:
     names = ["embedding.word_embeddings.weight"] + [f"decoder.final_layernorm.{p}" for p in _norm_params(config)]
+    if config.position_embedding_type == "learned_absolute":
+        names.append("embedding.position_embeddings.weight")
     if not config.share_embeddings_and_output_weights:
         names.append("output_layer.weight")
     return names

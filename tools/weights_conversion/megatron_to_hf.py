@@ -211,6 +211,10 @@ def convert(args: argparse.Namespace) -> dict:
     metadata = read_metadata(iter_dir)
     check_shard_files(iter_dir)
     config, dlm = configs_from_metadata(metadata)
+    if config.position_embedding_type != "rope":
+        raise InputError(f"--load {args.load}: the model has a {config.position_embedding_type} position table, "
+                         "which the Hugging Face architectures written here (Llama, Qwen and the DLM class) do not "
+                         "have; convert it to Megatron-LM's format instead (tools/weights_conversion/to_megatron.py)")
     identity = metadata.get("tokenizer") or {"type": "NullTokenizer"}
     source = dict(iter_dir=iter_dir, iteration=iteration, metadata=metadata, config=config, dlm=dlm,
                   identity=identity, kind=hf_config.choose_export(config, dlm, args.hf_architecture),

@@ -25,6 +25,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # --attention-backend flash); flex: FlexAttention; math: explicit fp32 scores (the reference).
 ATTENTION_BACKENDS = ("auto", "sdpa", "sdpa_flash", "flex", "math")
 QK_LAYERNORM_SCOPES = ("head", "all")
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 ROPE_SCALING_TYPES = SCALING_TYPES
 
 RUNNING_MODES = ("difflm-noshift", "difflm-shift", "vanilla")
@@ -103,6 +104,9 @@ class TransformerConfig:
     activation: str = "silu"
     """MLP activation: silu, gelu or relu."""
 
+    position_embedding_type: str = "rope"
+    """rope (rotary, applied to q and k; its scaling: rope_scaling_type) or learned_absolute (a learned
+    [max_position_embeddings, hidden] table added to the word embeddings: Megatron-LM's GPT default)."""
     rotary_base: float = 10000.0
     """RoPE base (theta)."""
     rotary_percent: float = 1.0
@@ -236,6 +240,10 @@ class TransformerConfig:
         if self.bf16 and self.fp16:
             raise ValueError(f"{owner}: bf16 and fp16 are both set; choose one")
         self._validate_recompute()
+        _check_choice(owner, "position_embedding_type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
+        if self.position_embedding_type == "learned_absolute" and self.rope_scaling_type != "none":
+            raise ValueError(f"{owner}.rope_scaling_type={self.rope_scaling_type!r} scales RoPE, which a "
+                             "learned_absolute model does not use; set it to 'none'")
         self._validate_rope_scaling()
         if self.sliding_window is not None:
             _check_positive(owner, "sliding_window", self.sliding_window)

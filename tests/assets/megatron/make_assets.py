@@ -45,6 +45,11 @@ CASES = {
     "dense_gpt": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
                       normalization="LayerNorm", swiglu=False, qk_layernorm=False, add_bias_linear=True,
                       untie_embeddings_and_output_weights=False, position_embedding_type="rope"),
+    # Megatron's GPT defaults entirely: the same with its learned absolute position table
+    "dense_gpt_learned": dict(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                              num_query_groups=4, normalization="LayerNorm", swiglu=False, qk_layernorm=False,
+                              add_bias_linear=True, untie_embeddings_and_output_weights=False,
+                              position_embedding_type="learned_absolute"),
     # the first with a mixture of experts in every layer: 4 experts of width 16, top-2 (SequentialMLP, the local
     # spec's experts; dropless, the allgather dispatcher), Megatron's default softmax router after the top-k
     "moe": dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,

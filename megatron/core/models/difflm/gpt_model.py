@@ -69,10 +69,10 @@ class GPTModel(SamplingMethods, MegatronModule):
                                     else self.dlm_config.effective_mask_type)
         self.tied_output = config.share_embeddings_and_output_weights
         if pre_process or (post_process and self.tied_output):
-            self.embedding = LanguageModelEmbedding(config, self.tp_group, self.rng_tracker)
+            self.embedding = LanguageModelEmbedding(config, self.tp_group, self.rng_tracker, with_positions=pre_process)
             if self.tied_output and not (pre_process and post_process):
                 self.embedding.tag_tied_across_stages(first_stage=pre_process)
-        self.rotary_pos_emb = RotaryEmbedding(config)
+        self.rotary_pos_emb = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.decoder = DiffLMTransformerBlock(config, self.dlm_config, layer_range, post_layer_norm=post_process,
                                               pg=pg)
         if post_process and not self.tied_output:
@@ -233,9 +233,9 @@ class GPTModel(SamplingMethods, MegatronModule):
         if position_ids is None:
             position_ids = (positions_from_documents(document_ids) if document_ids is not None
                             else torch.arange(seq, device=device).expand(batch, seq))
-        rotary = self.rotary_pos_emb(position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         with self._autocast(device):
-            hidden = self.embedding(input_ids, tied) if self.pre_process else hidden
+            hidden = self.embedding(input_ids, tied, position_ids) if self.pre_process else hidden
             return self.decoder(hidden, mask, rotary)
 
     # ------------------------------------------------------------------ generation
@@ -269,9 +269,9 @@ class GPTModel(SamplingMethods, MegatronModule):
         key_len = kv_cache.max_length if kv_cache is not None else input_ids.shape[1]
         mask = AttentionMask("explicit", allowed=attention_mask)
         mask.validate(input_ids.shape[1], input_ids.shape[0], key_len)
-        rotary = self.rotary_pos_emb(position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         with self._autocast(input_ids.device):
-            hidden = self.embedding(input_ids)
+            hidden = self.embedding(input_ids, position_ids=position_ids)
             hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
             if select is not None:  # [n, h]: the selected positions, row-major as logits[select]
                 return self.head.full_vocabulary(self.head.local_logits(hidden.transpose(0, 1)[select],
