@@ -1,7 +1,8 @@
 """A Megatron-LM torch_dist or legacy torch checkpoint (made by megatron-core: tests/assets/megatron/) loaded with
 --finetune --use-checkpoint-args under TP=2 with sequence parallelism, DP=2 and PP=2 trains as one process
 does: losses and step-1 gradients to 1e-5, from the Llama-style checkpoint (GQA, SwiGLU, QK-norm) and from
-Megatron's GPT defaults (LayerNorm, biases, tied), continued as an AR model and adapted to a DLM with an
+Megatron's GPT defaults (LayerNorm, biases, tied; RoPE or its learned position table), continued as an AR model
+and adapted to a DLM with an
 appended mask token; and a mixture of experts under expert parallelism (EP=2). Each rank reads only its
 pieces (megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up
 rows, a stage's layers, an expert-parallel rank's experts) shows in the losses."""
@@ -24,7 +25,8 @@ BASE = ["--use-checkpoint-args", "--finetune", "--mock-data", "--vocab-size", "6
 MODES = {"ar": ["--model-running-mode", "vanilla"],
          "dlm": ["--model-running-mode", "difflm-noshift", "--add-mask-token", "--make-vocab-size-divisible-by", "64"]}
 # the last: Megatron-LM's legacy torch format, two tensor-parallel ranks' files joined (megatron_lm_legacy.py)
-CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ())]
+CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ()),
+         ("dense_gpt_learned", "dlm", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),

@@ -43,7 +43,7 @@ def load(case: str, extra=()) -> GPTModel:
     ("dense", "dense"), ("dense_gpt", "dense_gpt"), ("dense_tp2_pp1", "dense"), ("dense_tp1_pp2", "dense"),
     ("legacy_dense_tp1_pp1", "dense"), ("legacy_dense_tp2_pp1", "dense"), ("legacy_dense_tp1_pp2", "dense"),
     ("legacy_dense_gpt_tp2_pp1", "dense_gpt"), ("moe", "moe"), ("moe_ep2", "moe"),
-    ("dense_gpt_learned", "dense_gpt_learned")])
+    ("dense_gpt_learned", "dense_gpt_learned"), ("legacy_dense_gpt_learned_tp2_pp1", "dense_gpt_learned")])
 def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, tied; with RoPE, and with its default learned absolute position table); the TP=2 and PP=2
