@@ -1,9 +1,8 @@
 """A Megatron-LM torch_dist or legacy torch checkpoint (made by megatron-core: tests/assets/megatron/) loaded with
 --finetune --use-checkpoint-args under TP=2 with sequence parallelism, DP=2 and PP=2 trains as one process
 does: losses and step-1 gradients to 1e-5, from the Llama-style checkpoint (GQA, SwiGLU, QK-norm) and from
-Megatron's GPT defaults (LayerNorm, biases, tied; RoPE or its learned position table), continued as an AR model
-and adapted to a DLM with an
-appended mask token; and a mixture of experts under expert parallelism (EP=2). Each rank reads only its
+Megatron's GPT defaults (LayerNorm, biases, tied; RoPE or its learned position table), continued as an AR
+model and adapted to a DLM with an appended mask token; and a mixture of experts under expert parallelism (EP=2). Each rank reads only its
 pieces (megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up
 rows, a stage's layers, an expert-parallel rank's experts) shows in the losses."""
 
