@@ -167,8 +167,10 @@ def _megatron_key(key: str, index) -> Tuple[str, Optional[int]]:
     layer, _, name = key[len("decoder.layers."):].partition(".")
     candidates = [theirs for theirs, ours in LAYER_KEYS.items() if ours == name] + [name]
     for candidate in candidates:
-        if f"decoder.layers.{candidate}" in index:
+        if f"decoder.layers.{candidate}" in index:  # the layers stacked (one layer spec for all)
             return f"decoder.layers.{candidate}", int(layer)
+        if f"decoder.layers.{layer}.{candidate}" in index:  # a spec per layer (dense and MoE ones): each its own
+            return f"decoder.layers.{layer}.{candidate}", None
     raise InputError(f"the checkpoint has no decoder.layers.{candidates[0]} (our {key}); is it a checkpoint of "
                      "this architecture?")
 
@@ -260,8 +262,9 @@ def _moe_args(moe: dict) -> Dict[str, object]:
              "moe_router_topk_scaling_factor": "router_topk_scaling_factor",
              "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
              "moe_router_enable_expert_bias": "router_enable_expert_bias"}
-    return {"num_experts": moe["num_experts"], "moe_layer_freq": 1, "moe_grouped_gemm": False,
-            **{flag: moe.get(field) for flag, field in names.items()}}
+    flags = moe.get("layer_flags") or [1]
+    return {"num_experts": moe["num_experts"], "moe_layer_freq": 1 if all(flags) else list(flags),
+            "moe_grouped_gemm": False, **{flag: moe.get(field) for flag, field in names.items()}}
 
 
 def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]) -> argparse.Namespace:
@@ -269,9 +272,7 @@ def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]
     in common.pt: what its --use-checkpoint-args and megatron_lm_architecture read. One layout (TP = PP = 1)."""
     activation = (config["activation"], config["gated_linear_unit"])
     moe = config.get("moe") or {}
-    refusals = {"MoE layers among dense ones": 0 in moe.get("layer_flags", [1]),
-                "shared experts": moe.get("shared_expert_intermediate_size"),
-                f"a {moe.get('router_type')} router": moe.get("router_type", "token_choice") != "token_choice",
+    refusals = {f"a {moe.get('router_type')} router": moe.get("router_type", "token_choice") != "token_choice",
                 f"the activation {activation}": activation not in EXPORT_ACTIVATIONS,
                 "--qk-layernorm-scope all": config.get("qk_layernorm_scope", "head") != "head",
                 f"RoPE scaling {config.get('rope_scaling_type')}": config.get("rope_scaling_type") not in

@@ -2,9 +2,10 @@
 --finetune --use-checkpoint-args under TP=2 with sequence parallelism, DP=2 and PP=2 trains as one process
 does: losses and step-1 gradients to 1e-5, from the Llama-style checkpoint (GQA, SwiGLU, QK-norm) and from
 Megatron's GPT defaults (LayerNorm, biases, tied; RoPE or its learned position table), continued as an AR
-model and adapted to a DLM with an appended mask token; and a mixture of experts under expert parallelism (EP=2). Each rank reads only its
-pieces (megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up
-rows, a stage's layers, an expert-parallel rank's experts) shows in the losses."""
+model and adapted to a DLM with an appended mask token; and mixtures of experts under expert parallelism
+(EP=2), in every layer or after a dense one with a shared expert. Each rank reads only its pieces
+(megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up rows, a
+stage's layers, an expert-parallel rank's experts) shows in the losses."""
 
 from pathlib import Path
 
@@ -30,7 +31,8 @@ SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequ
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),
                      # megatron-core's MoE checkpoint, its 4 experts split over 2 expert-parallel ranks
-                     "ep2": (2, ["--expert-model-parallel-size", "2"], [("moe", "dlm", ())], False)},
+                     "ep2": (2, ["--expert-model-parallel-size", "2"],
+                             [("moe", "dlm", ()), ("moe_mixed_shared", "ar", ())], False)},
                     lambda case, mode, extra: ["--load", str(ASSETS / case)] + BASE + MODES[mode])
 
 references = SUITE.references_fixture()

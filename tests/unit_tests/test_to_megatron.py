@@ -48,10 +48,12 @@ def save_ours(model: GPTModel, folder: Path) -> None:
     checkpoint_io.write_checkpoint(str(folder), tensors, metadata)
 
 
-@pytest.mark.parametrize("case", ["dense", "dense_gpt", "dense_gpt_learned", "moe"])
+@pytest.mark.parametrize("case", ["dense", "dense_gpt", "dense_gpt_learned", "moe", "moe_mixed_shared"])
 def test_the_export_of_megatron_cores_weights_is_megatron_cores_checkpoint(runtime, case, tmp_path):
-    """The Llama style, Megatron's GPT defaults (with RoPE, and with its learned position table) and a mixture of
-    experts (its router, SequentialMLP's experts): a wrong key, row order, stacking or missing object fails."""
+    """The Llama style, Megatron's GPT defaults (with RoPE, and with its learned position table), a mixture of
+    experts (its router, SequentialMLP's experts) and MoE layers among dense ones with a shared expert (each
+    layer under its own keys, as megatron-core writes layers that differ): a wrong key, row order, stacking or
+    missing object fails."""
     save_ours(load(case), tmp_path / "ours")
     assert to_megatron.main(["--load", str(tmp_path / "ours"), "--save", str(tmp_path / "megatron")]) == 0
     theirs = stored(str(ASSETS / case / "iter_0000001"))
@@ -106,8 +108,7 @@ def test_an_existing_save_folder_or_an_unwritable_architecture_is_one_line(runti
     assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == ["notes.txt"]
     assert not list(tmp_path.glob("taken.tmp-*"))
     config = dict(checkpoint_io.read_metadata(str(tmp_path / "ours" / "iter_0000001"))["transformer_config"])
-    for change, named in [({"moe": {"num_experts": 4, "layer_flags": [0, 1]}}, "MoE layers among dense"),
-                          ({"moe": {"num_experts": 4, "shared_expert_intermediate_size": 8}}, "shared experts"),
+    for change, named in [({"moe": {"num_experts": 4, "router_type": "expert_choice"}}, "expert_choice router"),
                           ({"qk_layernorm_scope": "all"}, "scope all"),
                           ({"activation": "relu"}, "activation")]:
         with pytest.raises(InputError, match=named):

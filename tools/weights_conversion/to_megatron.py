@@ -9,8 +9,9 @@ local layer spec saved by one process: `latest_checkpointed_iteration.txt`, `ite
 stacked along a leading dimension and the QKV and fc1 row orders are megatron-core's (the ones
 `--load MEGATRON_DIR --finetune --use-checkpoint-args` reads back here, megatron_lm_checkpoint.py); the
 `_extra_state` entries megatron-core's linear layers expect are written as its local spec writes them;
-routed experts as its SequentialMLP saves them (`mlp.experts.experts.*`, [layers, experts, ...]). Not
-written: MoE layers among dense ones, shared experts (refused in one line).
+routed experts as its SequentialMLP saves them (`mlp.experts.experts.*`, [layers, experts, ...]), shared
+experts as `mlp.shared_experts.*`. MoE layers among dense ones are written as megatron-core writes layers
+that differ: each under its own keys (`decoder.layers.<i>.…`, not stacked; `--moe-layer-freq` as its list).
 Megatron-LM continues from it with `pretrain_gpt.py --load MEGATRON_DIR --finetune --use-checkpoint-args`
 (its own layout flags; megatron-core reshards on load). The weights keep the dtype they were saved in; a
 DLM checkpoint's mask token is a vocabulary row like any other, and its running mode and mask id ride in
@@ -51,6 +52,7 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 # layer, and per layer and expert for the routed experts (SequentialMLP's)
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+SHARED_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -86,26 +88,48 @@ def megatron_state(iter_dir: str, config) -> Dict[str, object]:
         key, _, tensor = megatron_lm_tensor(name, tensor)
         state[key] = tensor
     layers: Dict[str, List[torch.Tensor]] = {}
+    own_keys = per_layer_keys(config)
     for index in range(config.num_layers):
         prefix = f"decoder.layers.{index}."
         names = [prefix + name for name in mapping.layer_names(config, index)]
         for name, tensor in checkpoint_io.read_tensors(iter_dir, names, shapes).items():
             key, _, tensor = megatron_lm_tensor(name, tensor)
-            layers.setdefault(key, []).append(tensor)
-        state.update(_extra_states(config, index))
+            if own_keys:
+                state[prefix + key[len("decoder.layers."):]] = tensor
+            else:
+                layers.setdefault(key, []).append(tensor)
+        state.update(_extra_states(config, index, own_keys))
     state.update({key: torch.stack(tensors) for key, tensors in layers.items()})
     return state
 
 
-def _extra_states(config, index: int) -> Dict[str, io.BytesIO]:
-    """Layer `index`'s `_extra_state` objects under megatron-core's keys (`/shard_<offset>_<global shape>`)."""
-    layers, experts = config.num_layers, config.moe.num_experts if config.moe else 0
-    linears = LINEARS[:2] if experts else LINEARS
-    state = {f"decoder.layers.{linear}._extra_state/shard_{index}_{layers}": _serialized(None) for linear in linears}
-    for linear in EXPERT_LINEARS if experts else ():
-        for expert in range(experts):
-            state[f"decoder.layers.{linear}._extra_state/shard_{index}.{expert}_{layers}.{experts}"] = _serialized(None)
-    return state
+def per_layer_keys(config) -> bool:
+    """Whether megatron-core keys each layer's tensors apart (`decoder.layers.<i>.…`) instead of stacking them:
+    when its layers differ (MoE layers among dense ones: a spec per layer, non-homogeneous)."""
+    return config.moe is not None and 0 in (config.moe.layer_flags or [1])
+
+
+def _extra_states(config, index: int, own_keys: bool) -> Dict[str, io.BytesIO]:
+    """Layer `index`'s `_extra_state` objects under megatron-core's keys, `/shard_<offset>_<global shape>`: the
+    layer's place among the stacked layers (alone under its own keys: 0 of 1), then the expert's among the
+    routed experts."""
+    moe = config.moe is not None and config.moe.is_moe_layer(index)
+    linears = LINEARS
+    if moe:
+        linears = LINEARS[:2] + (SHARED_LINEARS if config.moe.shared_expert_intermediate_size else ())
+    layer_at, layer_of = ([], []) if own_keys else ([index], [config.num_layers])
+    entries = [(linear, layer_at, layer_of) for linear in linears]
+    if moe:
+        experts = config.moe.num_experts
+        entries += [(linear, layer_at + [expert], layer_of + [experts]) for linear in EXPERT_LINEARS
+                    for expert in range(experts)]
+    base = f"decoder.layers.{index}." if own_keys else "decoder.layers."
+    return {f"{base}{linear}._extra_state/shard_{_dotted(at or [0])}_{_dotted(of or [1])}": _serialized(None)
+            for linear, at, of in entries}
+
+
+def _dotted(values: List[int]) -> str:
+    return ".".join(str(value) for value in values)
 
 
 def check_save(save: str) -> None:

@@ -56,10 +56,18 @@ CASES = {
                 normalization="RMSNorm", swiglu=True, qk_layernorm=True, add_bias_linear=False,
                 untie_embeddings_and_output_weights=True, position_embedding_type="rope", num_experts=4,
                 moe_ffn_hidden_size=16, moe_router_topk=2),
+    # a dense first layer, then MoE (Megatron's --moe-layer-freq [0,1]) with a shared expert of width 24 beside
+    # the routed ones (ungated, megatron-core's SharedExpertMLP)
+    "moe_mixed_shared": dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                             num_query_groups=2, normalization="RMSNorm", swiglu=True, qk_layernorm=True,
+                             add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                             position_embedding_type="rope", num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                             moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=24),
 }
 MOE_ARGS = {"moe_router_pre_softmax": False, "moe_router_score_function": "softmax",  # Megatron-LM's defaults
             "moe_router_topk_scaling_factor": None, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
             "moe_router_enable_expert_bias": False, "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather"}
+MOE_EXTRAS = ("moe_layer_freq", "moe_shared_expert_intermediate_size")  # a case's own, beside MOE_ARGS
 VOCAB, SEQ, ITERATION = 64, 32, 1
 
 
@@ -71,7 +79,8 @@ def megatron_lm_args(case: dict, tp: int, pp: int, ep: int = 1) -> argparse.Name
 
     moe = {} if "num_experts" not in case else {**MOE_ARGS, "moe_ffn_hidden_size": case["moe_ffn_hidden_size"],
                                                 "moe_router_topk": case["moe_router_topk"],
-                                                "expert_model_parallel_size": ep}
+                                                "expert_model_parallel_size": ep,
+                                                **{key: case[key] for key in MOE_EXTRAS if key in case}}
     return argparse.Namespace(**moe, model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"],
@@ -104,7 +113,7 @@ def build(case: dict, tp: int, pp: int):
             x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
         moe = dict(num_moe_experts=case["num_experts"], moe_ffn_hidden_size=case["moe_ffn_hidden_size"],
                    moe_router_topk=case["moe_router_topk"], moe_token_dispatcher_type="allgather",
-                   moe_aux_loss_coeff=0.0)
+                   moe_aux_loss_coeff=0.0, **{key: case[key] for key in MOE_EXTRAS if key in case})
     config = TransformerConfig(**moe,
         num_layers=case["num_layers"], hidden_size=case["hidden_size"], ffn_hidden_size=case["ffn_hidden_size"],
         num_attention_heads=case["num_attention_heads"], num_query_groups=case["num_query_groups"],
@@ -118,6 +127,10 @@ def build(case: dict, tp: int, pp: int):
         pipeline_dtype=torch.float32 if pp > 1 else None)
     spec = get_gpt_layer_local_spec(num_experts=case.get("num_experts"), moe_grouped_gemm=False,
                                     qk_layernorm=case["qk_layernorm"], normalization=case["normalization"])
+    if "moe_layer_freq" in case:  # a spec per layer: dense and MoE ones
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=case["normalization"])
     from megatron.core import parallel_state
 
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
