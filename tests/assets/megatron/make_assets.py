@@ -13,6 +13,8 @@ outside this repository:
     # with --expert-model-parallel-size 2)
     # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt) of the same weights, any layout:
     # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2]
+    # each layer under its own keys (megatron-core's non_homogeneous_layers, as newer Megatron-LM runs save):
+    # --per-layer-keys, into <case>_per_layer
     # megatron-core loads a checkpoint tools/weights_conversion/to_megatron.py wrote (the case's architecture)
     # and writes the logits it computes to DIR/megatron_core_logits.pt:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
@@ -145,12 +147,13 @@ def build(case: dict, tp: int, pp: int):
     return model.eval()
 
 
-def save(model, args: argparse.Namespace, folder: str) -> None:
+def save(model, args: argparse.Namespace, folder: str, metadata=None) -> None:
     from megatron.core import dist_checkpointing
 
     iteration_dir = os.path.join(folder, f"iter_{ITERATION:07d}")
     os.makedirs(iteration_dir, exist_ok=True)
-    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    state = {"model": model.sharded_state_dict(metadata=metadata), "args": args, "checkpoint_version": 3.0,
+             "iteration": ITERATION}
     dist_checkpointing.save(state, iteration_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as handle:
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--check-export", help="a to_megatron.py checkpoint to load and compute logits of")
+    parser.add_argument("--per-layer-keys", action="store_true",
+                        help="save with megatron-core's non_homogeneous_layers metadata: each layer under its own "
+                             "keys (as newer Megatron-LM runs save), into <case>_per_layer")
     parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                         help="torch: Megatron-LM's legacy per-rank files (from the case's torch_dist save)")
     options = parser.parse_args()
@@ -228,8 +234,8 @@ def main() -> None:
     model = build(case, tp, pp)
     if options.check_export:
         return check_export(model, options.check_export)
-    if tp * pp * ep > 1 or options.ckpt_format == "torch":  # the one-process save's weights, for this layout
-        from megatron.core import dist_checkpointing
+    if tp * pp * ep > 1 or options.ckpt_format == "torch" or options.per_layer_keys:
+        from megatron.core import dist_checkpointing  # the one-process save's weights, for this layout
 
         source = os.path.join(options.out, options.case, f"iter_{ITERATION:07d}")
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, source)["model"])
@@ -240,9 +246,12 @@ def main() -> None:
         args = megatron_lm_args(case, tp, pp)
         args.ckpt_format = "torch"
         save_legacy(model, args, folder)
+    elif options.per_layer_keys:
+        folder += "_per_layer"
+        save(model, megatron_lm_args(case, tp, pp, ep), folder, metadata={"non_homogeneous_layers": True})
     else:
         save(model, megatron_lm_args(case, tp, pp, ep), folder)
-    if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist":  # the whole model in one process
+    if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist" and not options.per_layer_keys:
         torch.save(reference_logits(model), os.path.join(folder, "logits.pt"))
     if dist.get_rank() == 0:
         from importlib.metadata import version
