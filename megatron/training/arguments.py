@@ -155,8 +155,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, help="Training sequence length.")
     g.add_argument("--max-position-embeddings", type=int, help="Longest position (default --seq-length).")
     g.add_argument("--position-embedding-type", default="rope", choices=["rope", "yarn", "learned_absolute"],
-                   help="Position encoding: RoPE, RoPE with YaRN context extension, or a learned absolute "
-                        "table (Megatron-LM's default; pretrain_gpt.py's default too).")
+                   help="RoPE, RoPE with YaRN context extension, or a learned table (pretrain_gpt.py's default).")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE theta.")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="Fraction of head dims that rotate.")
     add_rope_args(g)
@@ -564,7 +563,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         qk_layernorm_scope=args.qk_layernorm_scope,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
-        position_embedding_type="learned_absolute" if args.position_embedding_type == "learned_absolute" else "rope",
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent, **rope_config_fields(args),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         init_method_std=args.init_method_std,

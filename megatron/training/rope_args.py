@@ -76,9 +76,12 @@ def validate_rope_args(args: argparse.Namespace) -> None:
 
 
 def rope_config_fields(args: argparse.Namespace) -> dict:
-    """The TransformerConfig RoPE-scaling fields of the flags (unset YaRN flags: Megatron's defaults)."""
+    """The TransformerConfig position fields of the flags: the type (yarn is RoPE, scaled) and the RoPE-scaling
+    fields (unset YaRN flags: Megatron's defaults)."""
     kind = "yarn" if args.position_embedding_type == "yarn" else "llama3" if args.use_rope_scaling else "none"
-    fields = {"rope_scaling_type": kind, **{dest: getattr(args, dest) for dest in _LLAMA3}}
+    learned = args.position_embedding_type == "learned_absolute"
+    fields = {"position_embedding_type": "learned_absolute" if learned else "rope", "rope_scaling_type": kind,
+              **{dest: getattr(args, dest) for dest in _LLAMA3}}
     for dest, field in _YARN.items():
         value = getattr(args, dest)
         fields[field] = SCALING_DEFAULTS[field] if value is None else value
