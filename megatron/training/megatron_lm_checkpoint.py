@@ -216,19 +216,42 @@ def megatron_lm_pieces(model: torch.nn.Module, index, num_layers: int) -> Dict[s
     (a layer's piece the slice [layer] of the stacked tensor; row_blocks), so each rank reads only what
     it holds."""
     pieces = {}
-    for name, piece in model_sharded_state_dict(model, prefix="").items():
-        key, layer = _megatron_key(piece.key, index)
-        shape = tuple(index[key].size)
-        ours = tuple(piece.global_shape)
-        if layer is None and (shape == ours or (piece.padded_rows and shape[1:] == ours[1:])):
-            pieces[name] = dataclasses.replace(piece, key=key)  # (the vocabulary's rows both have: serialization)
-            continue
-        stacked = shape[1:] if layer is not None else shape
-        for number, (data, offset) in enumerate(row_blocks(piece, stacked)):
-            if layer is not None:
-                data, offset = data.unsqueeze(0), (layer, *offset)
-            pieces[f"{name}#{number}"] = ShardedTensor(key, data, shape, offset, piece.replica_id, piece.padded_rows)
+    for whole_name, whole in model_sharded_state_dict(model, prefix="").items():
+        for name, piece in _singleton_parts(whole_name, whole, index):
+            key, layer = (piece.key, None) if piece.key in index else _megatron_key(piece.key, index)
+            shape = tuple(index[key].size)
+            ours = tuple(piece.global_shape)
+            if layer is None and (shape == ours or (piece.padded_rows and shape[1:] == ours[1:])):
+                pieces[name] = dataclasses.replace(piece, key=key)  # (the vocabulary's rows both have: serialization)
+                continue
+            stacked = shape[1:] if layer is not None else shape
+            for number, (data, offset) in enumerate(row_blocks(piece, stacked)):
+                if layer is not None:
+                    data, offset = data.unsqueeze(0), (layer, *offset)
+                pieces[f"{name}#{number}"] = ShardedTensor(key, data, shape, offset, piece.replica_id,
+                                                           piece.padded_rows)
     return pieces
+
+
+def _singleton_parts(name: str, piece: ShardedTensor, index) -> List[Tuple[str, ShardedTensor]]:
+    """[(name, piece)], or under megatron-core's singleton_local_shards layout the piece's parts with their own
+    keys: each routed expert (`mlp.experts.experts.<e>.…`) and a gated fc1's gate and up rows (`weight_w`,
+    `weight_v`)."""
+    prefix, found, rest = piece.key.partition(".mlp.experts.")
+    if found and any(f"{prefix}.mlp.experts.experts.0.{rest}{half}" in index for half in ("", "_w")):
+        parts = []
+        for local in range(piece.data.shape[0]):
+            expert = piece.global_offset[0] + local
+            part = ShardedTensor(f"{prefix}.mlp.experts.experts.{expert}.{rest}", piece.data[local],
+                                 tuple(piece.global_shape[1:]), tuple(piece.global_offset[1:]), piece.replica_id)
+            parts += _singleton_parts(f"{name}#expert{expert}", part, index)
+        return parts
+    if piece.key.endswith("linear_fc1.weight") and f"{piece.key}_w" in index and piece.global_shape[0] == 2:
+        return [(f"{name}#{'wv'[piece.global_offset[0] + local]}",
+                 ShardedTensor(f"{piece.key}_{'wv'[piece.global_offset[0] + local]}", piece.data[local],
+                               tuple(piece.global_shape[1:]), tuple(piece.global_offset[1:]), piece.replica_id))
+                for local in range(piece.data.shape[0])]
+    return [(name, piece)]
 
 
 # Our layer tensors -> the keys megatron-core writes for them (Transformer Engine's fused-norm names,

@@ -3,7 +3,8 @@
 does: losses and step-1 gradients to 1e-5, from the Llama-style checkpoint (GQA, SwiGLU, QK-norm) and from
 Megatron's GPT defaults (LayerNorm, biases, tied; RoPE or its learned position table), continued as an AR
 model and adapted to a DLM with an appended mask token; and mixtures of experts under expert parallelism
-(EP=2), in every layer or after a dense one with a shared expert. Each rank reads only its pieces
+(EP=2), in every layer or after a dense one with a shared expert; and checkpoints saved with megatron-core's
+singleton_local_shards metadata (experts and SwiGLU halves under their own keys). Each rank reads only its pieces
 (megatron_lm_checkpoint.megatron_lm_pieces), so a wrong slice (a tensor-parallel fc1's gate and up rows, a
 stage's layers, an expert-parallel rank's experts) shows in the losses."""
 
@@ -26,13 +27,14 @@ MODES = {"ar": ["--model-running-mode", "vanilla"],
          "dlm": ["--model-running-mode", "difflm-noshift", "--add-mask-token", "--make-vocab-size-divisible-by", "64"]}
 # the last: Megatron-LM's legacy torch format, two tensor-parallel ranks' files joined (megatron_lm_legacy.py)
 CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ()),
-         ("dense_gpt_learned", "dlm", ())]
+         ("dense_gpt_learned", "dlm", ()), ("dense_singleton", "ar", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),
                      # megatron-core's MoE checkpoint, its 4 experts split over 2 expert-parallel ranks
                      "ep2": (2, ["--expert-model-parallel-size", "2"],
-                             [("moe", "dlm", ()), ("moe_mixed_shared", "ar", ())], False)},
+                             [("moe", "dlm", ()), ("moe_mixed_shared", "ar", ()), ("moe_singleton", "dlm", ())],
+                             False)},
                     lambda case, mode, extra: ["--load", str(ASSETS / case)] + BASE + MODES[mode])
 
 references = SUITE.references_fixture()

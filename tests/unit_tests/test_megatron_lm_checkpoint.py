@@ -44,7 +44,8 @@ def load(case: str, extra=()) -> GPTModel:
     ("legacy_dense_tp1_pp1", "dense"), ("legacy_dense_tp2_pp1", "dense"), ("legacy_dense_tp1_pp2", "dense"),
     ("legacy_dense_gpt_tp2_pp1", "dense_gpt"), ("moe", "moe"), ("moe_ep2", "moe"),
     ("dense_gpt_learned", "dense_gpt_learned"), ("legacy_dense_gpt_learned_tp2_pp1", "dense_gpt_learned"),
-    ("moe_mixed_shared", "moe_mixed_shared"), ("dense_per_layer", "dense")])
+    ("moe_mixed_shared", "moe_mixed_shared"), ("dense_per_layer", "dense"), ("dense_singleton", "dense"),
+    ("moe_singleton", "moe")])
 def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, tied; with RoPE, and with its default learned absolute position table); the TP=2 and PP=2
@@ -52,7 +53,8 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
     SwiGLU's gates and ups, row- and column-parallel pieces, biases);
     and a mixture of experts (4 experts, top-2, megatron-core's router and SequentialMLP experts), also after a
     dense layer and with a shared expert (megatron-core then keys each layer apart instead of stacking them, as it
-    does for any model saved with its non_homogeneous_layers metadata: the dense one so saved)."""
+    does for any model saved with its non_homogeneous_layers metadata: the dense one so saved); and both saved with
+    its singleton_local_shards metadata (each expert, and a SwiGLU fc1's gate and up rows, under their own keys)."""
     expected = torch.load(ASSETS / reference / "logits.pt")
     model = load(case)
     with torch.no_grad():

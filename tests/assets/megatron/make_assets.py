@@ -14,7 +14,8 @@ outside this repository:
     # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt) of the same weights, any layout:
     # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2]
     # each layer under its own keys (megatron-core's non_homogeneous_layers, as newer Megatron-LM runs save):
-    # --per-layer-keys, into <case>_per_layer
+    # --per-layer-keys, into <case>_per_layer; with its singleton_local_shards metadata (each expert and SwiGLU
+    # half its own key): --singleton-local-shards, into <case>_singleton
     # megatron-core loads a checkpoint tools/weights_conversion/to_megatron.py wrote (the case's architecture)
     # and writes the logits it computes to DIR/megatron_core_logits.pt:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
@@ -220,6 +221,8 @@ def main() -> None:
     parser.add_argument("--per-layer-keys", action="store_true",
                         help="save with megatron-core's non_homogeneous_layers metadata: each layer under its own "
                              "keys (as newer Megatron-LM runs save), into <case>_per_layer")
+    parser.add_argument("--singleton-local-shards", action="store_true",
+                        help="save with megatron-core's singleton_local_shards metadata, into <case>_singleton")
     parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                         help="torch: Megatron-LM's legacy per-rank files (from the case's torch_dist save)")
     options = parser.parse_args()
@@ -234,7 +237,7 @@ def main() -> None:
     model = build(case, tp, pp)
     if options.check_export:
         return check_export(model, options.check_export)
-    if tp * pp * ep > 1 or options.ckpt_format == "torch" or options.per_layer_keys:
+    if tp * pp * ep > 1 or options.ckpt_format == "torch" or options.per_layer_keys or options.singleton_local_shards:
         from megatron.core import dist_checkpointing  # the one-process save's weights, for this layout
 
         source = os.path.join(options.out, options.case, f"iter_{ITERATION:07d}")
@@ -246,12 +249,14 @@ def main() -> None:
         args = megatron_lm_args(case, tp, pp)
         args.ckpt_format = "torch"
         save_legacy(model, args, folder)
-    elif options.per_layer_keys:
-        folder += "_per_layer"
-        save(model, megatron_lm_args(case, tp, pp, ep), folder, metadata={"non_homogeneous_layers": True})
+    elif options.per_layer_keys or options.singleton_local_shards:
+        folder += "_per_layer" if options.per_layer_keys else "_singleton"
+        metadata = {"non_homogeneous_layers": True} if options.per_layer_keys else {"singleton_local_shards": True}
+        save(model, megatron_lm_args(case, tp, pp, ep), folder, metadata=metadata)
     else:
         save(model, megatron_lm_args(case, tp, pp, ep), folder)
-    if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist" and not options.per_layer_keys:
+    if dist.get_world_size() == 1 and options.ckpt_format == "torch_dist" and not (options.per_layer_keys
+                                                                                   or options.singleton_local_shards):
         torch.save(reference_logits(model), os.path.join(folder, "logits.pt"))
     if dist.get_rank() == 0:
         from importlib.metadata import version
