@@ -33,6 +33,11 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--rl-reward-workers", "1"]
 
 
+# MODEL is Megatron's default configuration (linear biases, LayerNorm, GeLU, tied); this the Llama style
+LLAMA_STYLE = ["--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+               "--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights"]
+
+
 def task_file(folder: Path) -> str:
     (folder / "letter.py").write_text(CHECKER)
     path = folder / "tasks.jsonl"
@@ -145,17 +150,20 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
 
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], [],
                                     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                    ["--data-parallel-sharding-strategy", "optim_grads_params"]],
-                         ids=["tp2", "dp2", "tp2_sp", "fsdp2"])
+                                    ["--data-parallel-sharding-strategy", "optim_grads_params"],
+                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + LLAMA_STYLE],
+                         ids=["tp2", "dp2", "tp2_sp", "fsdp2", "tp2_sp_llama"])
 def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layout):
     """TP=2, DP=2, TP=2 with sequence parallelism or DP=2 under FSDP2 (2 gloo processes): the same completions
     (rewards) and losses as one process, step by step (under DP each replica samples half the prompts: per-row
     sampling seeds make them the same draws; under SP the sampler runs the model with sequence parallelism
     off; under FSDP2 with the weights gathered once, so replicas may sample to different lengths)."""
-    argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
+    style = LLAMA_STYLE if layout[-len(LLAMA_STYLE):] == LLAMA_STYLE else []  # both runs: the same model
+    argv = MODEL + style + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3",
+                            "--rl-sampling-steps", "4"]
     alone = run(argv)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "posttrain_rl.py"), *argv, *layout]
+               str(ROOT / "posttrain_rl.py"), *argv, *layout[:len(layout) - len(style)]]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode == 0, result.stderr[-2000:]

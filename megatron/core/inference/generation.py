@@ -308,8 +308,8 @@ def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...
     softmax(logit / T); float64 because low-precision Gumbel noise measurably skews the
     samples (LLaDA, arXiv 2409.02908). T = 0 is the plain argmax.
     """
-    entropy = None if opts.entropy is None else torch.special.entr(logits.float().softmax(dim=-1)).sum(dim=-1)
-    logits = _filter_logits(logits.double(), opts.top_k, opts.top_p)
+    unfiltered = logits.double()
+    logits = _filter_logits(unfiltered, opts.top_k, opts.top_p)
     if opts.temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
@@ -317,7 +317,12 @@ def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...
         # Shifting by the row maximum keeps exp() finite and leaves the argmax unchanged.
         scores = (logits - logits.amax(dim=-1, keepdim=True)).exp() / (-torch.log(noise)) ** opts.temperature
         tokens = scores.argmax(dim=-1)
-    probability = logits.softmax(dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    probability = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if opts.entropy is not None:  # the model's own distribution: the same softmax unless filters cut it
+        whole = probs if logits is unfiltered else unfiltered.softmax(dim=-1)
+        entropy = torch.special.entr(whole).sum(dim=-1)
     return tokens, probability, entropy
 
 
