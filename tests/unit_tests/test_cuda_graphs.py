@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron.core.inference.cuda_graphs import CUDAGraphRunner
-from megatron.core.inference.generation import KVCache, generate
+from megatron.core.inference.generation import generate
+from megatron.core.inference.kv_cache import KVCache
 
 from tests.unit_tests.test_generation import MASK_ID, build, model_fn_of
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron.core.inference import generation
-from megatron.core.inference.generation import KVCache, generate
+from megatron.core.inference.generation import generate
+from megatron.core.inference.kv_cache import KVCache
 from megatron.core.models.difflm.gpt_model import GPTModel
 from megatron.core.transformer.attention_backends import core_attention
 from megatron.core.transformer.attention_mask import AttentionMask

@@ -10,8 +10,8 @@ Qwen2 or Qwen3 architecture become native LlamaForCausalLM / Qwen2ForCausalLM / 
 folders, mixture-of-experts ones Qwen3MoeForCausalLM / OlmoeForCausalLM (experts written per
 expert, `mlp.experts.{j}.*`, as save_pretrained does); everything else (every difflm-* mode,
 shared experts, expert biases, other routers) gets the remote-code DLMForCausalLM
-(configuration_dlm.py, modeling_dlm.py, and generation.py, generation_options.py, cuda_graphs.py, likelihood.py,
-rope_scaling.py), loaded with `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`.
+(configuration_dlm.py, modeling_dlm.py, and generation.py, generation_options.py, kv_cache.py, cuda_graphs.py,
+likelihood.py, rope_scaling.py), loaded with `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`.
 
 Safety of an existing HF_DIR: the export is built whole in a sibling `HF_DIR.tmp-<pid>/` and only
 then replaces HF_DIR in one atomic exchange of the two directories (Linux renameat2
@@ -54,8 +54,8 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_dlm")
 INFERENCE = os.path.join(REPO_ROOT, "megatron", "core", "inference")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-REMOTE_CODE = ("configuration_dlm.py", "modeling_dlm.py", "generation.py", "generation_options.py", "cuda_graphs.py",
-               "likelihood.py", "rope_scaling.py")
+REMOTE_CODE = ("configuration_dlm.py", "modeling_dlm.py", "generation.py", "generation_options.py", "kv_cache.py",
+               "cuda_graphs.py", "likelihood.py", "rope_scaling.py")
 # Torch-only library files the remote code imports, by where they live (the rest: hf_dlm/ or inference/).
 LIBRARY_CODE = {"rope_scaling.py": os.path.join(REPO_ROOT, "megatron", "core", "transformer")}
 # Every name an export may write: these are replaced, never carried over from an earlier export.

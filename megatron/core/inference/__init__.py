@@ -7,7 +7,8 @@ an exported model; `GPTModel.generate`, `GPTModel.log_likelihood` and `GPTModel.
 are the model side.
 """
 
-from megatron.core.inference.generation import GenerationOptions, KVCache, generate, resolve_options
+from megatron.core.inference.generation import GenerationOptions, generate, resolve_options
+from megatron.core.inference.kv_cache import KVCache
 from megatron.core.inference.likelihood import log_likelihood
 
 __all__ = ["GenerationOptions", "KVCache", "generate", "log_likelihood", "resolve_options"]

@@ -37,7 +37,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .generation import KVCache
+from .kv_cache import KVCache
 
 ModelFn = Callable[..., torch.Tensor]
 

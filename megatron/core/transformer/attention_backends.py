@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
-from megatron.core.inference.generation import compiler_disabled
+from megatron.core.inference.kv_cache import compiler_disabled
 from megatron.core.transformer.attention_mask import AttentionMask, block_diffusion_allowed
 
 AttentionFn = Callable[..., torch.Tensor]

@@ -39,7 +39,8 @@ from .configuration_dlm import DLMConfig
 from .cuda_graphs import runner_for
 from .likelihood import log_likelihood as _log_likelihood
 from .rope_scaling import SCALING_DEFAULTS, inverse_frequencies
-from .generation import KVCache, generate as _sampler_generate  # noqa: F401 (KVCache: for callers)
+from .generation import generate as _sampler_generate
+from .kv_cache import KVCache  # noqa: F401 (for callers)
 from .generation_options import autoregressive_decoding
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}

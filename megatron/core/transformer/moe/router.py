@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core.inference.generation import compiler_disabled
+from megatron.core.inference.kv_cache import compiler_disabled
 from megatron.core.tensor_parallel.layers import init_master_weight, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import all_gather_dim
 from megatron.core.tensor_parallel.utils import group_size
