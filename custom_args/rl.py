@@ -87,9 +87,9 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
         if value and value % inner:
             raise ValueError(f"{flag} {value} must be a multiple of --rl-inner-steps {inner}: checkpoints fall "
                              "between batches of rollouts")
-    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
-        raise ValueError("rollouts decode with the model's sampler, which needs whole sequences and layers on each "
-                         "rank: use tensor (and sequence) parallelism and data parallelism, not pipeline or context")
+    if args.context_parallel_size > 1:
+        raise ValueError("rollouts decode with the model's sampler, which needs whole sequences on each rank: use "
+                         "tensor (and sequence), pipeline and data parallelism, not --context-parallel-size")
     if args.sequence_parallel and args.num_experts:
         raise ValueError("--sequence-parallel with MoE layers: rollouts sample with sequence parallelism off, which "
                          "MoE layers under tensor parallelism cannot do; drop --sequence-parallel")

@@ -19,13 +19,14 @@ after: a run trains bit-identically with and without the evaluation.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from megatron.core.distributed.data_parallel import unwrap, whole_weights
+from megatron.core.inference.pipelined import sampling_chunks
 from megatron.core.errors import InputError
 from megatron.training.configs import LMEvalConfig
 from megatron.training.rng_state import capture_rng_state, restore_rng_state
@@ -76,7 +77,9 @@ def inference_ready(model: nn.Module):
     """The live model as its inference_forward needs it: under FSDP2 its weights gathered for the duration
     (data_parallel.whole_weights), sequence parallelism off (GPTModel.sequence_parallel_off: whole sequences,
     the same weights)."""
-    with whole_weights(model), unwrap(model).sequence_parallel_off():
+    with whole_weights(model), ExitStack() as chunks:
+        for chunk in sampling_chunks(model):  # a pipeline's model chunks each
+            chunks.enter_context(chunk.sequence_parallel_off())
         yield
 
 

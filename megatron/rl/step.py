@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.inference.pipelined import PipelineStages
+from megatron.core.pipeline_parallel.chunks import model_chunks
 from megatron.rl import spg
 from megatron.rl.estimators import ESTIMATORS, EstimatorBatch, check_policy, completion_logprobs, estimator_batch
 from megatron.rl.objectives import NORMALIZATIONS, policy_loss
@@ -131,11 +133,18 @@ def rl_forward_step(batch: RolloutBatch, model: torch.nn.Module, config: RLConfi
 
 
 @torch.no_grad()
-def reference_logprobs(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig) -> torch.Tensor:
-    """[B, T] the estimator's log-probs of `batch` under `model` (the frozen reference policy: a whole
-    model, eval mode), with the masks the update draws (each row's seed): RolloutBatch.ref_logp."""
+def reference_logprobs(batch: RolloutBatch, model: torch.nn.Module, config: RLConfig,
+                       stages: Optional[PipelineStages] = None) -> Optional[torch.Tensor]:
+    """[B, T] the estimator's log-probs of `batch` under `model` (the frozen reference policy, eval mode),
+    with the masks the update draws (each row's seed): RolloutBatch.ref_logp. Under pipeline parallelism
+    (`stages`: the policy's) every stage runs its part of `model`, and only the last stage, whose loss
+    reads them, gets the values (None elsewhere)."""
     estimate = _estimate(batch, config)
-    return completion_logprobs(estimate, _forward(model, batch, estimate, config)[0]).float()
+    if stages is None:
+        return completion_logprobs(estimate, _forward(model, batch, estimate, config)[0]).float()
+    chunks = model_chunks(model)
+    output = stages.forward(lambda index, received: _forward(chunks[index], batch, estimate, config), chunks)
+    return None if output is None else completion_logprobs(estimate, output[0]).float()
 
 
 def rl_loss_func(batch: RolloutBatch, estimate: EstimatorBatch, config: RLConfig,

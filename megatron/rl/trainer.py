@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.data_parallel import unwrap
+from megatron.core.inference.pipelined import PipelineStages, sampling_chunks
 from megatron.core.parallel_state import ParallelContext
+from megatron.core.pipeline_parallel.chunks import ModelChunks
 from megatron.core.tensor_parallel.utils import group_rank, group_size
 from megatron.evaluation.in_loop import inference_ready
 from megatron.rl.rewards import RewardWorkers
@@ -66,6 +68,8 @@ class RLTrainer(Trainer):
         """Each step's clipped-update statistics ({name: value per completion token}, UPDATE_STATISTICS)."""
         self.reference: Optional[torch.nn.Module] = None
         """The frozen reference policy (update.beta > 0), loaded at the first rollouts."""
+        self.stages = PipelineStages(self.model, self.links, self.groups.pp) if self.pipelined else None
+        """Under pipeline parallelism: every stage samples together (inference/pipelined.py)."""
 
     def train(self):
         with RewardWorkers(self.tasks.reward_workers, self.tasks.reward_timeout_s) as workers:
@@ -78,7 +82,7 @@ class RLTrainer(Trainer):
     # ------------------------------------------------------------------ rollouts
     def _sample(self, records: Sequence[TaskRecord], indices: Sequence[int], config: RolloutConfig) -> Rollouts:
         """Rollouts of `records` by the live model (eval mode, no gradients, the run's RNG untouched)."""
-        model, rng = unwrap(self.model), capture_rng_state(self.model)
+        model, rng = self.stages or unwrap(self.model), capture_rng_state(self.model)
         self.model.eval()
         try:
             with torch.no_grad(), inference_ready(self.model):
@@ -103,7 +107,7 @@ class RLTrainer(Trainer):
             if self.tasks.update.beta > 0:
                 reference = self._reference_policy()
                 for batch in self.batches:
-                    batch.ref_logp = reference_logprobs(batch, reference, self.tasks.update)
+                    batch.ref_logp = reference_logprobs(batch, reference, self.tasks.update, self.stages)
             self._log_rollouts(rollouts)
         result = super().train_step(iter(self.batches))
         self._log_update()
@@ -128,17 +132,21 @@ class RLTrainer(Trainer):
                 f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS) + " |")
 
     def _reference_policy(self) -> torch.nn.Module:
-        """The policy's architecture with --rl-reference's weights, frozen (this rank's part under tensor
-        parallelism: a second copy of its weights, no gradients or optimizer state). Built without
+        """The policy's architecture with --rl-reference's weights, frozen (this rank's part under tensor and
+        pipeline parallelism: a second copy of its weights, no gradients or optimizer state). Built without
         touching the run's RNG, and loaded from its checkpoint on every start, resumed runs included."""
         if self.reference is None:
-            policy, rng = unwrap(self.model), capture_rng_state(self.model)
-            context = ParallelContext.extend(self.groups, sequence_parallel=False, rng_tracker=policy.rng_tracker)
+            policies, rng = sampling_chunks(self.model), capture_rng_state(self.model)
+            context = ParallelContext.extend(self.groups, sequence_parallel=False,
+                                             rng_tracker=policies[0].rng_tracker)
             with torch.device(self.runtime.device):
-                reference = type(policy)(policy.config, policy.dlm_config, pg=context)
+                chunks = [type(policy)(policy.config, policy.dlm_config, pre_process=policy.pre_process,
+                                       post_process=policy.post_process, layer_range=policy.decoder.layer_range,
+                                       pg=context) for policy in policies]
             restore_rng_state(self.model, rng)
+            reference = chunks[0] if len(chunks) == 1 else ModelChunks(chunks)
             load_model_weights(self.tasks.reference, reference, flag="--rl-reference")
-            self.reference = reference.to(next(policy.parameters()).dtype).requires_grad_(False).eval()
+            self.reference = reference.to(next(policies[0].parameters()).dtype).requires_grad_(False).eval()
         return self.reference
 
     def _sums(self, values: List[float]) -> List[float]:

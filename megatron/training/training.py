@@ -116,7 +116,7 @@ class Trainer:
         """fp16's loss scaling (PrecisionConfig.loss_scale); a disabled scaler, scale 1, otherwise."""
         self.grad_scaler = self.loss_scale.scaler
         self.fp16 = loss_scale is not None
-        self.pipelined = links is not None and links.size > 1
+        self.pipelined, self.links = links is not None and links.size > 1, links
         """The layout's pipeline (one home: the links built from the process groups, and the model's chunks)
         chooses the micro-batch schedule."""
         chunks = len(model_chunks(model))

@@ -148,34 +148,75 @@ def test_bad_rl_flags_are_one_line(tmp_path, capsys, extra, message):
     assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and message in error, error
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], [],
-                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                                    ["--data-parallel-sharding-strategy", "optim_grads_params"],
-                                    ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + LLAMA_STYLE],
-                         ids=["tp2", "dp2", "tp2_sp", "fsdp2", "tp2_sp_llama"])
-def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, layout):
-    """TP=2, DP=2, TP=2 with sequence parallelism or DP=2 under FSDP2 (2 gloo processes): the same completions
-    (rewards) and losses as one process, step by step (under DP each replica samples half the prompts: per-row
-    sampling seeds make them the same draws; under SP the sampler runs the model with sequence parallelism
-    off; under FSDP2 with the weights gathered once, so replicas may sample to different lengths)."""
-    style = LLAMA_STYLE if layout[-len(LLAMA_STYLE):] == LLAMA_STYLE else []  # both runs: the same model
-    argv = MODEL + style + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3",
-                            "--rl-sampling-steps", "4"]
-    alone = run(argv)
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+PIPELINE_AR = ["--num-layers", "4", "--model-running-mode", "vanilla", "--rl-algorithm", "grpo"]
+BLOCK_DIFFUSION = ["--difflm-block-diffusion", "--difflm-block-size", "4", "--rl-algorithm", "ar_order_grpo"]
+EVALUATION = ["--rl-eval-prompts", "6", "--eval-interval", "3", "--eval-iters", "1"]
+
+
+def two_processes(argv, tmp_path):
+    """posttrain_rl.py under torchrun with 2 gloo processes: its rollout rewards and entropies, validation
+    rewards, losses and gradient norms as the log prints them."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(ROOT / "posttrain_rl.py"), *argv, *layout[:len(layout) - len(style)]]
+               str(ROOT / "posttrain_rl.py"), *argv]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert result.returncode == 0, result.stderr[-2000:]
-    rewards = [float(match) for match in re.findall(r"rollouts before iteration \d+ \| reward: ([0-9.]+)",
-                                                    result.stdout)]
-    losses = [float(match) for match in re.findall(r"\| lm loss: ([-0-9.E+]+) \|", result.stdout)]
-    entropy = [float(match) for match in re.findall(r"\| entropy: ([0-9.]+) \|", result.stdout)]
-    assert rewards == [round(value, 4) for value in alone.rollout_rewards]
-    assert entropy == pytest.approx(alone.rollout_entropy, abs=2e-4) and len(entropy) == 3
+    return logged_values(result.stdout)
+
+
+def logged_values(stdout: str) -> dict:
+    def values(pattern):
+        return [float(match) for match in re.findall(pattern, stdout)]
+    return dict(rewards=values(r"rollouts before iteration \d+ \| reward: ([0-9.]+)"),
+                entropy=values(r"\| entropy: ([0-9.]+) \|"),
+                validation=values(r"validation reward at [^|]*\| reward: ([0-9.]+)"),
+                losses=values(r"\| lm loss: ([-0-9.E+]+) \|"), grad_norms=values(r"\| grad norm: ([0-9.]+) \|"))
+
+
+@pytest.mark.parametrize("layout, model", [
+    (["--tensor-model-parallel-size", "2"], []), ([], []),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], []),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], []),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], LLAMA_STYLE),
+    (["--pipeline-model-parallel-size", "2"], EVALUATION),
+    (INTERLEAVED, PIPELINE_AR + LLAMA_STYLE),
+    (["--pipeline-model-parallel-size", "2"], BLOCK_DIFFUSION + EVALUATION)],
+    ids=["tp2", "dp2", "tp2_sp", "fsdp2", "tp2_sp_llama", "pp2", "pp2_vp2_ar_llama", "pp2_block_diffusion"])
+def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, capsys, layout, model):
+    """TP=2, DP=2, TP=2 with sequence parallelism, DP=2 under FSDP2 or PP=2 (interleaved too; 2 gloo processes):
+    the same completions (rewards) and losses as one process, step by step (under DP each replica samples half
+    the prompts: per-row sampling seeds make them the same draws; under SP the sampler runs the model with
+    sequence parallelism off; under FSDP2 with the weights gathered once, so replicas may sample to different
+    lengths; under PP every stage runs the sampler, the last one deciding, inference/pipelined.py)."""
+    argv = MODEL + model + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3",
+                            "--rl-sampling-steps", "4"]
+    argv += ["--rl-valid-task", argv[argv.index("--rl-task") + 1]] if model[-len(EVALUATION):] == EVALUATION else []
+    alone = run(argv)
+    validation = logged_values(capsys.readouterr().out)["validation"]
+    logged = two_processes(argv + layout, tmp_path)
+    assert logged["rewards"] == [round(value, 4) for value in alone.rollout_rewards]
+    assert logged["entropy"] == pytest.approx(alone.rollout_entropy, abs=2e-4) and len(logged["entropy"]) == 3
     # a young policy is near uniform: below log of the padded vocabulary (8192 tokens and the mask, padded)
-    assert 8.5 < min(entropy) and max(entropy) < math.log(8320)
-    assert losses == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
+    assert 8.5 < min(logged["entropy"]) and max(logged["entropy"]) < math.log(8320)
+    assert logged["losses"] == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
+    assert logged["grad_norms"] == pytest.approx([step.grad_norm for step in alone.history], abs=1e-3)
+    if "--eval-interval" in model:  # the held-out reward (greedy) after the last step
+        assert len(validation) == 1 and logged["validation"] == validation
+
+
+def test_the_reference_policy_under_pipeline_parallelism(runtime, tmp_path):
+    """--rl-kl-beta under PP=2 interleaved: each stage holds its part of the frozen reference and runs it in
+    pipeline order; the KL term moves the losses as in one process."""
+    base = MODEL + PIPELINE_AR + ["--rl-task", task_file(tmp_path), "--lr", "3e-2"]
+    init = str(tmp_path / "init")
+    run(base + ["--train-iters", "2", "--save", init, "--save-interval", "2"])
+    argv = base + ["--load", init, "--finetune", "--rl-kl-beta", "0.5", "--rl-reference", init, "--train-iters", "3"]
+    alone = run(argv)
+    logged = two_processes(argv + INTERLEAVED, tmp_path)
+    assert alone.update_statistics[0]["kl"] == 0.0 < alone.update_statistics[2]["kl"]
+    assert logged["losses"] == pytest.approx([step.loss for step in alone.history], rel=1e-4, abs=1e-7)
+    assert logged["grad_norms"] == pytest.approx([step.grad_norm for step in alone.history], abs=1e-3)
 
 
 def test_the_kl_to_a_frozen_reference_policy_and_its_resume(runtime, tmp_path):

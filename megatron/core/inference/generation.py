@@ -41,6 +41,14 @@ block whose confidence exceeds it (at least one per step, until the block is ful
 with one full pass at each block start, then re-runs only ``[block_start, end)`` (prefix)
 or the block itself (dual) against it.
 
+Pipeline stages
+---------------
+``stages`` (optional) runs the sampler on every stage of a pipeline-parallel model: ``model_fn`` returns
+the logits on the last stage only (None elsewhere), ``stages.decides`` is True there, and after each
+step ``stages.share(*tensors)`` overwrites the given tensors on every stage with the last stage's (the
+canvas and the rows' finished flags; the entropy at the end). The loop's control flow reads only those,
+so every stage runs the same forwards, each handing its activations to the next.
+
 Random draws come from ``generator`` (one stream for the batch) or, with ``seeds`` (one integer a
 row), from a stream per row keyed by the draw's place in the row's generation (block, step; AR: the
 token index): a row then samples the same completion alone or in any batch.
@@ -269,8 +277,9 @@ class _DiffusionSampler:
     """One LLaDA-style generation over a batch; the canvas is updated in place."""
 
     def __init__(self, model_fn: ModelFn, canvas: torch.Tensor, layout: CanvasLayout, prompt_length: int,
-                 shift: bool, mask_token_id: int, eos_token_id: Optional[int], fill_id: Optional[int]) -> None:
-        self.model_fn, self.canvas, self.opts = model_fn, canvas, layout.opts
+                 shift: bool, mask_token_id: int, eos_token_id: Optional[int], fill_id: Optional[int],
+                 stages=None) -> None:
+        self.model_fn, self.canvas, self.opts, self.stages = model_fn, canvas, layout.opts, stages
         self.prompt_length, self.shift = prompt_length, int(shift)
         self.mask_token_id, self.eos_token_id, self.fill_id = mask_token_id, eos_token_id, fill_id
         self.mask_column = torch.tensor([mask_token_id], device=canvas.device)  # made once: no copy per step
@@ -327,19 +336,26 @@ class _DiffusionSampler:
             if opts.threshold is None and step == steps:
                 break
             logits = self._block_logits(start, end, first_step=step == 0)
-            place = start - self.prompt_length, step  # the draw's place in a row's generation
-            tokens, confidence, entropy = _predict(logits, opts, (*place, 0))
-            if opts.remasking == "random":
-                confidence = self._random_scores(start, end, place)
-            masked = self.canvas[:, start:end] == self.mask_token_id
-            count = None if opts.threshold is not None else schedule[:, step]
-            commit = _select(confidence, masked, count, opts.threshold)
-            self.canvas[:, start:end] = torch.where(commit, tokens, self.canvas[:, start:end])
-            _record_entropy(opts, commit, entropy, start - self.prompt_length)
-            if self.eos_token_id is not None:
-                self.finished = _finish_at_eos(self.canvas, self.prompt_length, self.finished, self.eos_token_id,
-                                               self.fill_id, self.mask_token_id)
+            if self.stages is None or self.stages.decides:
+                self._commit(logits, start, end, step, None if opts.threshold is not None else schedule[:, step])
+            if self.stages is not None:  # every stage takes the last one's decisions
+                self.stages.share(self.canvas, self.finished)
             step += 1
+
+    def _commit(self, logits: torch.Tensor, start: int, end: int, step: int, count: Optional[torch.Tensor]) -> None:
+        """One step's decisions: draw the block's tokens, commit `count` a row (or the threshold's), apply EOS."""
+        opts = self.opts
+        place = start - self.prompt_length, step  # the draw's place in a row's generation
+        tokens, confidence, entropy = _predict(logits, opts, (*place, 0))
+        if opts.remasking == "random":
+            confidence = self._random_scores(start, end, place)
+        masked = self.canvas[:, start:end] == self.mask_token_id
+        commit = _select(confidence, masked, count, opts.threshold)
+        self.canvas[:, start:end] = torch.where(commit, tokens, self.canvas[:, start:end])
+        _record_entropy(opts, commit, entropy, start - self.prompt_length)
+        if self.eos_token_id is not None:
+            self.finished = _finish_at_eos(self.canvas, self.prompt_length, self.finished, self.eos_token_id,
+                                           self.fill_id, self.mask_token_id)
 
     def _random_scores(self, start: int, end: int, place: Tuple[int, int]) -> torch.Tensor:
         """Random remasking's scores of the block: with a generator drawn over the whole canvas in
@@ -371,6 +387,8 @@ class _DiffusionSampler:
             # Unconditional input: the prompt replaced by mask tokens, length preserved.
             ids = torch.cat([ids, ids.masked_fill(self.prompt_slots, self.mask_token_id)])
         logits = _call_model(self.model_fn, ids, self.run_layout, q0, q1, self.cache)
+        if logits is None:  # a pipeline stage before the last
+            return None
         # Only the block's positions go to fp32: the rest of the canvas is not needed.
         logits = logits[:, first_needed - q0:end - self.shift - q0].float()
         if self.opts.cfg_scale > 0:
@@ -421,7 +439,7 @@ def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- autoregressive
 def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: CanvasLayout, prompt_length: int,
-                           eos_token_id: Optional[int], fill_id: Optional[int]) -> torch.Tensor:
+                           eos_token_id: Optional[int], fill_id: Optional[int], stages=None) -> torch.Tensor:
     """Greedy / sampled next-token decoding: prefill the prompt, then one token per step."""
     opts = layout.opts
     cache = KVCache(None, canvas.shape[1]) if opts.use_cache else None
@@ -431,12 +449,16 @@ def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: Canv
         # last token only. The logits at index - 1 predict the token at index.
         q0 = 0 if cache is None or index == prompt_length else index - 1
         logits = _call_model(model_fn, canvas, layout, q0, index, cache)
-        tokens, _, entropy = _predict(logits[:, -1].float(), opts, (index - prompt_length,))
-        _record_entropy(opts, ~finished[:, None], None if entropy is None else entropy[:, None], index - prompt_length)
-        if eos_token_id is not None:
-            tokens = tokens.masked_fill(finished, fill_id)
-            finished = finished | (tokens == eos_token_id)
-        canvas[:, index] = tokens
+        if stages is None or stages.decides:
+            tokens, _, entropy = _predict(logits[:, -1].float(), opts, (index - prompt_length,))
+            _record_entropy(opts, ~finished[:, None], None if entropy is None else entropy[:, None],
+                            index - prompt_length)
+            if eos_token_id is not None:
+                tokens = tokens.masked_fill(finished, fill_id)
+                finished = finished | (tokens == eos_token_id)
+            canvas[:, index] = tokens
+        if stages is not None:  # every stage takes the last one's decisions
+            stages.share(canvas, finished)
         if eos_token_id is not None and finished.all():
             canvas[:, index + 1:] = fill_id
             break
@@ -447,14 +469,15 @@ def _decode_autoregressive(model_fn: ModelFn, canvas: torch.Tensor, layout: Canv
 @torch.no_grad()
 def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              running_mode: str, mask_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
-             pad_token_id: Optional[int] = None, **options) -> torch.Tensor:
+             pad_token_id: Optional[int] = None, stages=None, **options) -> torch.Tensor:
     """Generate ``gen_length`` tokens after each (left-padded) prompt; returns
     ``[B, prompt_length + gen_length]``, the prompts included.
 
     ``running_mode``: difflm-noshift / difflm-shift (diffusion sampling) or vanilla (AR).
     ``options``: the `GenerationOptions` fields, under LLaDA's names (gen_length, steps,
     block_length, cfg_scale) or MegaDLMs' (max_new_tokens, sample_steps,
-    inference_block_size, cfg). Everything is validated before the model is called.
+    inference_block_size, cfg). Everything is validated before the model is called. ``stages``: the
+    pipeline's stages (module docstring).
     """
     opts = resolve_options(running_mode, **options)
     prompt_real = _check_inputs(input_ids, attention_mask, running_mode, mask_token_id, eos_token_id,
@@ -472,10 +495,23 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
     generated = torch.full((batch, opts.gen_length), placeholder, dtype=torch.long, device=input_ids.device)
     canvas = torch.cat([input_ids.long(), generated], dim=1)
     if running_mode == "vanilla":
-        return _decode_autoregressive(model_fn, canvas, layout, prompt_length, eos_token_id, fill_id)
-    if opts.attention_mask_type != "block_diffusion":
-        return _DiffusionSampler(model_fn, canvas, layout, prompt_length, running_mode == "difflm-shift",
-                                 mask_token_id, eos_token_id, fill_id).run()
+        canvas = _decode_autoregressive(model_fn, canvas, layout, prompt_length, eos_token_id, fill_id, stages)
+    elif opts.attention_mask_type != "block_diffusion":
+        canvas = _DiffusionSampler(model_fn, canvas, layout, prompt_length, running_mode == "difflm-shift",
+                                   mask_token_id, eos_token_id, fill_id, stages).run()
+    else:
+        _block_diffusion_groups(model_fn, canvas, layout, prompt_real, prompt_length, mask_token_id, eos_token_id,
+                                fill_id, stages)
+    if stages is not None and opts.entropy is not None:
+        stages.share(opts.entropy)
+    return canvas
+
+
+def _block_diffusion_groups(model_fn: ModelFn, canvas: torch.Tensor, layout: CanvasLayout, prompt_real: torch.Tensor,
+                            prompt_length: int, mask_token_id: int, eos_token_id: Optional[int],
+                            fill_id: Optional[int], stages) -> None:
+    """Block diffusion into `canvas` in place, the rows grouped by where their blocks start."""
+    opts = layout.opts
     # The model's blocks start at multiples of B from each row's first token: rows whose prompts
     # differ in length modulo B have their block boundaries at other slots, so they run apart.
     offsets = prompt_real.sum(dim=1) % opts.attention_block_size
@@ -486,7 +522,6 @@ def generate(model_fn: ModelFn, input_ids: torch.Tensor, attention_mask: Optiona
         part = CanvasLayout(layout.real[rows], layout.positions[rows],
                             dataclasses.replace(opts, seeds=seeds, entropy=entropy))
         canvas[rows] = _DiffusionSampler(model_fn, canvas[rows], part, prompt_length, False, mask_token_id,
-                                         eos_token_id, fill_id).run()
+                                         eos_token_id, fill_id, stages).run()
         if entropy is not None:
             opts.entropy[rows] = entropy
-    return canvas

@@ -73,6 +73,25 @@ def check_model_inputs(config: TransformerConfig, input_ids: Optional[torch.Tens
                      ("labels", labels, config.vocab_size, VOCAB_FIX)], sync=config.check_token_ids)
 
 
+def check_inference_inputs(config: TransformerConfig, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                           context_parallel: bool, sequence_parallel: bool, has_input: bool) -> None:
+    """GPTModel.inference_forward's inputs and model: whole sequences (no context or sequence parallelism),
+    the stage's input (`has_input`: the embedding, or the previous stage's output), ids [batch, q]."""
+    if context_parallel:
+        raise ValueError("inference_forward needs whole sequences on one rank; build the model for generation "
+                         "with context_parallel_size=1")
+    if sequence_parallel:
+        raise ValueError("inference_forward does not support sequence parallelism; build the model for "
+                         "generation with sequence_parallel=False (the weights are the same)")
+    if not has_input:
+        raise ValueError("a pipeline stage without the embedding needs decoder_input [q, b, h]: the previous "
+                         "stage's output")
+    if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
+                         "must both be [batch, q]")
+    check_model_inputs(config, input_ids, position_ids)
+
+
 def document_ids_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """Packed-document ids: a document runs up to and including its EOD token."""
     is_eod = (tokens == eod).long()

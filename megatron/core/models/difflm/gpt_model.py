@@ -26,7 +26,8 @@ from torch import nn
 
 from megatron.core.models.difflm.sampling import SamplingMethods
 from megatron.core.models.difflm import block_diffusion, objective
-from megatron.core.models.difflm.batch import check_model_inputs, context_parallel_inputs, positions_from_documents
+from megatron.core.models.difflm.batch import (check_inference_inputs, check_model_inputs, context_parallel_inputs,
+                                               positions_from_documents)
 from megatron.core.models.difflm.embedding import LanguageModelEmbedding
 from megatron.core.models.difflm.output_layer import OutputLayer, untied_output_layer
 from megatron.core.transformer.attention_mask import AttentionMask, build_attention_mask
@@ -242,7 +243,8 @@ class GPTModel(SamplingMethods, MegatronModule):
     @torch.no_grad()
     def inference_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                           kv_cache=None, cache_start: int = 0,
-                          select: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None) -> torch.Tensor:
+                          select: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
+                          decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The `model_fn` of megatron.core.inference.generation: logits [b, q, V] in the compute
         dtype (bf16 under --bf16; the sampler casts only the positions it reads to fp32).
 
@@ -255,24 +257,22 @@ class GPTModel(SamplingMethods, MegatronModule):
         `select`, a [b, q] bool mask or (rows, positions) index tensors: only those positions'
         logits, [n, V] as ``logits[select]``; the output layer then runs on n rows, not b * q (a
         scorer reads a few slots a row; index tensors need no host sync).
+
+        A pipeline stage (inference/pipelined.py) runs its layers only: without the embedding it reads
+        `decoder_input` [q, b, h], the previous stage's output, and before the last stage it returns its
+        own output [q, b, h] instead of logits.
         """
-        if not (self.pre_process and self.post_process) or self.context.active:
-            raise ValueError("inference_forward needs the whole model and sequence on one rank; build the model "
-                             "for generation with pipeline_model_parallel_size=1 and context_parallel_size=1")
-        if self.sequence_parallel:
-            raise ValueError("inference_forward does not support sequence parallelism; build the model for "
-                             "generation with sequence_parallel=False (the weights are the same)")
-        if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and position_ids {tuple(position_ids.shape)} "
-                             "must both be [batch, q]")
-        check_model_inputs(self.config, input_ids, position_ids)
+        check_inference_inputs(self.config, input_ids, position_ids, self.context.active, self.sequence_parallel,
+                               self.pre_process or decoder_input is not None)
         key_len = kv_cache.max_length if kv_cache is not None else input_ids.shape[1]
         mask = AttentionMask("explicit", allowed=attention_mask)
         mask.validate(input_ids.shape[1], input_ids.shape[0], key_len)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         with self._autocast(input_ids.device):
-            hidden = self.embedding(input_ids, position_ids=position_ids)
+            hidden = self.embedding(input_ids, position_ids=position_ids) if self.pre_process else decoder_input
             hidden = self.decoder(hidden, mask, rotary, kv_cache=kv_cache, cache_start=cache_start)
+            if not self.post_process:
+                return hidden
             if select is not None:  # [n, h]: the selected positions, row-major as logits[select]
                 return self.head.full_vocabulary(self.head.local_logits(hidden.transpose(0, 1)[select],
                                                                         self._output_weight()))
