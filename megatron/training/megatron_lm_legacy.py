@@ -1,23 +1,27 @@
 """Read Megatron-LM's legacy `torch` checkpoint format (`--ckpt-format torch`) of megatron-core's GPT model.
 
-The iteration folder holds one `mp_rank_TT/model_optim_rng.pt` per tensor-parallel rank (`mp_rank_TT_PPP/`
-with pipeline parallelism), each a torch.save of the run's `args`, `checkpoint_version`, `iteration`, the
-rank's `model` state dict (megatron-core's module names, layers numbered within the pipeline stage) and its
-optimizer and RNG states. Read with safe_torch_load (weights-only, memory-mapped): no code from the files runs.
+The iteration folder holds one `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per model-parallel rank (PPP with
+pipeline parallelism, EEE with expert parallelism: which one a single suffix is, the recorded args say), each
+a torch.save of the run's `args`, `checkpoint_version`, `iteration`, the rank's `model` state dict
+(megatron-core's module names, layers numbered within the pipeline stage, an expert-parallel rank's routed
+experts `mlp.experts.local_experts.<j>` numbered within the rank) and its optimizer and RNG states. Read with
+safe_torch_load (weights-only, memory-mapped): no code from the files runs.
 
 `legacy_global_tensors` joins the ranks' pieces into the tensors megatron-core's `torch_dist` format stores
-under the same keys (layers stacked in order, tensor-parallel pieces concatenated along the dimension the
-layer splits: column-parallel rows, row-parallel columns, SwiGLU's fc1 as all gates then all ups), so the
-torch_dist reader places them in our model under any layout. Each rank joins the whole model in host memory
-(the files are memory-mapped, the joined tensors are copies): a model's size per rank, once at start; for a
-model too large for that, Megatron-LM's own converter to torch_dist first (which loads here piece by piece).
-Megatron-LM's older `language_model.*` GPT (before megatron-core), uneven pipeline stages and MoE models
-(their experts saved per expert-parallel rank) are refused in one line.
+with each layer under its own keys (`decoder.layers.<i>.…`, its non_homogeneous_layers layout, and each routed
+expert under `mlp.experts.experts.<e>.…`, its singleton_local_shards one), the tensor-parallel pieces
+concatenated along the dimension the layer splits (column-parallel rows, row-parallel columns, SwiGLU's fc1
+as all gates then all ups), so the torch_dist reader places them in our model under any layout. Each rank
+joins the whole model in host memory (the files are memory-mapped, the joined tensors are copies): a model's
+size per rank, once at start; for a model too large for that, Megatron-LM's own converter to torch_dist first
+(which loads here piece by piece). Megatron-LM's older `language_model.*` GPT (before megatron-core) and
+uneven pipeline stages are refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 from typing import Dict, List, Tuple
@@ -29,28 +33,31 @@ from megatron.core.errors import InputError
 
 __all__ = ["legacy_rank_files", "read_legacy_args", "legacy_global_tensors"]
 
-RANK_FOLDER = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
+RANK_FOLDER = re.compile(r"mp_rank_(\d{2})((?:_\d{3}){0,2})$")
 RANK_FILE = "model_optim_rng.pt"
 # megatron-core's tensor-parallel layers: the dimension a rank's piece splits (others are replicated)
 COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
                    "word_embeddings.weight", "output_layer.weight")
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
-def legacy_rank_files(folder: str) -> Dict[Tuple[int, int], str]:
-    """{(tensor-parallel rank, pipeline stage): its model_optim_rng.pt} in an iteration folder."""
+def legacy_rank_files(folder: str) -> Dict[Tuple[int, ...], str]:
+    """{(tensor-parallel rank, then the folder name's other numbers): its model_optim_rng.pt} in an iteration
+    folder (`_rank_layout` says which number is the pipeline stage and which the expert-parallel rank)."""
     found = {}
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         match = RANK_FOLDER.match(name)
         path = os.path.join(folder, name, RANK_FILE)
         if match and os.path.isfile(path):
-            found[(int(match[1]), int(match[2] or 0))] = path
+            found[(int(match[1]), *(int(part) for part in match[2].split("_")[1:]))] = path
     return found
 
 
 def read_legacy_args(folder: str) -> argparse.Namespace:
     """The `args` the first rank's file recorded."""
-    path = legacy_rank_files(folder)[(0, 0)]
+    files = legacy_rank_files(folder)
+    path = files[min(files)]
     args = safe_torch_load(path).get("args")
     if not isinstance(args, argparse.Namespace):
         raise InputError(f"{path} holds no args Namespace: not a Megatron-LM checkpoint")
@@ -69,47 +76,58 @@ def _join(name: str, pieces: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
     return torch.cat(pieces, dim=0)
 
 
-def _layout(folder: str, files: Dict[Tuple[int, int], str], args: argparse.Namespace) -> Tuple[int, int]:
-    """(tensor-parallel size, pipeline stages) of the files, every rank's present, stages even."""
-    tp, pp = max(t for t, _ in files) + 1, max(p for _, p in files) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp) if (t, p) not in files]
+def _rank_layout(folder: str, files: Dict[Tuple[int, ...], str],
+                 args: argparse.Namespace) -> Dict[Tuple[int, int, int], str]:
+    """{(tensor-parallel rank, pipeline stage, expert-parallel rank): file}, every rank's present, stages even."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    ranks = {}
+    for numbers, path in files.items():
+        rest = list(numbers[1:])
+        stage = rest.pop(0) if pp > 1 and rest else 0
+        expert = rest.pop(0) if ep > 1 and rest else 0
+        ranks[(numbers[0], stage, expert)] = path
+    missing = [key for key in itertools.product(range(tp), range(pp), range(ep)) if key not in ranks]
     if missing:
         raise InputError(f"{folder} has no {RANK_FILE} of tensor-parallel rank {missing[0][0]}, pipeline stage "
-                         f"{missing[0][1]}: copy the whole checkpoint")
-    if getattr(args, "num_experts", None):
-        raise InputError(f"{folder}: a mixture-of-experts checkpoint in the legacy torch format is not read yet (its "
-                         "experts per expert-parallel rank); save it with --ckpt-format torch_dist, which loads")
+                         f"{missing[0][1]}, expert-parallel rank {missing[0][2]}: copy the whole checkpoint")
     uneven = [flag for flag in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
               if getattr(args, flag, None) is not None]
     if uneven or args.num_layers % pp:
         raise InputError(f"{folder}: pipeline stages of uneven depth ({uneven or args.num_layers}) are not read yet; "
                          "save it with even stages or in the torch_dist format")
-    return tp, pp
+    return ranks
+
+
+def _global_name(name: str, stage: int, expert_rank: int, args: argparse.Namespace) -> str:
+    """A rank's state-dict name as megatron-core's per-layer torch_dist key: the layer numbered in the whole
+    model, a routed expert in all experts."""
+    if not name.startswith("decoder.layers."):
+        return name
+    number, _, rest = name[len("decoder.layers."):].partition(".")
+    expert = LOCAL_EXPERT.match(rest)
+    if expert:
+        local_experts = args.num_experts // (getattr(args, "expert_model_parallel_size", 1) or 1)
+        rest = f"mlp.experts.experts.{expert_rank * local_experts + int(expert[1])}.{expert[2]}"
+    return f"decoder.layers.{stage * (args.num_layers // args.pipeline_model_parallel_size) + int(number)}.{rest}"
 
 
 def legacy_global_tensors(folder: str, args: argparse.Namespace) -> Dict[str, torch.Tensor]:
-    """{torch_dist key: whole tensor} of the legacy checkpoint in `folder` (layers stacked)."""
-    files = legacy_rank_files(folder)
-    tp, pp = _layout(folder, files, args)
+    """{torch_dist key (each layer and routed expert its own): whole tensor} of the legacy checkpoint in
+    `folder`."""
+    ranks = _rank_layout(folder, legacy_rank_files(folder), args)
+    tp = args.tensor_model_parallel_size
     tied = not args.untie_embeddings_and_output_weights
     tensors: Dict[str, torch.Tensor] = {}
-    layers: Dict[str, Dict[int, torch.Tensor]] = {}
-    for stage in range(pp):
-        states = [safe_torch_load(files[(rank, stage)])["model"] for rank in range(tp)]
+    for _, stage, expert_rank in sorted(key for key in ranks if key[0] == 0):
+        states = [safe_torch_load(ranks[(rank, stage, expert_rank)])["model"] for rank in range(tp)]
         for name, value in states[0].items():
             if name.startswith("language_model."):
-                raise InputError(f"{files[(0, stage)]} holds Megatron-LM's older GPT model ({name}); convert it to "
-                                 "megatron-core's with Megatron-LM's tools/checkpoint first")
+                raise InputError(f"{ranks[(0, stage, expert_rank)]} holds Megatron-LM's older GPT model ({name}); "
+                                 "convert it to megatron-core's with Megatron-LM's tools/checkpoint first")
             if not isinstance(value, torch.Tensor) or (tied and name.startswith("output_layer.")):
                 continue  # `_extra_state` entries; the last stage's copy of tied embeddings
-            joined = _join(name, [state[name] for state in states], bool(args.swiglu))
-            if name.startswith("decoder.layers."):
-                number, _, rest = name[len("decoder.layers."):].partition(".")
-                layers.setdefault(rest, {})[stage * (args.num_layers // pp) + int(number)] = joined
-            else:
-                tensors.setdefault(name, joined)
-    for rest, by_layer in layers.items():
-        if sorted(by_layer) != list(range(args.num_layers)):
-            raise InputError(f"{folder}: decoder.layers.*.{rest} is missing for some of the {args.num_layers} layers")
-        tensors[f"decoder.layers.{rest}"] = torch.stack([by_layer[index] for index in range(args.num_layers)])
+            key = _global_name(name, stage, expert_rank, args)
+            if key not in tensors:  # the expert-parallel ranks' copies of the other tensors are the same
+                tensors[key] = _join(name, [state[name] for state in states], bool(args.swiglu))
     return tensors

@@ -33,7 +33,8 @@ SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequ
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),
                      # megatron-core's MoE checkpoint, its 4 experts split over 2 expert-parallel ranks
                      "ep2": (2, ["--expert-model-parallel-size", "2"],
-                             [("moe", "dlm", ()), ("moe_mixed_shared", "ar", ()), ("moe_singleton", "dlm", ())],
+                             [("moe", "dlm", ()), ("moe_mixed_shared", "ar", ()), ("moe_singleton", "dlm", ()),
+                              ("legacy_moe_tp1_pp1_ep2", "ar", ())],
                              False)},
                     lambda case, mode, extra: ["--load", str(ASSETS / case)] + BASE + MODES[mode])
 

@@ -45,7 +45,8 @@ def load(case: str, extra=()) -> GPTModel:
     ("legacy_dense_gpt_tp2_pp1", "dense_gpt"), ("moe", "moe"), ("moe_ep2", "moe"),
     ("dense_gpt_learned", "dense_gpt_learned"), ("legacy_dense_gpt_learned_tp2_pp1", "dense_gpt_learned"),
     ("moe_mixed_shared", "moe_mixed_shared"), ("dense_per_layer", "dense"), ("dense_singleton", "dense"),
-    ("moe_singleton", "moe")])
+    ("moe_singleton", "moe"), ("legacy_moe_tp1_pp1_ep2", "moe"),
+    ("legacy_moe_mixed_shared_tp2_pp1", "moe_mixed_shared")])
 def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, tied; with RoPE, and with its default learned absolute position table); the TP=2 and PP=2
@@ -54,7 +55,9 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
     and a mixture of experts (4 experts, top-2, megatron-core's router and SequentialMLP experts), also after a
     dense layer and with a shared expert (megatron-core then keys each layer apart instead of stacking them, as it
     does for any model saved with its non_homogeneous_layers metadata: the dense one so saved); and both saved with
-    its singleton_local_shards metadata (each expert, and a SwiGLU fc1's gate and up rows, under their own keys)."""
+    its singleton_local_shards metadata (each expert, and a SwiGLU fc1's gate and up rows, under their own keys);
+    and in the legacy format, the experts in two expert-parallel ranks' files (each numbering its own from 0),
+    and the mixed model's in two tensor-parallel ones (experts and the shared expert split over them too)."""
     expected = torch.load(ASSETS / reference / "logits.pt")
     model = load(case)
     with torch.no_grad():
@@ -140,13 +143,14 @@ def test_pretraining_loads_it_with_finetune_and_trains_it_as_a_dlm(runtime, caps
 
 
 def test_what_the_legacy_reader_does_not_take_is_one_line(tmp_path):
-    """An MoE model or uneven pipeline stages in the legacy torch format: one line before anything is read."""
+    """Uneven pipeline stages or a rank's file missing in the legacy torch format: one line before anything is
+    read."""
     from megatron.training.megatron_lm_legacy import legacy_global_tensors
 
     folder = ASSETS / "legacy_dense_tp1_pp2" / "iter_0000001"
     args = read_megatron_lm_args(str(folder))
-    for change, words in [({"num_experts": 4}, "mixture-of-experts"), ({"decoder_first_pipeline_num_layers": 1},
-                                                                        "uneven depth")]:
+    for change, words in [({"decoder_first_pipeline_num_layers": 1}, "uneven depth"),
+                          ({"expert_model_parallel_size": 2}, "stage 0, expert-parallel rank 1: copy the whole")]:
         with pytest.raises(InputError, match=words):
             legacy_global_tensors(str(folder), argparse.Namespace(**{**vars(args), **change}))
 

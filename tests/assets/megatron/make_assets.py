@@ -12,7 +12,8 @@ outside this repository:
     # --nproc-per-node 2 with --tensor-model-parallel-size 2 or --pipeline-model-parallel-size 2 (the MoE case
     # with --expert-model-parallel-size 2)
     # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt) of the same weights, any layout:
-    # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2]
+    # --ckpt-format torch [--tensor-model-parallel-size 2 | --pipeline-model-parallel-size 2 |
+    # --expert-model-parallel-size 2]
     # each layer under its own keys (megatron-core's non_homogeneous_layers, as newer Megatron-LM runs save):
     # --per-layer-keys, into <case>_per_layer; with its singleton_local_shards metadata (each expert and SwiGLU
     # half its own key): --singleton-local-shards, into <case>_singleton
@@ -163,9 +164,10 @@ def save(model, args: argparse.Namespace, folder: str, metadata=None) -> None:
 
 def save_legacy(model, args: argparse.Namespace, folder: str) -> None:
     """Megatron-LM's legacy `torch` format, as its checkpointing.py writes it: per model-parallel rank
-    iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt (the PPP part only with pipeline parallelism), a torch.save
-    of args, version, iteration, `model.state_dict_for_save_checkpoint()` and the RNG states (Python's,
-    numpy's, torch's)."""
+    iter_N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt (the PPP part only with pipeline parallelism, EEE only with
+    expert parallelism), a torch.save of args, version, iteration, `model.state_dict_for_save_checkpoint()`
+    (an expert-parallel rank's routed experts numbered locally) and the RNG states (Python's, numpy's,
+    torch's)."""
     import random
 
     import numpy as np
@@ -173,6 +175,8 @@ def save_legacy(model, args: argparse.Namespace, folder: str) -> None:
 
     tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     name = f"mp_rank_{tp:02d}" if args.pipeline_model_parallel_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
     rank_dir = os.path.join(folder, f"iter_{ITERATION:07d}", name)
     os.makedirs(rank_dir, exist_ok=True)
     rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
@@ -245,8 +249,8 @@ def main() -> None:
     folder = os.path.join(options.out, options.case + ("" if tp * pp == 1 else f"_tp{tp}_pp{pp}")
                           + ("" if ep == 1 else f"_ep{ep}"))
     if options.ckpt_format == "torch":
-        folder = os.path.join(options.out, f"legacy_{options.case}_tp{tp}_pp{pp}")
-        args = megatron_lm_args(case, tp, pp)
+        folder = os.path.join(options.out, f"legacy_{options.case}_tp{tp}_pp{pp}" + ("" if ep == 1 else f"_ep{ep}"))
+        args = megatron_lm_args(case, tp, pp, ep)
         args.ckpt_format = "torch"
         save_legacy(model, args, folder)
     elif options.per_layer_keys or options.singleton_local_shards:
