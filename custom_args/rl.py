@@ -61,6 +61,10 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-sampling-steps", type=int, help="DLM denoising steps (default: one token a step).")
     g.add_argument("--rl-block-length", type=int, help="DLM semi-autoregressive block of the sampler.")
     g.add_argument("--rl-threshold", type=float, help="DLM threshold decoding of the rollouts (Fast-dLLM).")
+    g.add_argument("--rl-cache", choices=("prefix", "dual"),
+                   help="DLM rollouts with Fast-dLLM's KV cache, refreshed at each block's first step: prefix or "
+                        "dual (approximate: keys and values of committed tokens are reused within a block). An AR "
+                        "policy decodes with its exact KV cache always.")
     g.add_argument("--rl-chat-template", default="auto", help="How prompts are rendered (tools/preprocess_data.py "
                                                               "--chat-template's values).")
     g.add_argument("--rl-reward-workers", type=int, default=2, help="Processes that score completions.")
@@ -93,6 +97,9 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
     if args.sequence_parallel and args.num_experts:
         raise ValueError("--sequence-parallel with MoE layers: rollouts sample with sequence parallelism off, which "
                          "MoE layers under tensor parallelism cannot do; drop --sequence-parallel")
+    if args.rl_cache and args.dlm_config.model_running_mode == "vanilla":
+        raise ValueError(f"--rl-cache {args.rl_cache} is a DLM sampler's cache; an AR policy (--model-running-mode "
+                         "vanilla) decodes with its exact KV cache always: drop the flag")
     if args.rl_kl_beta > 0 and not args.rl_reference:
         raise ValueError(f"--rl-kl-beta {args.rl_kl_beta} needs --rl-reference: the checkpoint of the reference "
                          "policy (usually the policy's first --load)")
@@ -108,6 +115,6 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
                       spg_mix=args.rl_spg_mix, beta=args.rl_kl_beta).validate()
     rollout = RolloutConfig(group_size=group, gen_length=args.rl_gen_length, temperature=args.rl_temperature,
                             block_length=args.rl_block_length, steps=args.rl_sampling_steps,
-                            threshold=args.rl_threshold, advantage=args.rl_advantage, inner_steps=inner,
-                            seed=args.seed)
+                            threshold=args.rl_threshold, cache=args.rl_cache, advantage=args.rl_advantage,
+                            inner_steps=inner, seed=args.seed)
     return update, rollout

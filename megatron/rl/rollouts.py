@@ -52,6 +52,8 @@ class RolloutConfig:
     """DLM denoising steps (None: one token a step)."""
     threshold: Optional[float] = None
     """DLM threshold decoding (Fast-dLLM): commit every token above it."""
+    cache: Optional[str] = None
+    """DLM KV cache (Fast-dLLM's prefix or dual; generation.py), None: every step runs the whole canvas."""
     advantage: str = "grpo"
     """grpo: the reward minus its group's mean over the group's std; dr_grpo: not divided."""
     inner_steps: int = 1
@@ -156,7 +158,7 @@ def _sampling_options(model, config: RolloutConfig, seeds: List[int]) -> Dict[st
                                   "seeds": seeds}
     if model.running_mode == "vanilla":
         return options
-    dlm = {"steps": config.steps, "threshold": config.threshold}
+    dlm = {"steps": config.steps, "threshold": config.threshold, "cache": config.cache}
     if model.dlm_config.effective_mask_type != "block_diffusion":
         dlm["block_length"] = config.block_length
     return options | {name: value for name, value in dlm.items() if value is not None}

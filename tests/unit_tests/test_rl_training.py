@@ -135,6 +135,8 @@ def test_sequence_parallel_moe_rollouts_are_one_line(tmp_path, capsys, monkeypat
     (["--rl-task", "TASKS", "--rl-algorithm", "spg", "--rl-kl-beta", "0.1", "--rl-reference", "x"],
      "the spg estimator takes no KL term"),
     (["--rl-task", "TASKS", "--rl-gen-length", "44"], "--rl-gen-length 44 need"),  # past --seq-length 48
+    (["--rl-task", "TASKS", "--model-running-mode", "vanilla", "--rl-algorithm", "grpo", "--rl-cache", "dual"],
+     "--rl-cache dual is a DLM sampler's cache"),
     (["--rl-task", "TASKS", "--difflm-block-diffusion", "--difflm-block-size", "4"],
      "--rl-algorithm diffu_grpo: the diffu_grpo estimator would score a block-diffusion policy"),
 ])
@@ -179,16 +181,17 @@ def logged_values(stdout: str) -> dict:
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], []),
     (["--data-parallel-sharding-strategy", "optim_grads_params"], []),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], LLAMA_STYLE),
-    (["--pipeline-model-parallel-size", "2"], EVALUATION),
+    (["--pipeline-model-parallel-size", "2"], ["--rl-cache", "dual"] + EVALUATION),
     (INTERLEAVED, PIPELINE_AR + LLAMA_STYLE),
     (["--pipeline-model-parallel-size", "2"], BLOCK_DIFFUSION + EVALUATION)],
-    ids=["tp2", "dp2", "tp2_sp", "fsdp2", "tp2_sp_llama", "pp2", "pp2_vp2_ar_llama", "pp2_block_diffusion"])
+    ids=["tp2", "dp2", "tp2_sp", "fsdp2", "tp2_sp_llama", "pp2_dual_cache", "pp2_vp2_ar_llama", "pp2_block_diffusion"])
 def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, capsys, layout, model):
     """TP=2, DP=2, TP=2 with sequence parallelism, DP=2 under FSDP2 or PP=2 (interleaved too; 2 gloo processes):
     the same completions (rewards) and losses as one process, step by step (under DP each replica samples half
     the prompts: per-row sampling seeds make them the same draws; under SP the sampler runs the model with
     sequence parallelism off; under FSDP2 with the weights gathered once, so replicas may sample to different
-    lengths; under PP every stage runs the sampler, the last one deciding, inference/pipelined.py)."""
+    lengths; under PP every stage runs the sampler, the last one deciding, inference/pipelined.py, and keeps
+    the KV cache of its own layers: Fast-dLLM's dual cache in one case)."""
     argv = MODEL + model + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3",
                             "--rl-sampling-steps", "4"]
     argv += ["--rl-valid-task", argv[argv.index("--rl-task") + 1]] if model[-len(EVALUATION):] == EVALUATION else []
