@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Tuple
 
+import torch
+
 from custom_args.difflm import add_difflm_args
 from megatron.rl.estimators import check_policy
 from megatron.rl.objectives import NORMALIZATIONS
@@ -65,6 +67,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="DLM rollouts with Fast-dLLM's KV cache, refreshed at each block's first step: prefix or "
                         "dual (approximate: keys and values of committed tokens are reused within a block). An AR "
                         "policy decodes with its exact KV cache always.")
+    g.add_argument("--rl-cuda-graphs", action="store_true",
+                   help="Replay a captured CUDA graph per forward shape in the rollouts (inference/cuda_graphs.py; "
+                        "the graphs read the weights the optimizer updates in place).")
     g.add_argument("--rl-chat-template", default="auto", help="How prompts are rendered (tools/preprocess_data.py "
                                                               "--chat-template's values).")
     g.add_argument("--rl-reward-workers", type=int, default=2, help="Processes that score completions.")
@@ -100,6 +105,9 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
     if args.rl_cache and args.dlm_config.model_running_mode == "vanilla":
         raise ValueError(f"--rl-cache {args.rl_cache} is a DLM sampler's cache; an AR policy (--model-running-mode "
                          "vanilla) decodes with its exact KV cache always: drop the flag")
+    if args.rl_cuda_graphs and (args.pipeline_model_parallel_size > 1 or not torch.cuda.is_available()):
+        raise ValueError("--rl-cuda-graphs needs a CUDA device and one pipeline stage (the stages' sampler runs "
+                         "eagerly): drop the flag")
     if args.rl_kl_beta > 0 and not args.rl_reference:
         raise ValueError(f"--rl-kl-beta {args.rl_kl_beta} needs --rl-reference: the checkpoint of the reference "
                          "policy (usually the policy's first --load)")
@@ -115,6 +123,6 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
                       spg_mix=args.rl_spg_mix, beta=args.rl_kl_beta).validate()
     rollout = RolloutConfig(group_size=group, gen_length=args.rl_gen_length, temperature=args.rl_temperature,
                             block_length=args.rl_block_length, steps=args.rl_sampling_steps,
-                            threshold=args.rl_threshold, cache=args.rl_cache, advantage=args.rl_advantage,
-                            inner_steps=inner, seed=args.seed)
+                            threshold=args.rl_threshold, cache=args.rl_cache, cuda_graphs=args.rl_cuda_graphs,
+                            advantage=args.rl_advantage, inner_steps=inner, seed=args.seed)
     return update, rollout

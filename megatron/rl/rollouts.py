@@ -54,6 +54,8 @@ class RolloutConfig:
     """DLM threshold decoding (Fast-dLLM): commit every token above it."""
     cache: Optional[str] = None
     """DLM KV cache (Fast-dLLM's prefix or dual; generation.py), None: every step runs the whole canvas."""
+    cuda_graphs: bool = False
+    """Replay CUDA graphs (GPTModel.generate(cuda_graphs=True))."""
     advantage: str = "grpo"
     """grpo: the reward minus its group's mean over the group's std; dr_grpo: not divided."""
     inner_steps: int = 1
@@ -156,6 +158,8 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
 def _sampling_options(model, config: RolloutConfig, seeds: List[int]) -> Dict[str, object]:
     options: Dict[str, object] = {"gen_length": config.gen_length, "temperature": config.temperature,
                                   "seeds": seeds}
+    if config.cuda_graphs:
+        options["cuda_graphs"] = True
     if model.running_mode == "vanilla":
         return options
     dlm = {"steps": config.steps, "threshold": config.threshold, "cache": config.cache}

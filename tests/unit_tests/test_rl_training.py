@@ -222,6 +222,31 @@ def test_the_reference_policy_under_pipeline_parallelism(runtime, tmp_path):
     assert logged["grad_norms"] == pytest.approx([step.grad_norm for step in alone.history], abs=1e-3)
 
 
+def test_cuda_graph_rollouts_need_cuda_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        posttrain_rl.main(MODEL + ["--rl-task", task_file(tmp_path), "--lr", "1e-3", "--train-iters", "2",
+                                   "--rl-cuda-graphs"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code in (1, 2) and error.count("\n") == 1 and "--rl-cuda-graphs needs a CUDA" in error
+
+
+@pytest.mark.gpu
+def test_rollouts_replayed_from_cuda_graphs_equal_eager_ones(runtime, tmp_path):
+    """--rl-cuda-graphs on CUDA: the rollouts replay captured graphs, which read the weights the optimizer
+    updates in place between steps, and sample what eager forwards sample; so the updates are the same."""
+    argv = MODEL + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps",
+                    "4", "--rl-cache", "dual"]
+    eager = run(argv)
+    graphs = run(argv + ["--rl-cuda-graphs"])
+    from megatron.core.distributed.data_parallel import unwrap
+    assert unwrap(graphs.model)._graph_runner.replays > 0
+    assert graphs.rollout_rewards == eager.rollout_rewards and len(eager.rollout_rewards) == 3
+    assert [step.loss for step in graphs.history] == pytest.approx([step.loss for step in eager.history], abs=1e-6)
+    assert [step.grad_norm for step in graphs.history] == pytest.approx([s.grad_norm for s in eager.history],
+                                                                        rel=1e-4)
+
+
 def test_the_kl_to_a_frozen_reference_policy_and_its_resume(runtime, tmp_path):
     """--rl-kl-beta with --rl-reference: nothing at the first step (the policy is the reference: k3 and its
     gradient vanish), a different update later; a resumed run reloads the reference, not its own weights."""
