@@ -15,6 +15,7 @@ from typing import Callable, Dict, Tuple
 
 from megatron.core.errors import InputError
 from megatron.core.transformer.rope_scaling import FIELDS_OF_TYPE, SCALING_DEFAULTS
+from megatron.core.transformer.transformer_config import RUNNING_MODES
 from megatron.training.checkpoint_files import iteration_dir, latest_iteration, read_checkpoint_metadata
 from megatron.training.megatron_lm_checkpoint import (is_megatron_lm_checkpoint, megatron_lm_architecture,
                                                       megatron_lm_iteration_dir, read_megatron_lm_args)
@@ -190,6 +191,21 @@ def _check_vocabulary(record, finetune: bool, metadata: dict, source: str) -> No
                          "initialised")
 
 
+def _apply_recorded_dlm(args, recorded) -> None:
+    """A MegaDLMs run (and our to_megatron export) records its DLM flags in common.pt beside Megatron-LM's:
+    `model_running_mode` and `mask_token`, taken as our own checkpoints' are (a --mask-token given is kept:
+    --finetune may change it). Megatron-LM's AR runs record neither: the run's flags stand."""
+    mode = getattr(recorded, "model_running_mode", None)
+    if mode is None or not hasattr(args, "model_running_mode"):
+        return
+    if mode not in RUNNING_MODES:
+        raise InputError(f"the checkpoint's --model-running-mode {mode} (MegaDLMs) is not a training mode here "
+                         f"({', '.join(RUNNING_MODES)}); it cannot be continued")
+    args.model_running_mode = mode
+    if mode != "vanilla" and getattr(args, "mask_token", None) is None:
+        args.mask_token = getattr(recorded, "mask_token", None)
+
+
 def apply_checkpoint_args(args) -> None:
     """--use-checkpoint-args: the architecture flags (and --seq-length when not given) from the
     latest checkpoint under --load, before the flags are validated."""
@@ -201,6 +217,7 @@ def apply_checkpoint_args(args) -> None:
             setattr(args, dest, value)
         if args.seq_length is None:
             args.seq_length = getattr(recorded, "seq_length", None)
+        _apply_recorded_dlm(args, recorded)
         return
     iteration = latest_iteration(args.load)
     if iteration is None:

@@ -77,25 +77,27 @@ QWEN2_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", 
 
 def test_ours_to_megatron_and_back_is_bit_exact(runtime, tmp_path):
     """A DLM trained here (QKV bias without other biases, LayerNorm-1p scales, another RoPE base), exported,
-    then loaded with --use-checkpoint-args: the same architecture and every weight to the bit."""
+    then loaded with --use-checkpoint-args: the same architecture, running mode and mask token (recorded in
+    common.pt as MegaDLMs records them; not given again) and every weight to the bit."""
     data = ["--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "1", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2", "--attention-dropout", "0.0",
-            "--hidden-dropout", "0.0", "--attention-backend", "math", "--model-running-mode", "difflm-noshift",
-            "--mask-token", "5"]
-    trainer = pretrain_difflm.main(QWEN2_STYLE + data + ["--train-iters", "2", "--eval-iters", "0", "--save",
-                                                         str(tmp_path / "ours"), "--save-interval", "2"])
+            "--hidden-dropout", "0.0", "--attention-backend", "math"]
+    dlm = ["--model-running-mode", "difflm-shift", "--mask-token", "5"]  # not the defaults (noshift, tokenizer's)
+    trainer = pretrain_difflm.main(QWEN2_STYLE + data + dlm + ["--train-iters", "2", "--eval-iters", "0", "--save",
+                                                               str(tmp_path / "ours"), "--save-interval", "2"])
     assert to_megatron.main(["--load", str(tmp_path / "ours"), "--save", str(tmp_path / "megatron")]) == 0
     config = parse_run_config(["--load", str(tmp_path / "megatron"), "--use-checkpoint-args", "--finetune",
                                "--train-iters", "2"] + data, add_difflm_args, world_size=1)
     fields = [*ARCHITECTURE_FIELDS, *FUNCTION_FIELDS, "vocab_size", "max_position_embeddings"]
     assert [getattr(config.model, f) for f in fields] == [getattr(trainer.model.config, f) for f in fields]
+    assert (config.dlm.model_running_mode, config.dlm.mask_token_id) == ("difflm-shift", 5)
     back = GPTModel(config.model, config.dlm)
     load_megatron_lm_model(back, str(tmp_path / "megatron"))
     ours = dict(trainer.model.named_parameters())
     for name, parameter in back.named_parameters():
         assert torch.equal(parameter, ours[name]), name
     args = read_megatron_lm_args(megatron_lm_iteration_dir(str(tmp_path / "megatron")))
-    assert (args.model_running_mode, args.mask_token, args.iteration) == ("difflm-noshift", 5, 2)
+    assert (args.model_running_mode, args.mask_token, args.iteration) == ("difflm-shift", 5, 2)
 
 
 def test_an_existing_save_folder_or_an_unwritable_architecture_is_one_line(runtime, tmp_path, capsys):
