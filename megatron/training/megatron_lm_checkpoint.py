@@ -131,7 +131,10 @@ def megatron_lm_architecture(args: argparse.Namespace) -> Dict[str, object]:
             "num_attention_heads": args.num_attention_heads, "group_query_attention": gqa,
             "num_query_groups": args.num_query_groups if gqa else None,
             "kv_channels": getattr(args, "kv_channels", None), "normalization": args.normalization,
-            "norm_epsilon": args.norm_epsilon, "apply_layernorm_1p": bool(getattr(args, "apply_layernorm_1p", False)),
+            # --norm-epsilon / --apply-layernorm-1p; megatron-core 0.18's flags take TransformerConfig's names
+            "norm_epsilon": getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5)),
+            "apply_layernorm_1p": bool(getattr(args, "apply_layernorm_1p", False)
+                                       or getattr(args, "layernorm_zero_centered_gamma", False)),
             "swiglu": bool(args.swiglu), "qk_layernorm": bool(getattr(args, "qk_layernorm", False)),
             "disable_bias_linear": not args.add_bias_linear,
             "add_qkv_bias": bool(getattr(args, "add_qkv_bias", False)) and not args.add_bias_linear,
@@ -309,7 +312,9 @@ def megatron_lm_args_for(config: dict, iteration: int, seq_length: Optional[int]
         num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
         kv_channels=config.get("kv_channels") or config["hidden_size"] // heads,
         normalization=config["normalization"], norm_epsilon=config["layernorm_epsilon"],
+        layernorm_epsilon=config["layernorm_epsilon"],  # (the name newer Megatron-LM records as well)
         apply_layernorm_1p=bool(config.get("layernorm_zero_centered_gamma")),
+        layernorm_zero_centered_gamma=bool(config.get("layernorm_zero_centered_gamma")),
         swiglu=EXPORT_ACTIVATIONS[activation] == "swiglu", squared_relu=False,
         qk_layernorm=bool(config["qk_layernorm"]), add_bias_linear=bool(config["add_bias_linear"]),
         add_qkv_bias=bool(config["add_bias_linear"] or config.get("add_qkv_bias")),

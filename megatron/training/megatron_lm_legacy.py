@@ -14,8 +14,10 @@ concatenated along the dimension the layer splits (column-parallel rows, row-par
 as all gates then all ups), so the torch_dist reader places them in our model under any layout. Each rank
 joins the whole model in host memory (the files are memory-mapped, the joined tensors are copies): a model's
 size per rank, once at start; for a model too large for that, Megatron-LM's own converter to torch_dist first
-(which loads here piece by piece). Megatron-LM's older `language_model.*` GPT (before megatron-core) and
-uneven pipeline stages are refused in one line.
+(which loads here piece by piece). Megatron-LM's older GPT model (megatron/legacy/model, before megatron-core:
+nested `language_model.{embedding,encoder,output_layer}` state dicts, checkpoint_version 2 or later) is read under
+megatron-core's names (its QKV rows grouped per query group and SwiGLU's [gate; up] as megatron-core's). Uneven
+pipeline stages are refused in one line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import argparse
 import itertools
 import os
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +41,17 @@ RANK_FILE = "model_optim_rng.pt"
 COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
                    "word_embeddings.weight", "output_layer.weight")
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+# Megatron-LM's older GPT (megatron/legacy/model, before megatron-core): its modules -> megatron-core's, the
+# prefixes first, then the layer parts (older releases: `transformer`, `attention`, `*_layernorm`)
+PRE_MCORE_NAMES = (("language_model.embedding.", "embedding."), ("language_model.encoder.", "decoder."),
+                   ("language_model.transformer.", "decoder."), ("language_model.output_layer.", "output_layer."))
+PRE_MCORE_LAYER_NAMES = ((".attention.", ".self_attention."), (".query_key_value.", ".linear_qkv."),
+                         ("self_attention.dense.", "self_attention.linear_proj."),
+                         (".input_norm.", ".input_layernorm."),
+                         (".post_attention_norm.", ".pre_mlp_layernorm."),
+                         (".post_attention_layernorm.", ".pre_mlp_layernorm."),
+                         ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+                         ("decoder.final_norm.", "decoder.final_layernorm."))
 LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
@@ -112,19 +125,60 @@ def _global_name(name: str, stage: int, expert_rank: int, args: argparse.Namespa
     return f"decoder.layers.{stage * (args.num_layers // args.pipeline_model_parallel_size) + int(number)}.{rest}"
 
 
+def _flat(state: dict, prefix: str = "") -> Dict[str, object]:
+    """A state dict with nested dicts (the pre-megatron-core model's) as one level of dotted names."""
+    flat: Dict[str, object] = {}
+    for name, value in state.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def _model_state(path: str) -> Dict[str, object]:
+    """A rank's model state under megatron-core's names (the pre-megatron-core GPT's renamed)."""
+    checkpoint = safe_torch_load(path)
+    state = _flat(checkpoint["model"])
+    if not any(name.startswith("language_model.") for name in state):
+        return state
+    if checkpoint.get("checkpoint_version", 0) < 2:
+        raise InputError(f"{path} is a checkpoint_version {checkpoint.get('checkpoint_version', 0)} GPT (its QKV rows "
+                         "in an older order); save it again with a newer Megatron-LM first")
+    renamed = {}
+    for name, value in state.items():
+        ours = pre_mcore_name(name)
+        if ours is None and isinstance(value, torch.Tensor):
+            raise InputError(f"{path}: {name} of Megatron-LM's older GPT model has no megatron-core counterpart here "
+                             "(an encoder-decoder or MoE model?); it cannot be loaded")
+        if ours is not None:
+            renamed[ours] = value
+    return renamed
+
+
+def pre_mcore_name(name: str) -> Optional[str]:
+    """megatron-core's name of a tensor of Megatron-LM's older `language_model.*` GPT (None: none, as the head's
+    copy of tied embeddings)."""
+    for old, new in PRE_MCORE_NAMES:
+        if name.startswith(old):
+            name = new + name[len(old):]
+    if not name.startswith(("embedding.", "decoder.", "output_layer.")):
+        return None
+    for old, new in PRE_MCORE_LAYER_NAMES:
+        name = name.replace(old, new)
+    return name
+
+
 def legacy_global_tensors(folder: str, args: argparse.Namespace) -> Dict[str, torch.Tensor]:
     """{torch_dist key (each layer and routed expert its own): whole tensor} of the legacy checkpoint in
-    `folder`."""
+    `folder` (megatron-core's GPT, or the older `language_model.*` one under megatron-core's names)."""
     ranks = _rank_layout(folder, legacy_rank_files(folder), args)
     tp = args.tensor_model_parallel_size
     tied = not args.untie_embeddings_and_output_weights
     tensors: Dict[str, torch.Tensor] = {}
     for _, stage, expert_rank in sorted(key for key in ranks if key[0] == 0):
-        states = [safe_torch_load(ranks[(rank, stage, expert_rank)])["model"] for rank in range(tp)]
+        states = [_model_state(ranks[(rank, stage, expert_rank)]) for rank in range(tp)]
         for name, value in states[0].items():
-            if name.startswith("language_model."):
-                raise InputError(f"{ranks[(0, stage, expert_rank)]} holds Megatron-LM's older GPT model ({name}); "
-                                 "convert it to megatron-core's with Megatron-LM's tools/checkpoint first")
             if not isinstance(value, torch.Tensor) or (tied and name.startswith("output_layer.")):
                 continue  # `_extra_state` entries; the last stage's copy of tied embeddings
             key = _global_name(name, stage, expert_rank, args)

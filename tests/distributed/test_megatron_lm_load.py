@@ -25,9 +25,10 @@ BASE = ["--use-checkpoint-args", "--finetune", "--mock-data", "--vocab-size", "6
 # it starts equal everywhere; the AR runs keep the checkpoint's 64 rows.
 MODES = {"ar": ["--model-running-mode", "vanilla"],
          "dlm": ["--model-running-mode", "difflm-noshift", "--add-mask-token", "--make-vocab-size-divisible-by", "64"]}
-# the last: Megatron-LM's legacy torch format, two tensor-parallel ranks' files joined (megatron_lm_legacy.py)
+# legacy_*: Megatron-LM's legacy torch format, two tensor-parallel ranks' files joined (megatron_lm_legacy.py);
+# legacy_gpt_*: its older GPT model's (megatron/legacy/model: `language_model.*`)
 CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ()),
-         ("dense_gpt_learned", "dlm", ()), ("dense_singleton", "ar", ())]
+         ("dense_gpt_learned", "dlm", ()), ("dense_singleton", "ar", ()), ("legacy_gpt_tp2_pp1", "dlm", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),

@@ -46,7 +46,8 @@ def load(case: str, extra=()) -> GPTModel:
     ("dense_gpt_learned", "dense_gpt_learned"), ("legacy_dense_gpt_learned_tp2_pp1", "dense_gpt_learned"),
     ("moe_mixed_shared", "moe_mixed_shared"), ("dense_per_layer", "dense"), ("dense_singleton", "dense"),
     ("moe_singleton", "moe"), ("legacy_moe_tp1_pp1_ep2", "moe"),
-    ("legacy_moe_mixed_shared_tp2_pp1", "moe_mixed_shared")])
+    ("legacy_moe_mixed_shared_tp2_pp1", "moe_mixed_shared"), ("legacy_gpt_tp1_pp1", "legacy_gpt_tp1_pp1"),
+    ("legacy_gpt_tp2_pp1", "legacy_gpt_tp2_pp1")])
 def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, tied; with RoPE, and with its default learned absolute position table); the TP=2 and PP=2
@@ -57,7 +58,9 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
     does for any model saved with its non_homogeneous_layers metadata: the dense one so saved); and both saved with
     its singleton_local_shards metadata (each expert, and a SwiGLU fc1's gate and up rows, under their own keys);
     and in the legacy format, the experts in two expert-parallel ranks' files (each numbering its own from 0),
-    and the mixed model's in two tensor-parallel ones (experts and the shared expert split over them too)."""
+    and the mixed model's in two tensor-parallel ones (experts and the shared expert split over them too); and
+    Megatron-LM's older GPT model (megatron/legacy/model: nested `language_model.*` state dicts; its own logits),
+    in one and in two tensor-parallel ranks' files."""
     expected = torch.load(ASSETS / reference / "logits.pt")
     model = load(case)
     with torch.no_grad():
@@ -153,6 +156,28 @@ def test_what_the_legacy_reader_does_not_take_is_one_line(tmp_path):
                           ({"expert_model_parallel_size": 2}, "stage 0, expert-parallel rank 1: copy the whole")]:
         with pytest.raises(InputError, match=words):
             legacy_global_tensors(str(folder), argparse.Namespace(**{**vars(args), **change}))
+
+
+def test_an_older_gpt_model_of_an_old_version_or_another_model_is_one_line(tmp_path):
+    """Megatron-LM's older GPT model: a checkpoint_version before 2 (QKV rows in an older order) and a tensor with
+    no megatron-core counterpart (a pooler: not a GPT) are refused, naming the file."""
+    from megatron.core.dist_checkpointing.safe_torch_file import safe_torch_load
+    from megatron.training.megatron_lm_legacy import legacy_global_tensors
+
+    checkpoint = safe_torch_load(str(ASSETS / "legacy_gpt_tp1_pp1" / "iter_0000001" / "mp_rank_00" /
+                                     "model_optim_rng.pt"))
+    args = argparse.Namespace(**{key: value for key, value in vars(checkpoint["args"]).items()
+                                 if not isinstance(value, ForeignObject)})
+    pooler = {"pooler": {"dense": {"weight": torch.zeros(2, 2)}}}
+    for version, extra, words in [(1.0, {}, "checkpoint_version 1.0 GPT"),
+                                  (3.0, pooler, "pooler.dense.weight of Megatron-LM's older GPT model has no")]:
+        folder = tmp_path / str(version) / "iter_0000001" / "mp_rank_00"
+        folder.mkdir(parents=True)
+        model = {"language_model": {**checkpoint["model"]["language_model"], **extra}}
+        torch.save({"args": args, "checkpoint_version": version, "iteration": 1, "model": model},
+                   folder / "model_optim_rng.pt")
+        with pytest.raises(InputError, match=words):
+            legacy_global_tensors(str(folder.parent), args)
 
 
 def test_a_copy_under_the_local_modules_names_loads_the_same(runtime, tmp_path):

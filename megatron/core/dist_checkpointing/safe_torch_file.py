@@ -3,10 +3,11 @@
 
 torch's weights-only unpickler admits tensors and plain builtins; these files also hold an
 argparse Namespace (the run's args), members of Megatron-LM's own enums in it (`model_type`,
-`attention_backend`) and, in the legacy format's RNG states, numpy arrays. The Namespace is admitted
-as it is; the classes of FOREIGN_MODULES the pickle names (read from its GLOBAL opcodes first) are
-admitted as inert stand-ins that only record what they were built from, so neither Megatron's nor
-numpy's code is imported or run. Any other class is an InputError naming the file.
+`attention_backend`) and of signal.Signals (`exit_signal`), and, in the legacy format's RNG states,
+numpy arrays. The Namespace is admitted as it is; the classes of FOREIGN_MODULES the pickle names (read
+from its GLOBAL opcodes first) are admitted as inert stand-ins that only record what they were built
+from, so neither Megatron's nor numpy's code is imported or run. Any other class is an InputError
+naming the file.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from megatron.core.errors import InputError
 
 __all__ = ["FOREIGN_MODULES", "ForeignObject", "foreign_globals", "safe_torch_load"]
 
-# Modules whose classes a Megatron-LM checkpoint's pickle names, read as inert stand-ins (ForeignObject)
-FOREIGN_MODULES = ("megatron", "megatron_core", "numpy")
+# Modules whose classes a Megatron-LM checkpoint's pickle names, read as inert stand-ins (ForeignObject): its own,
+# numpy's, and `signal` (Megatron-LM's args hold the member of signal.Signals that --exit-signal names)
+FOREIGN_MODULES = ("megatron", "megatron_core", "numpy", "signal")
 
 
 class ForeignObject:
