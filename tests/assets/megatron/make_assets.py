@@ -22,6 +22,8 @@ outside this repository:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
         --case dense --check-export DIR
 
+(Megatron-LM's older GPT model, before megatron-core, has its own maker: make_legacy_gpt.py beside this file.)
+
 It runs on CPU (gloo): two CUDA-only calls of megatron-core are replaced (the device a buffer moves to and a
 stream synchronisation), and its model-parallel RNG tracker is bypassed (dropout is 0). Each case writes
 `<case>/` (`latest_checkpointed_iteration.txt`, `iter_0000001/` with `common.pt`, `metadata.json`, `.metadata`
