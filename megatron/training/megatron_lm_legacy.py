@@ -147,6 +147,8 @@ def _model_state(path: str) -> Dict[str, object]:
                          "in an older order); save it again with a newer Megatron-LM first")
     renamed = {}
     for name, value in state.items():
+        if name.startswith("word_embeddings_for_head."):
+            continue  # the last stage's copy of tied embeddings (the first stage's is read)
         ours = pre_mcore_name(name)
         if ours is None and isinstance(value, torch.Tensor):
             raise InputError(f"{path}: {name} of Megatron-LM's older GPT model has no megatron-core counterpart here "
@@ -157,8 +159,7 @@ def _model_state(path: str) -> Dict[str, object]:
 
 
 def pre_mcore_name(name: str) -> Optional[str]:
-    """megatron-core's name of a tensor of Megatron-LM's older `language_model.*` GPT (None: none, as the head's
-    copy of tied embeddings)."""
+    """megatron-core's name of a tensor of Megatron-LM's older `language_model.*` GPT (None: it has none)."""
     for old, new in PRE_MCORE_NAMES:
         if name.startswith(old):
             name = new + name[len(old):]
