@@ -26,9 +26,11 @@ BASE = ["--use-checkpoint-args", "--finetune", "--mock-data", "--vocab-size", "6
 MODES = {"ar": ["--model-running-mode", "vanilla"],
          "dlm": ["--model-running-mode", "difflm-noshift", "--add-mask-token", "--make-vocab-size-divisible-by", "64"]}
 # legacy_*: Megatron-LM's legacy torch format, two tensor-parallel ranks' files joined (megatron_lm_legacy.py);
-# legacy_gpt_*: its older GPT model's (megatron/legacy/model: `language_model.*`)
+# legacy_gpt_*: its older GPT model's (megatron/legacy/model: `language_model.*`); megatron_lm_*: Megatron-LM's
+# own save_checkpoint wrote it
 CASES = [("dense", "ar", ()), ("dense", "dlm", ()), ("dense_gpt", "ar", ()), ("legacy_dense_tp2_pp1", "dlm", ()),
-         ("dense_gpt_learned", "dlm", ()), ("dense_singleton", "ar", ()), ("legacy_gpt_tp2_pp1", "dlm", ())]
+         ("dense_gpt_learned", "dlm", ()), ("dense_singleton", "ar", ()), ("legacy_gpt_tp2_pp1", "dlm", ()),
+         ("megatron_lm_torch_dist", "dlm", ())]
 SUITE = LayoutCases({"tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], CASES, False),
                      "dp2": (2, [], CASES, True),
                      "pp2": (2, ["--pipeline-model-parallel-size", "2"], CASES, False),

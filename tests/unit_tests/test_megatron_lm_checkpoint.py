@@ -47,7 +47,8 @@ def load(case: str, extra=()) -> GPTModel:
     ("moe_mixed_shared", "moe_mixed_shared"), ("dense_per_layer", "dense"), ("dense_singleton", "dense"),
     ("moe_singleton", "moe"), ("legacy_moe_tp1_pp1_ep2", "moe"),
     ("legacy_moe_mixed_shared_tp2_pp1", "moe_mixed_shared"), ("legacy_gpt_tp1_pp1", "legacy_gpt_tp1_pp1"),
-    ("legacy_gpt_tp2_pp1", "legacy_gpt_tp2_pp1")])
+    ("legacy_gpt_tp2_pp1", "legacy_gpt_tp2_pp1"), ("megatron_lm_torch_dist", "megatron_lm_torch_dist"),
+    ("megatron_lm_torch", "megatron_lm_torch_dist")])
 def test_our_logits_equal_megatron_cores(runtime, case, reference):
     """The Llama style (GQA, QK-norm, SwiGLU, RMSNorm, RoPE, untied) and Megatron's GPT defaults (LayerNorm,
     GeLU, biases, tied; with RoPE, and with its default learned absolute position table); the TP=2 and PP=2
@@ -60,7 +61,8 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
     and in the legacy format, the experts in two expert-parallel ranks' files (each numbering its own from 0),
     and the mixed model's in two tensor-parallel ones (experts and the shared expert split over them too); and
     Megatron-LM's older GPT model (megatron/legacy/model: nested `language_model.*` state dicts; its own logits),
-    in one and in two tensor-parallel ranks' files."""
+    in one and in two tensor-parallel ranks' files; and checkpoints Megatron-LM's own save_checkpoint wrote in both
+    formats (its whole args in common.pt and the rank file), the same weights."""
     expected = torch.load(ASSETS / reference / "logits.pt")
     model = load(case)
     with torch.no_grad():

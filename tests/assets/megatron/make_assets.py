@@ -22,7 +22,8 @@ outside this repository:
     cd /tmp && /tmp/mcore/bin/torchrun --nproc-per-node 1 REPO/tests/assets/megatron/make_assets.py \
         --case dense --check-export DIR
 
-(Megatron-LM's older GPT model, before megatron-core, has its own maker: make_legacy_gpt.py beside this file.)
+(Beside this file: make_legacy_gpt.py, Megatron-LM's older GPT model before megatron-core, and
+make_megatron_lm_save.py, a checkpoint written by Megatron-LM's own training save_checkpoint with a real run's args.)
 
 It runs on CPU (gloo): two CUDA-only calls of megatron-core are replaced (the device a buffer moves to and a
 stream synchronisation), and its model-parallel RNG tracker is bypassed (dropout is 0). Each case writes

@@ -7,7 +7,7 @@ Megatron-LM removed that model in commit c59c4ea32e; this runs on the tree just 
 repository:
 
     git -C Megatron-LM archive 4e4b38023d373a08637beb38733e421f6f26008f megatron | tar -x -C /tmp/mlm_old
-    python3.12 -m venv /tmp/v12 && /tmp/v12/bin/pip install torch==2.13.0 numpy packaging einops
+    python3.12 -m venv /tmp/v12 && /tmp/v12/bin/pip install torch==2.13.0 numpy packaging einops omegaconf psutil
     cd /tmp && CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH=/tmp/mlm_old /tmp/v12/bin/torchrun --nproc-per-node 1 \\
         REPO/tests/assets/megatron/make_legacy_gpt.py --out REPO/tests/assets/megatron
     # the same weights saved by two tensor-parallel ranks: --nproc-per-node 2 --tensor-model-parallel-size 2
