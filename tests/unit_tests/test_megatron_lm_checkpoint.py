@@ -70,6 +70,18 @@ def test_our_logits_equal_megatron_cores(runtime, case, reference):
     torch.testing.assert_close(logits.float(), expected["logits"], rtol=1e-5, atol=1e-5)
 
 
+def test_megatron_lms_own_load_of_our_export_computes_our_logits(runtime):
+    """`ours_exported`: to_megatron.py's export of a model of ours, which Megatron-LM's training code loaded
+    (parse_args, load_args_from_checkpoint, load_checkpoint under --finetune --use-checkpoint-args; made_by.txt)
+    and ran: its logits are ours (the export's tensors in the places and row orders Megatron-LM reads)."""
+    expected = torch.load(ASSETS / "ours_exported" / "megatron_lm_logits.pt")
+    model = GPTModel(*_configs(ASSETS / "ours_exported", ["--vocab-size", "128"]))
+    load_megatron_lm_model(model, str(ASSETS / "ours_exported"))
+    with torch.no_grad():
+        logits = model.eval()(expected["tokens"])
+    torch.testing.assert_close(logits.float(), expected["logits"], rtol=1e-5, atol=1e-5)
+
+
 def test_the_args_come_from_common_pt_and_code_is_never_run(tmp_path):
     args = read_megatron_lm_args(megatron_lm_iteration_dir(str(ASSETS / "dense")))
     assert (args.num_layers, args.num_query_groups, args.swiglu, args.ckpt_format) == (2, 2, True, "torch_dist")

@@ -172,7 +172,20 @@ def convert(args: argparse.Namespace) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"iteration": iteration, "tensors": sum(isinstance(v, torch.Tensor) for v in state.values()),
-            "mode": dlm.model_running_mode}
+            "mode": dlm.model_running_mode, "flags": flags_to_pass(megatron_args)}
+
+
+def flags_to_pass(megatron_args: argparse.Namespace) -> List[str]:
+    """The architecture flags Megatron-LM's --use-checkpoint-args does not restore (its load_args_from_checkpoint
+    list) where this model differs from Megatron-LM's defaults: its user passes them with --load."""
+    flags = ["--qk-layernorm"] if megatron_args.qk_layernorm else []
+    if megatron_args.apply_layernorm_1p:  # restored under this name, read under layernorm_zero_centered_gamma
+        flags.append("--apply-layernorm-1p")
+    if megatron_args.norm_epsilon != 1e-5:
+        flags += ["--norm-epsilon", f"{megatron_args.norm_epsilon:g}"]
+    if megatron_args.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", f"{megatron_args.rope_scaling_factor:g}"]
+    return flags
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -184,6 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(f"> wrote a Megatron-LM torch_dist checkpoint of iteration {summary['iteration']} "
           f"({summary['tensors']} tensors, running mode {summary['mode']}) to {args.save}")
+    if summary["flags"]:
+        print(f"note: Megatron-LM's --use-checkpoint-args does not restore {' '.join(summary['flags'])}: pass them "
+              "to its pretrain_gpt.py with --load")
     return 0
 
 
