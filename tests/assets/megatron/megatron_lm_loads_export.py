@@ -4,8 +4,9 @@
 args, and its load_checkpoint under --finetune. Then the loaded model's logits for fixed token ids go to
 DIR/megatron_lm_logits.pt ({"tokens", "logits"}), to compare with ours.
 
-The Megatron-LM tree and environment of make_megatron_lm_save.py (4e4b380, megatron-core 0.18.0, Python 3.12), on
-CPU (gloo), from a folder outside this repository:
+The Megatron-LM tree and environment of make_megatron_lm_save.py (4e4b380, megatron-core 0.18.0, Python 3.12; the
+newer main d98e8a6, megatron-core 0.20.0, runs it the same and gives the same logits), on CPU (gloo), from a folder
+outside this repository:
 
     cd /tmp && CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH=/tmp/mlm_old /tmp/v12/bin/torchrun --nproc-per-node 1 \\
         REPO/tests/assets/megatron/megatron_lm_loads_export.py --load EXPORT_DIR --vocab-size V
