@@ -12,8 +12,8 @@ repository:
         REPO/tests/assets/megatron/make_legacy_gpt.py --out REPO/tests/assets/megatron
     # the same weights saved by two tensor-parallel ranks: --nproc-per-node 2 --tensor-model-parallel-size 2
 
-It runs on CPU (gloo): the CUDA calls on its way are replaced (the current device, the model-parallel RNG
-tracker's CUDA states; dropout is 0), and Transformer Engine and apex are not needed: the model is the Llama style
+It runs on CPU (gloo; megatron_lm_tree.py beside it says what is replaced), and Transformer Engine and apex are
+not needed: the model is the Llama style
 (RMSNorm, SwiGLU, RoPE, untied; multi-head attention: the legacy attention's GQA reshape needs a contiguous
 copy it does not make), whose legacy modules are plain torch. Writes `legacy_gpt_tp<T>_pp1/` (the
 legacy format's `iter_0000001/mp_rank_TT/model_optim_rng.pt`) and its `logits.pt` ({"tokens", "logits"}, full
@@ -22,12 +22,13 @@ vocabulary). Each layout's weights are their own draw (the seed is per shard sha
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-torch.cuda.current_device = lambda: "cpu"
+from megatron_lm_tree import causal_logits, megatron_args, perturbed, run_on_cpu, start_parallel_state
+
+run_on_cpu()
 ITERATION = 1
 VOCAB = 64
 FLAGS = ["--use-legacy-models", "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
@@ -42,38 +43,13 @@ FLAGS = ["--use-legacy-models", "--num-layers", "2", "--hidden-size", "32", "--f
          "--distributed-backend", "gloo"]
 
 
-def megatron_args(tp: int) -> argparse.Namespace:
-    from megatron.training import arguments
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.global_vars import set_args
-
-    arguments.get_device_arch_version = lambda: 9  # a check of the CUDA device under tensor parallelism
-
-    sys.argv = [sys.argv[0], *FLAGS, "--tensor-model-parallel-size", str(tp)]
-    args = parse_args()
-    from megatron.core.enums import ModelType
-
-    args.padded_vocab_size, args.model_type = VOCAB, ModelType.encoder_or_decoder  # as pretrain() sets them
-    validate_args(args)
-    set_args(args)
-    return args
-
-
 def build(args: argparse.Namespace):
-    from megatron.core import tensor_parallel
     from megatron.legacy.model import GPTModel
     from megatron.training.arguments import core_transformer_config_from_args
 
-    tracker = tensor_parallel.random.get_cuda_rng_tracker()
-    tracker.fork = lambda *names, **kwargs: torch.random.fork_rng(devices=[])  # dropout is 0: CPU draws
     torch.manual_seed(1234)
-    model = GPTModel(core_transformer_config_from_args(args), num_tokentypes=0, parallel_output=False,
-                     pre_process=True, post_process=True)
-    with torch.no_grad():  # legacy layers zero their biases and norms; give every tensor values
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel()))
-                           * 0.02)
-    return model.eval()
+    return perturbed(GPTModel(core_transformer_config_from_args(args), num_tokentypes=0, parallel_output=False,
+                              pre_process=True, post_process=True))
 
 
 def main() -> None:
@@ -83,13 +59,10 @@ def main() -> None:
     options = parser.parse_args()
     tp = options.tensor_model_parallel_size
     dist.init_process_group("gloo")
-    args = megatron_args(tp)
+    args = megatron_args([*FLAGS, "--tensor-model-parallel-size", str(tp)], VOCAB)
+    start_parallel_state(tp)
     from megatron.core import parallel_state
 
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
-    parallel_state.initialize_model_parallel(tp, 1)
-    init_num_microbatches_calculator(0, None, 1, 1, 1)  # the legacy transformer reads it in its forward
     model = build(args)
     folder = os.path.join(options.out, f"legacy_gpt_tp{tp}_pp1")
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -97,14 +70,10 @@ def main() -> None:
     os.makedirs(rank_dir, exist_ok=True)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
                 "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt"))
-    length = args.seq_length  # the legacy model's RoPE table is --seq-length long: rows of that length
-    tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(length).expand(2, length)
-    causal = torch.ones(1, 1, length, length, dtype=torch.bool).triu(1)  # True = masked out
-    with torch.no_grad():
-        logits = model(tokens, positions, causal).float()
+    # the legacy model's RoPE table is --seq-length long: rows of that length
+    logits = causal_logits(model, VOCAB, args.seq_length)
     if dist.get_rank() == 0:  # gathered over the tensor-parallel ranks (parallel_output=False)
-        torch.save({"tokens": tokens, "logits": logits}, os.path.join(folder, "logits.pt"))
+        torch.save(logits, os.path.join(folder, "logits.pt"))
         with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as handle:
             handle.write(str(ITERATION))
         with open(os.path.join(folder, "made_by.txt"), "w") as handle:

@@ -11,21 +11,19 @@ repository:
     cd /tmp && CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH=/tmp/mlm_old /tmp/v12/bin/torchrun --nproc-per-node 1 \\
         REPO/tests/assets/megatron/make_megatron_lm_save.py --out REPO/tests/assets/megatron [--ckpt-format torch]
 
-On CPU (gloo): the current CUDA device, stream synchronisation and the CUDA RNG state it collects, and the RNG
-tracker's CUDA states are replaced (dropout is 0).
+On CPU (gloo; megatron_lm_tree.py beside it says what is replaced).
 Writes `megatron_lm_<format>/` with `logits.pt` ({"tokens", "logits"}, full vocabulary).
 """
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *args, **kwargs: None
-torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()  # collected even with --no-save-rng
+from megatron_lm_tree import causal_logits, megatron_args, perturbed, run_on_cpu, start_parallel_state
+
+run_on_cpu()
 VOCAB = 64
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
          "--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
@@ -40,37 +38,15 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
          "--no-save-rng", "--lr", "1e-4", "--train-iters", "1", "--save-interval", "1"]
 
 
-def megatron_args(folder: str, ckpt_format: str) -> argparse.Namespace:
-    from megatron.core.enums import ModelType
-    from megatron.training import arguments, global_vars
-
-    arguments.get_device_arch_version = lambda: 9
-    sys.argv = [sys.argv[0], *FLAGS, "--save", folder, "--ckpt-format", ckpt_format]
-    args = arguments.parse_args()
-    args.padded_vocab_size, args.model_type = VOCAB, ModelType.encoder_or_decoder
-    arguments.validate_args(args)
-    global_vars.set_args(args)
-    global_vars._set_timers(args)
-    return args
-
-
 def build(args: argparse.Namespace):
-    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
 
-    tracker = tensor_parallel.random.get_cuda_rng_tracker()
-    tracker.fork = lambda *names, **kwargs: torch.random.fork_rng(devices=[])  # dropout is 0: CPU draws
     torch.manual_seed(1234)
-    config = core_transformer_config_from_args(args)
-    model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), VOCAB,
-                     args.max_position_embeddings, position_embedding_type="rope")
-    with torch.no_grad():  # norms start at one: give every tensor values of its own
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel()))
-                           * 0.02)
-    return model.eval()
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return perturbed(GPTModel(core_transformer_config_from_args(args), spec, VOCAB, args.max_position_embeddings,
+                              position_embedding_type="rope"))
 
 
 def main() -> None:
@@ -80,21 +56,13 @@ def main() -> None:
     options = parser.parse_args()
     dist.init_process_group("gloo")
     folder = os.path.join(options.out, f"megatron_lm_{options.ckpt_format}")
-    args = megatron_args(folder, options.ckpt_format)
-    from megatron.core import parallel_state
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    args = megatron_args([*FLAGS, "--save", folder, "--ckpt-format", options.ckpt_format], VOCAB)
+    start_parallel_state()
     from megatron.training.checkpointing import save_checkpoint
 
-    parallel_state.initialize_model_parallel(1, 1)
-    init_num_microbatches_calculator(0, None, 1, 1, 1)
     model = build(args)
     save_checkpoint(1, [model], None, None, num_floating_point_operations_so_far=0)
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(16).expand(2, 16)
-    causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)  # True = masked out
-    with torch.no_grad():
-        logits = model(tokens, positions, causal).float()
-    torch.save({"tokens": tokens, "logits": logits}, os.path.join(folder, "logits.pt"))
+    torch.save(causal_logits(model, VOCAB, 16), os.path.join(folder, "logits.pt"))
     with open(os.path.join(folder, "made_by.txt"), "w") as handle:
         handle.write(f"Megatron-LM 4e4b380 (megatron-core 0.18.0) save_checkpoint, torch {torch.__version__}\n")
     dist.destroy_process_group()

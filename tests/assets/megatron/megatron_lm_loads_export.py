@@ -14,13 +14,13 @@ outside this repository:
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-torch.cuda.current_device = lambda: "cpu"
-torch.cuda.synchronize = lambda *args, **kwargs: None
+from megatron_lm_tree import causal_logits, megatron_args, run_on_cpu, start_parallel_state
+
+run_on_cpu()
 FLAGS = ["--finetune", "--use-checkpoint-args", "--micro-batch-size", "1", "--global-batch-size", "1",
          "--make-vocab-size-divisible-by", "1", "--tokenizer-type", "NullTokenizer", "--use-cpu-initialization",
          "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--no-masked-softmax-fusion",
@@ -29,31 +29,11 @@ FLAGS = ["--finetune", "--use-checkpoint-args", "--micro-batch-size", "1", "--gl
          "--lr", "1e-4", "--train-iters", "1", "--exit-on-missing-checkpoint"]
 
 
-def megatron_args(load: str, vocab: int, extra=()) -> argparse.Namespace:
-    """Megatron-LM's initialize_megatron steps for the args: parse, load_args_from_checkpoint, validate."""
-    from megatron.core.enums import ModelType
-    from megatron.training import arguments, global_vars
-    from megatron.training.checkpointing import load_args_from_checkpoint
-
-    arguments.get_device_arch_version = lambda: 9
-    sys.argv = [sys.argv[0], *FLAGS, "--load", load, "--vocab-size", str(vocab - 1), *extra]  # NullTokenizer: + EOD
-    args = arguments.parse_args()
-    args, _ = load_args_from_checkpoint(args)
-    args.padded_vocab_size, args.model_type = vocab, ModelType.encoder_or_decoder
-    arguments.validate_args(args)
-    global_vars.set_args(args)
-    global_vars._set_timers(args)
-    return args
-
-
 def build(args: argparse.Namespace):
-    from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
 
-    tracker = tensor_parallel.random.get_cuda_rng_tracker()
-    tracker.fork = lambda *names, **kwargs: torch.random.fork_rng(devices=[])
     config = core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     return GPTModel(config, spec, args.padded_vocab_size, args.max_position_embeddings,
@@ -87,21 +67,15 @@ def main() -> None:
     options = parser.parse_args()
     dist.init_process_group("gloo")
     one_process_tracker_reads()
-    args = megatron_args(options.load, options.vocab_size, options.megatron_flags.split())
-    from megatron.core import parallel_state
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    flags = [*FLAGS, "--load", options.load, "--vocab-size", str(options.vocab_size - 1),  # NullTokenizer: + EOD
+             *options.megatron_flags.split()]
+    args = megatron_args(flags, options.vocab_size, from_checkpoint=True)
+    start_parallel_state()
     from megatron.training.checkpointing import load_checkpoint
 
-    parallel_state.initialize_model_parallel(1, 1)
-    init_num_microbatches_calculator(0, None, 1, 1, 1)
     model = build(args)
     iteration, _ = load_checkpoint([model], None, None)
-    tokens = torch.randint(0, options.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(16).expand(2, 16)
-    causal = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)  # True = masked out
-    with torch.no_grad():
-        logits = model.eval()(tokens, positions, causal).float()
-    torch.save({"tokens": tokens, "logits": logits}, os.path.join(options.load, "megatron_lm_logits.pt"))
+    torch.save(causal_logits(model, options.vocab_size, 16), os.path.join(options.load, "megatron_lm_logits.pt"))
     print(f"Megatron-LM's load_checkpoint read {options.load} (--finetune: training would start at iteration "
           f"{iteration}); {args.num_layers} layers, hidden {args.hidden_size}, {args.num_query_groups} query groups")
     dist.destroy_process_group()
