@@ -194,6 +194,21 @@ def test_an_older_gpt_model_of_an_old_version_or_another_model_is_one_line(tmp_p
             legacy_global_tensors(str(folder.parent), args)
 
 
+def test_newer_megatron_lm_norm_arg_names_are_read():
+    """megatron-core 0.18-era runs record --norm-epsilon and --apply-layernorm-1p under TransformerConfig's names
+    (layernorm_epsilon, layernorm_zero_centered_gamma): a real run's args (the legacy asset's) with other values
+    than the defaults give those values, not the defaults."""
+    from megatron.core.dist_checkpointing.safe_torch_file import safe_torch_load
+    from megatron.training.megatron_lm_checkpoint import megatron_lm_architecture
+
+    recorded = safe_torch_load(str(ASSETS / "megatron_lm_torch" / "iter_0000001" / "mp_rank_00" /
+                                   "model_optim_rng.pt"))["args"]
+    assert not hasattr(recorded, "norm_epsilon") and not hasattr(recorded, "apply_layernorm_1p")
+    recorded.layernorm_epsilon, recorded.layernorm_zero_centered_gamma = 1e-6, True
+    architecture = megatron_lm_architecture(recorded)
+    assert (architecture["norm_epsilon"], architecture["apply_layernorm_1p"]) == (1e-6, True)
+
+
 def test_a_copy_under_the_local_modules_names_loads_the_same(runtime, tmp_path):
     """megatron-core 0.16 saves its local spec under Transformer Engine's fused names (`linear_qkv.layer_norm_weight`
     is the input norm): the assets. Earlier releases, and Transformer-Engine-free forks, save the local modules'
