@@ -38,6 +38,9 @@ def get_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--seed", required=True, type=int, help="the same seed gives the same tasks")
     parser.add_argument("--output", required=True, help="the task file to write: FILE.jsonl or FILE.jsonl.gz")
     parser.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    parser.add_argument("--reward", help="the tasks' reward kind where the kind offers several: sudoku (1.0 for "
+                                         "a solution, the default) or sudoku_cells (d1's partial credit: the "
+                                         "share of the blanks filled right)")
     parser.add_argument("--sft", action="store_true",
                         help="write chat records (prompt/response: the answer in its tags) for supervised "
                              "fine-tuning (tools/preprocess_data.py --chat) instead of task records")
@@ -54,12 +57,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if os.path.lexists(args.output) and not args.force:
         return fail(f"--output {args.output} exists; pass --force to overwrite it, or give another path")
     try:
-        records = tasks.generate_tasks(args.kind, args.count, args.seed)
+        records = tasks.generate_tasks(args.kind, args.count, args.seed, args.reward)
         written = (tasks.write_json_lines(map(tasks.sft_record, records), args.output) if args.sft
                    else tasks.write_tasks(records, args.output))
     except (InputError, OSError) as error:
         return fail(f"--output {args.output}: {error}" if isinstance(error, OSError) else str(error))
-    print(f"wrote {args.output}: {written} {args.kind} tasks (seed {args.seed})")
+    reward = f", reward {args.reward}" if args.reward else ""
+    print(f"wrote {args.output}: {written} {args.kind} tasks (seed {args.seed}{reward})")
     return 0
 
 

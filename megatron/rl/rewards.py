@@ -188,9 +188,22 @@ def score_sudoku(fields: Mapping, completion: str) -> float:
     return float(all(given in ("0", cell) for given, cell in zip(fields["puzzle"], grid)))
 
 
+def score_sudoku_cells(fields: Mapping, completion: str) -> float:
+    """d1's partial credit: the share of the puzzle's blanks that the extracted answer's digits (the
+    first 16, read row by row) fill with the reference answer's digit; 1.0 for any solution that
+    keeps the givens (a puzzle may have several)."""
+    if score_sudoku(fields, completion):
+        return 1.0
+    digits = re.sub(r"\D", "", extract_answer(completion))[:16]
+    blanks = [cell for cell, given in enumerate(fields["puzzle"]) if given == "0"]
+    if not blanks:
+        return 0.0
+    return sum(cell < len(digits) and digits[cell] == fields["answer"][cell] for cell in blanks) / len(blanks)
+
+
 SCORERS: Dict[str, Callable[[Mapping, str], float]] = {
     "exact": score_exact, "regex": score_regex, "numeric": score_numeric, "python": score_python,
-    "countdown": score_countdown, "sudoku": score_sudoku}
+    "countdown": score_countdown, "sudoku": score_sudoku, "sudoku_cells": score_sudoku_cells}
 
 
 def score(record_fields: Mapping, completion: str) -> float:

@@ -12,7 +12,9 @@ A task file is JSON Lines (.jsonl, or .jsonl.gz), one task an object:
   "numeric" only, default 1e-6), `checker` (a .py file defining `reward(completion, answer,
   prompt) -> float`; required for "python"; a relative path is taken from the task file's folder
   and held resolved), `numbers` (list of integers) and `target` (integer), required for
-  "countdown", `puzzle` (16 digits 0-4 row by row, 0 a blank), required for "sudoku".
+  "countdown", `puzzle` (16 digits 0-4 row by row, 0 a blank), required for "sudoku" (1.0 for a
+  solution that keeps the givens) and "sudoku_cells" (d1's partial credit: the share of the blanks
+  filled with `answer`'s digit, which is then the 16-digit solution).
 
 `load_tasks` checks the whole file before it returns anything: a bad line is an InputError of one
 line naming the file, the line, the field and the fix. `generate_tasks` makes countdown, 4x4
@@ -33,11 +35,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from megatron.core.errors import InputError
 from megatron.rl import rewards
 
-REWARD_KINDS = ("exact", "regex", "numeric", "python", "countdown", "sudoku")
+REWARD_KINDS = ("exact", "regex", "numeric", "python", "countdown", "sudoku", "sudoku_cells")
 GENERATOR_KINDS = ("countdown", "sudoku", "arithmetic", "addition")
 FIELDS = ("prompt", "answer", "reward", "pattern", "tolerance", "checker", "numbers", "target", "puzzle")
 KIND_FIELDS = {"exact": (), "regex": ("pattern",), "numeric": ("tolerance",), "python": ("checker",),
-               "countdown": ("numbers", "target"), "sudoku": ("puzzle",)}  # each field's one kind
+               "countdown": ("numbers", "target"), "sudoku": ("puzzle",), "sudoku_cells": ("puzzle",)}
+REWARD_CHOICES = {"sudoku": ("sudoku", "sudoku_cells")}  # a generator's reward kinds, its default first
 OPTIONAL_FIELDS = ("tolerance",)  # the kind's fields that may be left out
 COUNTDOWN_MAX_VALUE = 999  # the generator's targets and intermediate values stay in 1..999
 _WANTED = {  # field: (accepted JSON types, what to give)
@@ -85,13 +88,14 @@ def _check_types(fields: Dict[str, Any], where: str) -> None:
 
 def _check_kind_fields(fields: Dict[str, Any], kind: str, where: str) -> None:
     """The kind's required fields are there, and no other kind's fields are."""
-    for owner, names in KIND_FIELDS.items():
-        for name in names:
-            if owner == kind and name not in fields and name not in OPTIONAL_FIELDS:
-                raise InputError(f"{where}: reward {kind!r} needs {name}; give {_WANTED[name][1]}")
-            if owner != kind and name in fields:
-                raise InputError(f"{where}: {name} applies only to reward {owner!r} and this task's reward is "
-                                 f"{kind!r}; drop {name}, or set \"reward\": \"{owner}\"")
+    for name in KIND_FIELDS[kind]:
+        if name not in fields and name not in OPTIONAL_FIELDS:
+            raise InputError(f"{where}: reward {kind!r} needs {name}; give {_WANTED[name][1]}")
+    for name in fields:
+        owners = [owner for owner, names in KIND_FIELDS.items() if name in names]
+        if owners and kind not in owners:
+            raise InputError(f"{where}: {name} applies only to reward {' or '.join(map(repr, owners))} and this "
+                             f"task's reward is {kind!r}; drop {name}, or set \"reward\": \"{owners[0]}\"")
 
 
 def _check_values(fields: Dict[str, Any], kind: str, where: str, folder: str) -> Dict[str, Any]:
@@ -119,6 +123,10 @@ def _check_values(fields: Dict[str, Any], kind: str, where: str, folder: str) ->
     if "puzzle" in fields and not re.fullmatch(r"[0-4]{16}", fields["puzzle"]):
         raise InputError(f"{where}: puzzle {fields['puzzle']!r} is not 16 digits 0-4; give the 4x4 grid "
                          "row by row, 0 for a blank")
+    if kind == "sudoku_cells" and not (re.fullmatch(r"[1-4]{16}", fields["answer"]) and all(
+            given in ("0", cell) for given, cell in zip(fields["puzzle"], fields["answer"]))):
+        raise InputError(f"{where}: answer {fields['answer']!r} is not a 16-digit solution (1-4) keeping the "
+                         "puzzle's givens, which reward 'sudoku_cells' scores the blanks against; give it")
     return checked
 
 
@@ -319,12 +327,18 @@ def sft_record(record: TaskRecord) -> Dict[str, str]:
     return {"prompt": record.prompt, "response": f"<answer>{record.answer}</answer>"}
 
 
-def generate_tasks(kind: str, count: int, seed: int) -> List[TaskRecord]:
+def generate_tasks(kind: str, count: int, seed: int, reward: Optional[str] = None) -> List[TaskRecord]:
     """`count` tasks of `kind` (one of GENERATOR_KINDS), the same for the same seed; a private
-    random.Random(seed) draws them, the global random state is left alone."""
+    random.Random(seed) draws them, the global random state is left alone. `reward` picks another of
+    the kind's reward kinds (REWARD_CHOICES: sudoku's partial credit) for the same tasks."""
     if kind not in GENERATORS:
         raise InputError(f"task kind {kind!r} is not one of {', '.join(GENERATOR_KINDS)}; use one of them")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise InputError(f"task count {count!r} is not an integer >= 0; give one")
+    choices = REWARD_CHOICES.get(kind, ())
+    if reward is not None and reward not in choices:
+        raise InputError(f"reward {reward!r} does not apply to {kind} tasks; "
+                         + (f"use one of {', '.join(choices)}" if choices else "leave it out"))
     rng = random.Random(seed)
-    return [GENERATORS[kind](rng) for _ in range(count)]
+    records = [GENERATORS[kind](rng) for _ in range(count)]
+    return records if reward is None else [dataclasses.replace(record, reward=reward) for record in records]

@@ -2,6 +2,7 @@
 task's own answer scoring 1.0), the task file's checks (one-line errors naming file, line and fix),
 the write/load round trip, and the CLI."""
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -89,6 +90,27 @@ def test_sudoku_tasks_are_valid_and_wrong_grids_score_zero():
     assert rewards.score(open_fields, "<answer>1234341221434325</answer>") == 0.0  # a 5
 
 
+def test_sudoku_cells_scores_the_share_of_blanks_filled_right():
+    """d1's partial credit: each blank is compared with the reference answer's digit; any solution keeping
+    the givens scores 1.0, a grid in another layout is read by its digits."""
+    fields = TaskRecord(prompt="p", answer="1234341221434321", reward="sudoku_cells",
+                        puzzle="1034300221004301").fields()  # blanks at cells 1, 5, 6, 10, 11, 14
+    assert rewards.score(fields, "<answer>1234341221434321</answer>") == 1.0
+    assert rewards.score(fields, "<answer>1234 3412 2143 4321</answer>") == 1.0
+    assert rewards.score(fields, "<answer>2234341221434321</answer>") == 1.0  # given 0 changed: blanks only count
+    two_wrong = "1434321221434321"  # blanks 1 (2 -> 4) and 5 (4 -> 2) wrong
+    assert rewards.score(fields, f"<answer>{two_wrong}</answer>") == pytest.approx(4 / 6)
+    assert rewards.score(fields, "<answer>1234</answer>") == pytest.approx(1 / 6)  # cells 0-3: blank 1 right
+    assert rewards.score(fields, "no answer") == 0.0
+    assert rewards.score(dict(fields, reward="sudoku"), f"<answer>{two_wrong}</answer>") == 0.0
+    open_fields = dict(fields, puzzle="0" * 16, answer="1234341221434321")
+    assert rewards.score(open_fields, "<answer>3412123421434321</answer>") == 1.0  # another solution
+    records = tasks.generate_tasks("sudoku", 5, seed=3, reward="sudoku_cells")
+    assert [dataclasses.replace(r, reward="sudoku") for r in records] == tasks.generate_tasks("sudoku", 5, seed=3)
+    with pytest.raises(InputError, match="reward 'sudoku_cells' does not apply to countdown tasks; leave it out"):
+        tasks.generate_tasks("countdown", 2, seed=3, reward="sudoku_cells")
+
+
 def test_arithmetic_tasks_are_exact():
     for record in tasks.generate_tasks("arithmetic", 200, seed=9):
         assert record.reward == "numeric" and record.tolerance == 0.0
@@ -116,7 +138,7 @@ GOOD = json.dumps({"prompt": "2 + 2?", "answer": "4"})
 @pytest.mark.parametrize("bad_line, expected", [
     ('{"prompt": "2 + 2?", "answer": "4"', "invalid JSON"),
     (json.dumps({"prompt": "p", "answer": "4", "reward": "exactt"}),
-     "reward 'exactt' is not one of exact, regex, numeric, python, countdown, sudoku; use one of them"),
+     "reward 'exactt' is not one of exact, regex, numeric, python, countdown, sudoku, sudoku_cells; use one"),
     (json.dumps({"answer": "4"}), "missing prompt"),
     (json.dumps({"prompt": "p", "answer": "4", "hint": "x", "level": 2}), "unknown key(s) 'hint', 'level'"),
     (json.dumps({"prompt": "p", "answer": 4}), "answer is a number; give a string"),
@@ -131,6 +153,12 @@ GOOD = json.dumps({"prompt": "2 + 2?", "answer": "4"})
     (json.dumps({"prompt": "p", "answer": "4", "reward": "countdown", "numbers": [1, "3"], "target": 4}),
      "holds a non-integer"),
     (json.dumps({"prompt": "p", "answer": "4", "reward": "sudoku", "puzzle": "123"}), "not 16 digits 0-4"),
+    (json.dumps({"prompt": "p", "answer": "4", "puzzle": "0" * 16}),
+     "puzzle applies only to reward 'sudoku' or 'sudoku_cells' and this task's reward is 'exact'"),
+    (json.dumps({"prompt": "p", "answer": "4", "reward": "sudoku_cells", "puzzle": "0" * 16}),
+     "answer '4' is not a 16-digit solution"),
+    (json.dumps({"prompt": "p", "answer": "1234341221434321", "reward": "sudoku_cells", "puzzle": "2" + "0" * 15}),
+     "keeping the puzzle's givens"),
     ("[1, 2]", "the line is a list, not an object"),
 ])
 def test_load_tasks_names_the_file_the_line_and_the_fix(tmp_path, bad_line, expected):
@@ -195,6 +223,13 @@ def test_the_cli_writes_tasks_and_refuses_to_overwrite(tmp_path):
     forced = run_cli("--kind", "sudoku", "--count", 3, "--seed", 4, "--output", output, "--force")
     assert forced.returncode == 0, forced.stderr
     assert [record.reward for record in tasks.load_tasks(output)] == ["sudoku"] * 3
+    cells = run_cli("--kind", "sudoku", "--count", 3, "--seed", 4, "--output", output, "--force",
+                    "--reward", "sudoku_cells")
+    assert cells.returncode == 0 and "reward sudoku_cells" in cells.stdout, cells.stderr
+    assert [record.reward for record in tasks.load_tasks(output)] == ["sudoku_cells"] * 3
+    wrong = run_cli("--kind", "countdown", "--count", 3, "--seed", 4, "--output", output, "--force",
+                    "--reward", "sudoku")
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "does not apply to countdown" in wrong.stderr
 
 
 def test_addition_tasks_score_their_answer_and_become_chat_records(tmp_path):
