@@ -8,10 +8,16 @@ so resuming samples the next prompts with the saved weights and goes on bit for 
 
 Validation is the held-out reward: greedy (temperature 0), one completion per held-out task, the tasks
 split over the data-parallel replicas and the sums all-reduced.
+
+Rewards are scored once per model-parallel group: its first tensor-parallel rank of the first pipeline
+stage runs the reward processes and broadcasts the rewards to the group's other ranks, which sampled the
+same completions. So the peers train on the same rewards even where a checker times out, fails or draws
+at random on one of them, and a group runs one set of reward processes, not one a rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import List, Optional, Sequence
 
@@ -72,7 +78,9 @@ class RLTrainer(Trainer):
         """Under pipeline parallelism: every stage samples together (inference/pipelined.py)."""
 
     def train(self):
-        with RewardWorkers(self.tasks.reward_workers, self.tasks.reward_timeout_s) as workers:
+        scorer = group_rank(self.groups.tp) == 0 and group_rank(self.groups.pp) == 0
+        with (RewardWorkers(self.tasks.reward_workers, self.tasks.reward_timeout_s) if scorer
+              else contextlib.nullcontext()) as workers:
             self.workers = workers
             try:
                 return super().train()
@@ -86,10 +94,21 @@ class RLTrainer(Trainer):
         self.model.eval()
         try:
             with torch.no_grad(), inference_ready(self.model):
-                return sample_rollouts(model, self.tasks.encoder, records, indices, config, self.workers.score)
+                return sample_rollouts(model, self.tasks.encoder, records, indices, config, self._score)
         finally:
             self.model.train()
             restore_rng_state(self.model, rng)
+
+    def _score(self, pairs) -> List[float]:
+        """The rewards of (record, completion) `pairs`: the scoring rank's (the one with reward processes),
+        broadcast over tensor then pipeline parallelism (module docstring)."""
+        rewards = torch.zeros(len(pairs), dtype=torch.float32, device=self.runtime.device)
+        if self.workers is not None:
+            rewards.copy_(torch.tensor(self.workers.score(pairs), dtype=torch.float32))
+        for group in (self.groups.tp, self.groups.pp):
+            if group_size(group) > 1:
+                dist.broadcast(rewards, group=group, group_src=0)
+        return rewards.cpu().tolist()
 
     def _replica_prompts(self, first: int, count: int) -> List[int]:
         """This replica's share (every dp-th) of the run's prompts [first, first + count)."""

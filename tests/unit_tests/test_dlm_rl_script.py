@@ -36,10 +36,33 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
         assert flag(call, "--load") == f"{work}/recipe_mdlm_sft_sudoku" and flag(call, "--rl-algorithm") == "spg"
         assert flag(call, "--seq-length") == "256" and flag(call, "--global-batch-size") == "128"
         assert flag(call, "--train-iters") == "7" and flag(call, "--rl-block-length") == "32"
+        assert flag(call, "--rl-kl-beta") == "0.04" and flag(call, "--rl-reference") == flag(call, "--load")
+        assert "--rl-cuda-graphs" in call and "--rl-sampling-steps" not in call
     results = tmp_path / "work" / "rl"
     assert (results / "dlm_spg.log").exists() and (results / "dlm_spg.before.log").exists()
-    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("ar", "grpo"))
+    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("ar", "grpo"), KL_BETA="0", CUDA_GRAPHS="0",
+                            SAMPLING_STEPS="16", RUN="ar_plain")
     assert code == 0 and flag(calls[-1], "--load") == f"{work}/recipe_ar_sft_sudoku"
-    assert "--rl-block-length" not in calls[-1]
+    assert not {"--rl-block-length", "--rl-kl-beta", "--rl-reference", "--rl-cuda-graphs", "--rl-sampling-steps"} & set(
+        calls[-1])
+    assert (results / "ar_plain.log").exists() and (results / "ar_plain.before.log").exists()
+    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "diffu_grpo"), SAMPLING_STEPS="16")
+    assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16"
     code, _ = run_stage(tmp_path, "rl", script=SCRIPT, args=("policy", "grpo"))
     assert code == 2
+
+
+def test_speed_runs_each_policy_eager_and_with_graphs(tmp_path):
+    code, calls = run_stage(tmp_path, "speed", script=SCRIPT)
+    work = str(tmp_path / "work")
+    runs = [c for c in calls if "posttrain_rl.py" in c]
+    assert len(runs) == 6 and all(flag(c, "--train-iters") == "6" and "--rl-kl-beta" not in c for c in runs)
+    settings = [(flag(c, "--load").rsplit("/", 1)[1], c.count("--rl-cuda-graphs"),
+                 flag(c, "--rl-sampling-steps") if "--rl-sampling-steps" in c else None) for c in runs]
+    assert settings == [("recipe_mdlm_sft_sudoku", 0, "32"), ("recipe_mdlm_sft_sudoku", 1, "32"),
+                        ("recipe_mdlm_sft_sudoku", 0, "16"), ("recipe_mdlm_sft_sudoku", 1, "16"),
+                        ("recipe_ar_sft_sudoku", 0, None), ("recipe_ar_sft_sudoku", 1, None)]
+    table = calls[-1]
+    assert table[0] == "tools/benchmark/rl_table.py" and flag(table, "--results") == f"{work}/rl/speed"
+    assert table[3:] == ["dlm_steps32_graphs0", "dlm_steps32_graphs1", "dlm_steps16_graphs0", "dlm_steps16_graphs1",
+                         "ar_graphs0", "ar_graphs1"]

@@ -359,17 +359,34 @@ def test_ar_sampling_is_reproducible_and_follows_the_filters():
     assert not torch.equal(first, model.generate(prompt, max_new_tokens=8))
 
 
-def test_gumbel_sampling_draws_from_the_softmax_and_filters_cut_the_tail():
+def test_sampling_draws_from_the_softmax_and_filters_cut_the_tail():
     logits = torch.tensor([0.0, torch.tensor(3.0).log().item(), -30.0]).expand(20000, 3)
     options = generation.GenerationOptions(temperature=1.0, generator=torch.Generator().manual_seed(0))
     tokens, probability, _ = generation._predict(logits, options, (0,))
     assert abs((tokens == 1).float().mean().item() - 0.75) < 0.02
     torch.testing.assert_close(probability[tokens == 1], torch.full_like(probability[tokens == 1], 0.75),
                                rtol=1e-4, atol=1e-4)
+    hot = generation.GenerationOptions(temperature=2.0, generator=torch.Generator().manual_seed(1))
+    tokens, probability, _ = generation._predict(logits, hot, (0,))  # softmax(l / 2): 1 : sqrt(3)
+    assert abs((tokens == 1).float().mean().item() - 3 ** 0.5 / (1 + 3 ** 0.5)) < 0.02 and (tokens != 2).all()
+    torch.testing.assert_close(probability[tokens == 1], torch.full_like(probability[tokens == 1], 0.75))
     row = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     assert torch.isinf(generation._filter_logits(row, 2, None)[0, 2:]).all()
     nucleus = generation._filter_logits(row, None, 0.7)  # probs .64 .24 .09 .03: keeps two
     assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+
+
+def test_the_inverse_cdf_draw_never_takes_a_token_of_probability_zero():
+    """Each uniform picks the token whose share of [0, 1) holds it; the zero-probability slots (filtered or
+    ruled out: the mask token, the vocabulary padding) are never drawn, at u = 0 or at the largest u < 1,
+    where u x total can round up to the total."""
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0], dtype=torch.float64).expand(6, 5)
+    top = 1.0 - 2.0 ** -53
+    u = torch.tensor([0.0, 0.25 - 1e-12, 0.25, 0.5, 0.99, top], dtype=torch.float64)
+    assert generation.inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3, 3]
+    total = torch.tensor([1.0, 2.0 ** 40, 3.0], dtype=torch.float64)[:, None]  # unnormalised rows
+    assert generation.inverse_cdf(probs[:3] * total, torch.full((3,), top, dtype=torch.float64)).tolist() == [3] * 3
+    assert generation.inverse_cdf(probs[:3] * total, torch.zeros(3, dtype=torch.float64)).tolist() == [1] * 3
 
 
 def test_ar_records_the_entropy_of_each_sampled_token():

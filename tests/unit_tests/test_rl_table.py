@@ -30,6 +30,7 @@ def test_the_figures_are_the_trainers(tiny_run):
     assert figures["reward"] == [round(value, 4) for value in trainer.rollout_rewards]
     assert figures["entropy"] == pytest.approx(trainer.rollout_entropy, abs=1e-4)
     assert len(figures["step_ms"]) == 6 and len(figures["tokens_per_s"]) == 6 and len(figures["validation"]) == 1
+    assert len(figures["length"]) == 6 and all(1 <= length <= 8 for length in figures["length"])  # gen length 8
 
 
 def test_the_row_summarises_the_run(tiny_run):
@@ -40,7 +41,8 @@ def test_the_row_summarises_the_run(tiny_run):
     curve = " ".join(f"{(reward[i] + reward[i + 1]) / 2:.2f}" for i in (0, 2, 4))
     assert row.startswith(f"| ar_grpo | 6 | - -> {figures['validation'][-1]:.3f} | {reward[0]:.3f} -> {reward[-1]:.3f} "
                           f"| {curve} |")
-    assert row.endswith(f"| {statistics.median(figures['tokens_per_s']):.0f} | "
+    length = figures["length"]
+    assert row.endswith(f"| {length[0]:.1f} -> {length[-1]:.1f} | {statistics.median(figures['tokens_per_s']):.0f} | "
                         f"{statistics.median(figures['step_ms']) / 1000:.2f} |")
     with pytest.raises(ValueError, match="no rollouts line"):
         rl_table.table_row("empty", None, "nothing here", windows=3)

@@ -26,6 +26,16 @@ CHECKER = '''def reward(completion, answer, prompt):
     text = "".join(completion.split())
     return sum(c == "e" for c in text) / max(len(text), 1)
 '''
+# The same rewards on rank 0 (the first tensor-parallel rank of the first stage: the one that scores, as one
+# process does), the opposite on other ranks: a model-parallel peer scoring for itself would train on others.
+RANK_CHECKER = """import os
+
+
+def reward(completion, answer, prompt):
+    text = "".join(completion.split())
+    share = sum(c == "e" for c in text) / max(len(text), 1)
+    return share if os.environ.get("RANK", "0") == "0" else 1.0 - share
+"""
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "48", "--micro-batch-size", "16", "--global-batch-size", "32", "--lr-decay-style", "constant",
          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", SPM, "--attention-dropout", "0",
@@ -38,8 +48,8 @@ LLAMA_STYLE = ["--group-query-attention", "--num-query-groups", "2", "--normaliz
                "--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights"]
 
 
-def task_file(folder: Path) -> str:
-    (folder / "letter.py").write_text(CHECKER)
+def task_file(folder: Path, checker: str = CHECKER) -> str:
+    (folder / "letter.py").write_text(checker)
     path = folder / "tasks.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Say something {i}", "answer": "", "reward": "python",
                                         "checker": "letter.py"}) + "\n" for i in range(16)))
@@ -191,9 +201,11 @@ def test_parallel_rollouts_and_updates_equal_one_process(runtime, tmp_path, caps
     the prompts: per-row sampling seeds make them the same draws; under SP the sampler runs the model with
     sequence parallelism off; under FSDP2 with the weights gathered once, so replicas may sample to different
     lengths; under PP every stage runs the sampler, the last one deciding, inference/pipelined.py, and keeps
-    the KV cache of its own layers: Fast-dLLM's dual cache in one case)."""
-    argv = MODEL + model + ["--rl-task", task_file(tmp_path), "--lr", "2e-2", "--train-iters", "3",
-                            "--rl-sampling-steps", "4"]
+    the KV cache of its own layers: Fast-dLLM's dual cache in one case). Under TP and PP one rank scores the
+    completions for both: the checker would give the other rank other rewards."""
+    model_parallel = "--tensor-model-parallel-size" in layout or "--pipeline-model-parallel-size" in layout
+    tasks = task_file(tmp_path, RANK_CHECKER if model_parallel else CHECKER)  # rank 1 is a peer, or a replica
+    argv = MODEL + model + ["--rl-task", tasks, "--lr", "2e-2", "--train-iters", "3", "--rl-sampling-steps", "4"]
     argv += ["--rl-valid-task", argv[argv.index("--rl-task") + 1]] if model[-len(EVALUATION):] == EVALUATION else []
     alone = run(argv)
     validation = logged_values(capsys.readouterr().out)["validation"]
@@ -285,7 +297,7 @@ def test_the_validation_reward_scores_the_held_out_tasks_greedily(runtime, tmp_p
     tasks = task_file(tmp_path)
     trainer = run(MODEL + ["--rl-task", tasks, "--rl-valid-task", tasks, "--rl-eval-prompts", "5",
                            "--eval-interval", "2", "--eval-iters", "1", "--model-running-mode", "vanilla",
-                           "--rl-algorithm", "grpo", "--lr", "1e-2", "--train-iters", "2"])
+                           "--rl-algorithm", "grpo", "--lr", "1e-3", "--train-iters", "2"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "validation reward at iteration 2" in line]
     assert len(lines) == 1 and "prompts: 5 |" in lines[0]
     with RewardWorkersFor(trainer):

@@ -27,17 +27,18 @@ Diffusion sampling (``difflm-noshift``, ``difflm-shift``)
 -------------------------------------------------------
 LLaDA's ``generate()``: the canvas is the prompt followed by ``gen_length`` mask tokens,
 decoded in ``gen_length / block_length`` semi-autoregressive blocks with ``steps / blocks``
-steps each; each step predicts every masked token of the block (Gumbel-max in float64 at
-``temperature``, after optional top-k / top-p filtering) and commits the ones LLaDA's
+steps each; each step predicts every masked token of the block (a float64 draw from the
+softmax at ``temperature``, after optional top-k / top-p filtering) and commits the ones LLaDA's
 schedule asks for, chosen by ``remasking``: ``low_confidence`` (probability of the predicted
 token) or ``random``. ``cfg_scale`` > 0 adds LLaDA's classifier-free guidance. In
 ``difflm-shift`` the logits at position i predict token i+1. Greedy decoding (and random
 remasking under a fixed generator) reproduces LLaDA token for token; the deliberate
-differences: the mask token is never predicted, Gumbel noise is drawn for the current
-block only (same distribution, other draws), and steps left with nothing to commit are
-skipped. Opt-in speed-ups (Fast-dLLM): ``threshold`` commits every masked token of the
-block whose confidence exceeds it (at least one per step, until the block is full;
-``steps`` is then unused), and ``cache`` = ``"prefix"`` / ``"dual"`` refreshes a KV cache
+differences: the mask token is never predicted, samples are drawn by the inverse CDF (one
+uniform a slot, the current block only) where LLaDA adds Gumbel noise to the whole canvas
+(same distribution, other draws), and steps left with nothing to commit are skipped.
+Opt-in speed-ups (Fast-dLLM): ``threshold`` commits every masked token of the block whose
+confidence exceeds it (at least one per step, until the block is full; ``steps`` is then
+unused), and ``cache`` = ``"prefix"`` / ``"dual"`` refreshes a KV cache
 with one full pass at each block start, then re-runs only ``[block_start, end)`` (prefix)
 or the block itself (dual) against it.
 
@@ -218,26 +219,36 @@ def _predict(logits: torch.Tensor, opts: GenerationOptions, draw: Tuple[int, ...
     """(tokens, their probability, the distribution's entropy or None) for logits [B, ..., V], in float64
     as LLaDA; `draw` keys the noise under per-row seeds (`uniform`); the entropy only with opts.entropy.
 
-    Sampling is Gumbel-max, argmax of exp(logit) / (-log u)^T, which draws from
-    softmax(logit / T); float64 because low-precision Gumbel noise measurably skews the
-    samples (LLaDA, arXiv 2409.02908). T = 0 is the plain argmax.
+    Sampling inverts the float64 CDF of softmax(logit / T) at one uniform draw a position
+    (`inverse_cdf`): exact in float64, where Gumbel-max noise in lower precision measurably
+    skews the samples (LLaDA, arXiv 2409.02908), and one draw a position rather than one a
+    vocabulary entry. T = 0 is the plain argmax.
     """
     unfiltered = logits.double()
     logits = _filter_logits(unfiltered, opts.top_k, opts.top_p)
+    probs = logits.softmax(dim=-1)
     if opts.temperature == 0:
         tokens = logits.argmax(dim=-1)
     else:
-        noise = uniform(opts, logits.shape, logits.device, draw)
-        # Shifting by the row maximum keeps exp() finite and leaves the argmax unchanged.
-        scores = (logits - logits.amax(dim=-1, keepdim=True)).exp() / (-torch.log(noise)) ** opts.temperature
-        tokens = scores.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
+        tempered = probs if opts.temperature == 1 else (logits / opts.temperature).softmax(dim=-1)
+        tokens = inverse_cdf(tempered, uniform(opts, tempered.shape[:-1], tempered.device, draw))
     probability = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if opts.entropy is not None:  # the model's own distribution: the same softmax unless filters cut it
         whole = probs if logits is unfiltered else unfiltered.softmax(dim=-1)
         entropy = torch.special.entr(whole).sum(dim=-1)
     return tokens, probability, entropy
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from `probs` [..., V] (float64, unnormalised is fine) at uniforms `u` [...] in [0, 1): the
+    first token whose cumulative probability exceeds u times the total. A token of probability 0 is never
+    drawn (its cumulative probability equals the one before it), the last positive one included: the
+    target stays below the total even where u x total rounds up to it."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[..., -1]
+    target = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
 
 
 def _record_entropy(opts: GenerationOptions, commit: torch.Tensor, entropy: Optional[torch.Tensor],

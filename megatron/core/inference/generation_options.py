@@ -43,7 +43,7 @@ class GenerationOptions:
     """DLM: semi-autoregressive block length dividing gen_length; None means gen_length, pure
     diffusion (alias ``inference_block_size``)."""
     temperature: float = 0.0
-    """0 is greedy; otherwise Gumbel-max sampling from softmax(logits / temperature)."""
+    """0 is greedy; otherwise a draw from softmax(logits / temperature) (float64 inverse CDF)."""
     top_k: Optional[int] = None
     """Keep only the k most likely tokens before sampling (and for confidences)."""
     top_p: Optional[float] = None
@@ -70,7 +70,7 @@ class GenerationOptions:
     sliding_window: Optional[int] = None
     """Window of sliding_window attention."""
     generator: Optional[torch.Generator] = None
-    """Random source of Gumbel noise and random remasking, for reproducible samples."""
+    """Random source of the sampling draws and random remasking, for reproducible samples."""
     entropy: Optional[torch.Tensor] = None
     """A float [B, gen_length] tensor the sampler fills (an output): at each generated slot the entropy in
     nats of the model's distribution (softmax of the logits, before temperature and filters) it was
