@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import List, Optional, Sequence
 
 import torch
@@ -72,6 +73,10 @@ class RLTrainer(Trainer):
         """The policy's mean entropy (nats) over each batch's completion tokens, at sampling."""
         self.update_statistics: List[dict] = []
         """Each step's clipped-update statistics ({name: value per completion token}, UPDATE_STATISTICS)."""
+        self.update_throughput: List[float] = []
+        """Each step's update tokens/s (`_log_update`)."""
+        self.batch_tokens = 0.0
+        """This replica's tokens in the rollout rows (padding apart) the updates read."""
         self.reference: Optional[torch.nn.Module] = None
         """The frozen reference policy (update.beta > 0), loaded at the first rollouts."""
         self.stages = PipelineStages(self.model, self.links, self.groups.pp) if self.pipelined else None
@@ -117,38 +122,49 @@ class RLTrainer(Trainer):
 
     def train_step(self, data_iterator):
         config = self.tasks.rollout
+        start = None
         if self.batches is None or self.state.iteration % config.inner_steps == 0:
             group = config.group_size
             indices = self._replica_prompts(self.state.consumed_train_samples // group,
                                             self.config.global_batch_size // group)
             rollouts = self._sample([self.tasks.train[self.order(k)] for k in indices], indices, config)
+            start = time.perf_counter()  # the update: everything after the rollouts
             self.batches = micro_batches(rollouts, config, self.config.micro_batch_size)
+            self.batch_tokens = float(rollouts.real.sum())
             if self.tasks.update.beta > 0:
                 reference = self._reference_policy()
                 for batch in self.batches:
                     batch.ref_logp = reference_logprobs(batch, reference, self.tasks.update, self.stages)
             self._log_rollouts(rollouts)
+        start = time.perf_counter() if start is None else start
         result = super().train_step(iter(self.batches))
-        self._log_update()
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize()
+        self._log_update(time.perf_counter() - start)
         return result
 
-    def _log_update(self) -> None:
-        """The clipped update's statistics per completion token (the ratio to the sampling policy, the
-        share of tokens clipped, the KL to the reference), over the replicas; on the log interval."""
+    def _log_update(self, seconds: float) -> None:
+        """The update's tokens/s (the rollout rows' tokens, padding apart, over all replicas, per second of
+        everything the step did after its rollouts) and the clipped update's statistics per completion token
+        (the ratio to the sampling policy, the share of tokens clipped, the KL to the reference; not SPG's),
+        over the replicas; printed on the log interval."""
         parts = [batch.stats for batch in self.batches if batch.stats is not None]
-        if not parts:
-            return
-        totals = self._sums(torch.stack(parts).sum(dim=0).tolist())
-        self.update_statistics.append({name: total / max(totals[0], 1.0)
-                                       for name, total in zip(UPDATE_STATISTICS, totals[1:])})
+        sums = self._sums([self.batch_tokens] + (torch.stack(parts).sum(dim=0).tolist() if parts else []))
+        self.update_throughput.append(sums[0] / max(seconds, 1e-9))
+        values = {"rl/update tokens per second": self.update_throughput[-1]}
+        if parts:
+            totals = sums[1:]
+            self.update_statistics.append({name: total / max(totals[0], 1.0)
+                                           for name, total in zip(UPDATE_STATISTICS, totals[1:])})
+            values |= {f"rl/{name}": value for name, value in self.update_statistics[-1].items()}
         if self.logger is None:
             return
-        values = {f"rl/{name}": value for name, value in self.update_statistics[-1].items()}
         iteration = self.state.iteration + 1
         self.logger.on_scalars(values, iteration)
         if iteration % self.logger.config.log_interval == 0:
+            statistics = [f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS if parts]
             self.logger.print(f" update at iteration {iteration} | " + " | ".join(
-                f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS) + " |")
+                statistics + [f"update tokens/s: {self.update_throughput[-1]:.1f}"]) + " |")
 
     def _reference_policy(self) -> torch.nn.Module:
         """The policy's architecture with --rl-reference's weights, frozen (this rank's part under tensor and

@@ -36,7 +36,7 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
         assert flag(call, "--load") == f"{work}/recipe_mdlm_sft_sudoku" and flag(call, "--rl-algorithm") == "spg"
         assert flag(call, "--seq-length") == "256" and flag(call, "--global-batch-size") == "128"
         assert flag(call, "--train-iters") == "7" and flag(call, "--rl-block-length") == "32"
-        assert flag(call, "--rl-kl-beta") == "0.04" and flag(call, "--rl-reference") == flag(call, "--load")
+        assert "--rl-kl-beta" not in call and "--rl-reference" not in call  # SPG takes no KL term
         assert "--rl-cuda-graphs" in call and "--rl-sampling-steps" not in call
     results = tmp_path / "work" / "rl"
     assert (results / "dlm_spg.log").exists() and (results / "dlm_spg.before.log").exists()
@@ -48,6 +48,7 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
     assert (results / "ar_plain.log").exists() and (results / "ar_plain.before.log").exists()
     code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "diffu_grpo"), SAMPLING_STEPS="16")
     assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16"
+    assert flag(calls[-1], "--rl-kl-beta") == "0.04" and flag(calls[-1], "--rl-reference") == flag(calls[-1], "--load")
     code, _ = run_stage(tmp_path, "rl", script=SCRIPT, args=("policy", "grpo"))
     assert code == 2
 

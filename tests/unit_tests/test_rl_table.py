@@ -31,6 +31,8 @@ def test_the_figures_are_the_trainers(tiny_run):
     assert figures["entropy"] == pytest.approx(trainer.rollout_entropy, abs=1e-4)
     assert len(figures["step_ms"]) == 6 and len(figures["tokens_per_s"]) == 6 and len(figures["validation"]) == 1
     assert len(figures["length"]) == 6 and all(1 <= length <= 8 for length in figures["length"])  # gen length 8
+    assert figures["update_tokens_per_s"] == pytest.approx(trainer.update_throughput, abs=0.051)
+    assert len(trainer.update_throughput) == 6 and min(trainer.update_throughput) > 0
 
 
 def test_the_row_summarises_the_run(tiny_run):
@@ -43,6 +45,7 @@ def test_the_row_summarises_the_run(tiny_run):
                           f"| {curve} |")
     length = figures["length"]
     assert row.endswith(f"| {length[0]:.1f} -> {length[-1]:.1f} | {statistics.median(figures['tokens_per_s']):.0f} | "
+                        f"{statistics.median(figures['update_tokens_per_s']):.0f} | "
                         f"{statistics.median(figures['step_ms']) / 1000:.2f} |")
     with pytest.raises(ValueError, match="no rollouts line"):
         rl_table.table_row("empty", None, "nothing here", windows=3)

@@ -21,7 +21,7 @@
 # blanks filled right; sudoku: 1 for a solution). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8) completions of
 # GEN_LENGTH (32) tokens at temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer steps; CUDA
 # graphs unless CUDA_GRAPHS=0), one clipped update (0.2 / 0.28) at RL_LR (1e-5) constant with KL_BETA (0.04, d1's)
-# times the KL to the fine-tuned policy (frozen; 0: none), RL_ITERS (100) steps, MICRO_BATCH_SIZE (32). The held-out
+# times the KL to the fine-tuned policy (frozen; 0: none; SPG takes none), RL_ITERS (100) steps, MICRO_BATCH_SIZE (32). The held-out
 # reward is greedy, before (--skip-train) and after. Runs may go side by side on one 80 GB card (each torchrun picks
 # its own port): give each its RUN name.
 set -euo pipefail
@@ -73,7 +73,9 @@ policy() { if [[ $1 == ar ]]; then echo "$WORK/recipe_ar_sft_sudoku"; else echo 
 # posttrain NAME ALGORITHM FLAGS...: posttrain_rl.py on NAME's policy.
 posttrain() {
     local prompts=${PROMPTS:-16} kl=() graphs=()
-    if [[ ${KL_BETA:-0.04} != 0 ]]; then kl=(--rl-kl-beta "${KL_BETA:-0.04}" --rl-reference "$(policy "$1")"); fi
+    if [[ ${KL_BETA:-0.04} != 0 && $2 != spg ]]; then  # SPG takes no KL term
+        kl=(--rl-kl-beta "${KL_BETA:-0.04}" --rl-reference "$(policy "$1")")
+    fi
     if [[ ${CUDA_GRAPHS:-1} != 0 ]]; then graphs=(--rl-cuda-graphs); fi
     torchrun --standalone --nproc-per-node 1 posttrain_rl.py --load "$(policy "$1")" --finetune --use-checkpoint-args \
         --no-load-optim --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$WORK/hf" --mask-token "$MASK_TOKEN" \

@@ -7,8 +7,9 @@ Columns: the held-out reward (greedy, the validation line) before and after; the
 over each step's completions at temperature 1) over the first and the last tenth of the steps, and its
 curve (the mean of each of `--windows` equal spans of steps); the policy's entropy (nats per completion
 token, as sampled) and the completions' mean length (tokens, to and with EOS) at the first and the last
-tenth; the median rollout tokens/s (the sampler's generated tokens over its wall time) and the median step
-time (rollouts, rewards and update).
+tenth; the median rollout tokens/s (the sampler's generated tokens over its wall time), the median update
+tokens/s (the rollout rows' tokens over the time the step spent after its rollouts) and the median step time
+(rollouts, rewards and update).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional
 VALIDATION = re.compile(r"validation reward at iteration \d+ \| reward: ([0-9.]+)")
 ROLLOUTS = re.compile(r"rollouts before iteration (\d+) \| reward: ([0-9.]+) \| completion tokens: ([0-9.]+) \|.*"
                       r"\| entropy: ([0-9.]+) \| rollout tokens/s: ([0-9.]+)")
+UPDATE = re.compile(r"update at iteration \d+ \|.*update tokens/s: ([0-9.]+)")
 STEP = re.compile(r"iteration +(\d+)/ *\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
@@ -30,11 +32,13 @@ def run_figures(log_text: str) -> Dict[str, List[float]]:
     """Per step (in order): rewards, completion lengths, entropy, rollout tokens/s, step ms; and the
     validation rewards."""
     figures: Dict[str, List[float]] = {"reward": [], "length": [], "entropy": [], "tokens_per_s": [],
-                                       "step_ms": [], "validation": []}
+                                       "update_tokens_per_s": [], "step_ms": [], "validation": []}
     for line in log_text.splitlines():
         if match := ROLLOUTS.search(line):
             for key, group in (("reward", 2), ("length", 3), ("entropy", 4), ("tokens_per_s", 5)):
                 figures[key].append(float(match.group(group)))
+        elif match := UPDATE.search(line):
+            figures["update_tokens_per_s"].append(float(match.group(1)))
         elif match := STEP.search(line):
             figures["step_ms"].append(float(match.group(2)))
         elif match := VALIDATION.search(line):
@@ -62,16 +66,18 @@ def table_row(name: str, before_text: Optional[str], log_text: str, windows: int
         f"{figures['validation'][-1]:.3f}" if figures["validation"] else "-")
     reward, entropy, length = figures["reward"], figures["entropy"], figures["length"]
     step = f"{statistics.median(figures['step_ms']) / 1000:.2f}" if figures["step_ms"] else "-"
+    update = (f"{statistics.median(figures['update_tokens_per_s']):.0f}" if figures["update_tokens_per_s"]
+              else "-")
     return (f"| {name} | {len(reward)} | {held_out} | {_mean(reward[:tenth]):.3f} -> {_mean(reward[-tenth:]):.3f} | "
             f"{' '.join(f'{value:.2f}' for value in curve(reward, windows))} | "
             f"{_mean(entropy[:tenth]):.3f} -> {_mean(entropy[-tenth:]):.3f} | "
             f"{_mean(length[:tenth]):.1f} -> {_mean(length[-tenth:]):.1f} | "
-            f"{statistics.median(figures['tokens_per_s']):.0f} | {step} |")
+            f"{statistics.median(figures['tokens_per_s']):.0f} | {update} | {step} |")
 
 
 HEADER = ("| run | steps | held-out reward, before -> after | training reward, first -> last tenth | reward curve "
-          "| entropy, first -> last tenth | completion tokens, first -> last tenth | rollout tokens/s | step (s) |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+          "| entropy, first -> last tenth | completion tokens, first -> last tenth | rollout tokens/s "
+          "| update tokens/s | step (s) |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _read(path: str) -> Optional[str]:
