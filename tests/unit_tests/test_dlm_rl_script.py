@@ -46,8 +46,9 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
     assert not {"--rl-block-length", "--rl-kl-beta", "--rl-reference", "--rl-cuda-graphs", "--rl-sampling-steps"} & set(
         calls[-1])
     assert (results / "ar_plain.log").exists() and (results / "ar_plain.before.log").exists()
-    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "diffu_grpo"), SAMPLING_STEPS="16")
-    assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16"
+    code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "diffu_grpo"), SAMPLING_STEPS="16",
+                            INNER_STEPS="4")
+    assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16" and flag(calls[-1], "--rl-inner-steps") == "4"
     assert flag(calls[-1], "--rl-kl-beta") == "0.04" and flag(calls[-1], "--rl-reference") == flag(calls[-1], "--load")
     code, _ = run_stage(tmp_path, "rl", script=SCRIPT, args=("policy", "grpo"))
     assert code == 2

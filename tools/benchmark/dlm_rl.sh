@@ -17,13 +17,14 @@
 # in RESULTS (default $WORK/rl). Sudoku: SFT_COUNT (20,000) fine-tuning records, SFT_ITERS (300: short, so the
 # policy leaves room to learn), RL_COUNT (4,000) training tasks, EVAL_PROMPTS (256) held out, each drawn by
 # tools/build_rl_task.py from its own seed; fine-tuning rows of SFT_SEQ_LENGTH (192: a Sudoku example is 144
-# tokens), RL rows of RL_SEQ_LENGTH (256) positions. The RL tasks' reward is REWARD (sudoku_cells: d1's share of the
-# blanks filled right; sudoku: 1 for a solution). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8) completions of
-# GEN_LENGTH (32) tokens at temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer steps; CUDA
-# graphs unless CUDA_GRAPHS=0), one clipped update (0.2 / 0.28) at RL_LR (1e-5) constant with KL_BETA (0.04, d1's)
-# times the KL to the fine-tuned policy (frozen; 0: none; SPG takes none), RL_ITERS (100) steps, MICRO_BATCH_SIZE (32). The held-out
-# reward is greedy, before (--skip-train) and after. Runs may go side by side on one 80 GB card (each torchrun picks
-# its own port): give each its RUN name.
+# tokens), RL rows of RL_SEQ_LENGTH (256) positions. The RL tasks' reward is REWARD (sudoku_cells: d1's share
+# of the blanks filled right; sudoku: 1 for a solution). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8)
+# completions of GEN_LENGTH (32) tokens at temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer
+# steps; CUDA graphs unless CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) clipped updates (0.2 / 0.28) on each
+# step's rollouts at RL_LR (1e-5) constant with KL_BETA (0.04, d1's) times the KL to the fine-tuned policy
+# (frozen; 0: none; SPG takes none); RL_ITERS (100) updates, MICRO_BATCH_SIZE (32). The held-out reward is
+# greedy, before (--skip-train) and after. Runs may go side by side on one 80 GB card (each torchrun picks its
+# own port): give each its RUN name.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -82,7 +83,7 @@ posttrain() {
         --rl-task "$WORK/sudoku_rl_train.jsonl.gz" --rl-valid-task "$WORK/sudoku_rl_valid.jsonl.gz" \
         --rl-eval-prompts "${EVAL_PROMPTS:-256}" --rl-algorithm "$2" --rl-group-size "$GROUP_SIZE" \
         --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature 1.0 --rl-clip-low 0.2 --rl-clip-high 0.28 \
-        --rl-reward-workers 4 --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
+        --rl-reward-workers 4 --rl-inner-steps "${INNER_STEPS:-1}" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
         --global-batch-size $(( prompts * GROUP_SIZE )) --train-iters "$RL_ITERS" --lr "${RL_LR:-1e-5}" \
         --min-lr "${RL_LR:-1e-5}" --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.99 \
         --clip-grad 1.0 --bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --log-interval 1 \
