@@ -18,13 +18,14 @@
 # policy leaves room to learn), RL_COUNT (4,000) training tasks, EVAL_PROMPTS (256) held out, each drawn by
 # tools/build_rl_task.py from its own seed; fine-tuning rows of SFT_SEQ_LENGTH (192: a Sudoku example is 144
 # tokens), RL rows of RL_SEQ_LENGTH (256) positions. The RL tasks' reward is REWARD (sudoku_cells: d1's share
-# of the blanks filled right; sudoku: 1 for a solution). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8)
-# completions of GEN_LENGTH (32) tokens at temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer
-# steps; CUDA graphs unless CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) clipped updates (0.2 / 0.28) on each
-# step's rollouts at RL_LR (1e-5) constant with KL_BETA (0.04, d1's) times the KL to the fine-tuned policy
-# (frozen; 0: none; SPG takes none); RL_ITERS (100) updates, MICRO_BATCH_SIZE (32). The held-out reward is
-# greedy, before (--skip-train) and after. Runs may go side by side on one 80 GB card (each torchrun picks its
-# own port): give each its RUN name.
+# of the blanks filled right; sudoku: 1 for a solution), the held-out one VALID_REWARD (sudoku: the share
+# solved). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8) completions of GEN_LENGTH (32) tokens at
+# temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer steps; CUDA graphs unless
+# CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) clipped updates (0.2 / 0.28) on each step's rollouts at RL_LR
+# (1e-5) constant with KL_BETA (0.04, d1's) times the KL to the fine-tuned policy (frozen; 0: none; SPG takes
+# none); RL_ITERS (100) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy, before (--skip-train)
+# and after. Runs may go side by side on one 80 GB card (each torchrun picks its own port): give each its RUN
+# name.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -45,7 +46,7 @@ prepare() {
     "$PYTHON" tools/build_rl_task.py --kind sudoku --count "${RL_COUNT:-4000}" --seed 13 --force \
         --reward "${REWARD:-sudoku_cells}" --output "$WORK/sudoku_rl_train.jsonl.gz"
     "$PYTHON" tools/build_rl_task.py --kind sudoku --count "${EVAL_PROMPTS:-256}" --seed 14 --force \
-        --reward "${REWARD:-sudoku_cells}" --output "$WORK/sudoku_rl_valid.jsonl.gz"
+        --reward "${VALID_REWARD:-sudoku}" --output "$WORK/sudoku_rl_valid.jsonl.gz"
     for split in train valid; do
         "$PYTHON" tools/preprocess_data.py --input "$WORK/sudoku_$split.jsonl.gz" --chat \
             --output-prefix "$WORK/data/sudoku_$split" --tokenizer-type HuggingFaceTokenizer \
