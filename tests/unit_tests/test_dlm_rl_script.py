@@ -68,3 +68,13 @@ def test_speed_runs_each_policy_eager_and_with_graphs(tmp_path):
     assert table[0] == "tools/benchmark/rl_table.py" and flag(table, "--results") == f"{work}/rl/speed"
     assert table[3:] == ["dlm_steps32_graphs0", "dlm_steps32_graphs1", "dlm_steps16_graphs0", "dlm_steps16_graphs1",
                          "ar_graphs0", "ar_graphs1"]
+
+
+def test_prepare_rewards_training_by_partial_credit_and_holds_out_the_share_solved(tmp_path):
+    code, calls = run_stage(tmp_path, "prepare", script=SCRIPT)
+    work = str(tmp_path / "work")
+    built = {flag(c, "--output"): c for c in calls if c[0] == "tools/build_rl_task.py"}
+    assert code == 0 and "--reward" not in built[f"{work}/sudoku_train.jsonl.gz"]  # SFT records: no reward
+    assert flag(built[f"{work}/sudoku_rl_train.jsonl.gz"], "--reward") == "sudoku_cells"
+    assert flag(built[f"{work}/sudoku_rl_valid.jsonl.gz"], "--reward") == "sudoku"
+    assert flag(built[f"{work}/sudoku_rl_valid.jsonl.gz"], "--count") == "256"
