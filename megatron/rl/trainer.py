@@ -162,7 +162,7 @@ class RLTrainer(Trainer):
         iteration = self.state.iteration + 1
         self.logger.on_scalars(values, iteration)
         if iteration % self.logger.config.log_interval == 0:
-            statistics = [f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS if parts]
+            statistics = [f"{name}: {values[f'rl/{name}']:.4f}" for name in UPDATE_STATISTICS] if parts else []
             self.logger.print(f" update at iteration {iteration} | " + " | ".join(
                 statistics + [f"update tokens/s: {self.update_throughput[-1]:.1f}"]) + " |")
 

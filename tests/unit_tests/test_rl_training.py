@@ -73,6 +73,7 @@ def test_the_mean_reward_rises(runtime, tmp_path, mode, algorithm, lr, iteration
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.08, rewards
     entropy = trainer.rollout_entropy  # the policy sharpens as it learns
     assert sum(entropy[-4:]) / 4 < sum(entropy[:4]) / 4 - 0.1, entropy
+    assert len(trainer.update_throughput) == iterations and min(trainer.update_throughput) > 0  # SPG's too
 
 
 def test_resume_goes_on_bit_for_bit(runtime, tmp_path):
