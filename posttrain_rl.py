@@ -45,7 +45,8 @@ def build_tasks(args, update, rollout) -> RLTasks:
     """The task files read and checked, and the prompt encoding (InputError / ValueError: one line)."""
     valid = load_tasks(args.rl_valid_task) if args.rl_valid_task else []
     tasks = RLTasks(load_tasks(args.rl_task), valid, PromptEncoder(args.tokenizer, args.rl_chat_template), rollout,
-                    eval_prompts=args.rl_eval_prompts, reward_workers=args.rl_reward_workers,
+                    eval_prompts=args.rl_eval_prompts, log_completions=args.rl_log_completions,
+                    reward_workers=args.rl_reward_workers,
                     reward_timeout_s=args.rl_reward_timeout, update=update, reference=args.rl_reference)
     check_lengths(tasks, args.max_position_embeddings)
     return tasks

@@ -31,6 +31,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-valid-task", help="Held-out task file: the validation reward (greedy, one completion "
                                            "a task) every --eval-interval iterations.")
     g.add_argument("--rl-eval-prompts", type=int, default=64, help="Held-out tasks a validation scores.")
+    g.add_argument("--rl-log-completions", type=int, default=0,
+                   help="Held-out completions each validation prints (the first ones, with their answers and "
+                        "rewards): what the greedy policy writes.")
     g.add_argument("--rl-algorithm", default="diffu_grpo", choices=sorted(ALGORITHMS),
                    help="grpo: exact token log-probs of an AR policy (vanilla; also a joint AR + DLM one); "
                         "diffu_grpo: d1's one-step estimate (masked completion, randomly masked prompt); "
@@ -85,8 +88,10 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
     if args.data_path or args.train_data_path:
         raise ValueError("RL reads its prompts from --rl-task; drop --data-path/--train-data-path")
     group, inner = args.rl_group_size, args.rl_inner_steps
-    if group < 1 or inner < 1 or args.rl_eval_prompts < 0 or args.rl_gen_length < 1:
-        raise ValueError("--rl-group-size, --rl-inner-steps and --rl-gen-length must be >= 1, --rl-eval-prompts >= 0")
+    if group < 1 or inner < 1 or args.rl_eval_prompts < 0 or args.rl_gen_length < 1 \
+            or args.rl_log_completions < 0:
+        raise ValueError("--rl-group-size, --rl-inner-steps and --rl-gen-length must be >= 1, --rl-eval-prompts and "
+                         "--rl-log-completions >= 0")
     replicas = args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                    * args.context_parallel_size)
     if args.global_batch_size % (group * replicas):

@@ -19,6 +19,7 @@ into the update's micro-batches (step.RolloutBatch).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -122,6 +123,8 @@ class Rollouts:
     """[N G, T] float32: the policy's entropy at each completion token, as the sampler drew it."""
     seconds: float
     """Wall time of the sampling."""
+    texts: List[str] = dataclasses.field(default_factory=list)
+    """[N G] the completions as the reward processes read them (to and without their first EOS)."""
 
 
 def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord], indices: Sequence[int],
@@ -152,7 +155,7 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
                            dtype=torch.float32)
     full_real = torch.cat([real, torch.ones_like(completions, dtype=torch.bool)], dim=1)
     return Rollouts(sequence, full_real, length, mask, rewards, torch.tensor(seeds, dtype=torch.long),
-                    entropy.cpu(), seconds)
+                    entropy.cpu(), seconds, texts)
 
 
 def _sampling_options(model, config: RolloutConfig, seeds: List[int]) -> Dict[str, object]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from typing import List, Optional, Sequence
 
@@ -51,6 +52,8 @@ class RLTasks:
     encoder: PromptEncoder
     rollout: RolloutConfig
     eval_prompts: int = 0
+    log_completions: int = 0
+    """Held-out completions each validation prints (the logging rank's first ones)."""
     reward_workers: int = 2
     reward_timeout_s: float = 5.0
     update: RLConfig = dataclasses.field(default_factory=RLConfig)
@@ -220,12 +223,15 @@ class RLTrainer(Trainer):
         count = min(self.tasks.eval_prompts, len(self.tasks.valid))
         indices = self._replica_prompts(0, count)
         config = dataclasses.replace(self.tasks.rollout, group_size=1, temperature=0.0)
-        rewards = (self._sample([self.tasks.valid[k] for k in indices], indices, config).rewards if indices
-                   else torch.zeros(0))  # a replica past the last held-out task samples nothing
+        rollouts = self._sample([self.tasks.valid[k] for k in indices], indices, config) if indices else None
+        rewards, texts = (rollouts.rewards, rollouts.texts) if rollouts else (torch.zeros(0), [])  # past the tasks
         total, rows = self._sums([float(rewards.sum()), float(rewards.numel())])
         reward = total / max(rows, 1.0)
         if self.logger is not None:
             self.logger.print(f" validation reward at iteration {self.state.iteration} | reward: {reward:.4f} | "
                               f"prompts: {int(rows)} |")
             self.logger.on_scalars({"rl/validation reward": reward}, self.state.iteration)
+            for k, text, value in list(zip(indices, texts, rewards.tolist()))[:self.tasks.log_completions]:
+                self.logger.print(f" validation completion {k} | reward: {value:.4f} | answer: "
+                                  f"{json.dumps(self.tasks.valid[k].answer)} | completion: {json.dumps(text)} |")
         return reward

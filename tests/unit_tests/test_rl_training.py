@@ -143,6 +143,7 @@ def test_sequence_parallel_moe_rollouts_are_one_line(tmp_path, capsys, monkeypat
     (["--rl-task", "TASKS", "--rl-inner-steps", "3", "--train-iters", "4"], "a multiple of --rl-inner-steps 3"),
     (["--rl-task", "MISSING"], "MISSING"),
     (["--rl-task", "TASKS", "--rl-kl-beta", "0.1"], "--rl-kl-beta 0.1 needs --rl-reference"),
+    (["--rl-task", "TASKS", "--rl-log-completions", "-1"], "--rl-log-completions >= 0"),
     (["--rl-task", "TASKS", "--rl-algorithm", "spg", "--rl-kl-beta", "0.1", "--rl-reference", "x"],
      "the spg estimator takes no KL term"),
     (["--rl-task", "TASKS", "--rl-gen-length", "44"], "--rl-gen-length 44 need"),  # past --seq-length 48
@@ -294,13 +295,22 @@ def test_step_throughput_is_off_with_a_note(tmp_path, capsys):
 
 def test_the_validation_reward_scores_the_held_out_tasks_greedily(runtime, tmp_path, capsys):
     """--rl-valid-task: every --eval-interval, one greedy completion of each of --rl-eval-prompts tasks; greedy,
-    so a second evaluation of the same weights gives the same reward."""
+    so a second evaluation of the same weights gives the same reward. --rl-log-completions prints the first
+    ones with the rewards they scored."""
     tasks = task_file(tmp_path)
     trainer = run(MODEL + ["--rl-task", tasks, "--rl-valid-task", tasks, "--rl-eval-prompts", "5",
-                           "--eval-interval", "2", "--eval-iters", "1", "--model-running-mode", "vanilla",
-                           "--rl-algorithm", "grpo", "--lr", "1e-3", "--train-iters", "2"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "validation reward at iteration 2" in line]
+                           "--rl-log-completions", "2", "--eval-interval", "2", "--eval-iters", "1",
+                           "--model-running-mode", "vanilla", "--rl-algorithm", "grpo", "--lr", "1e-3",
+                           "--train-iters", "2"])
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if "validation reward at iteration 2" in line]
     assert len(lines) == 1 and "prompts: 5 |" in lines[0]
+    shown = [re.search(r"validation completion (\d+) \| reward: ([0-9.]+) \| answer: \"\" \| completion: (.*) \|$",
+                       line) for line in out if "validation completion" in line]
+    assert [int(match.group(1)) for match in shown] == [0, 1]  # the held-out tasks in order, 2 of the 5
+    for match in shown:  # the reward the checker gives the printed text
+        text = "".join(json.loads(match.group(3)).split())
+        assert text and float(match.group(2)) == pytest.approx(text.count("e") / len(text), abs=1e-4)
     with RewardWorkersFor(trainer):
         again = trainer.evaluate_and_log()
     assert f"reward: {again:.4f}" in lines[0] and 0.0 < again < 1.0
