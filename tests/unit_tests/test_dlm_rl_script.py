@@ -37,7 +37,8 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
         assert flag(call, "--seq-length") == "256" and flag(call, "--global-batch-size") == "128"
         assert flag(call, "--train-iters") == "7" and flag(call, "--rl-block-length") == "32"
         assert "--rl-kl-beta" not in call and "--rl-reference" not in call  # SPG takes no KL term
-        assert flag(call, "--rl-advantage") == "dr_grpo"  # and centres the rewards only
+        assert flag(call, "--rl-advantage") == "dr_grpo" and flag(call, "--rl-spg-beta") == "1.0"  # SPG's Sudoku
+        assert flag(call, "--rl-temperature") == "0.3"  # recipe: centred rewards, beta 1, temperature 0.3
         assert flag(call, "--rl-log-completions") == "4"  # what the greedy policy writes, in the log
         assert "--rl-cuda-graphs" in call and "--rl-sampling-steps" not in call
     results = tmp_path / "work" / "rl"
@@ -53,6 +54,7 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
     assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16" and flag(calls[-1], "--rl-inner-steps") == "4"
     assert flag(calls[-1], "--rl-kl-beta") == "0.04" and flag(calls[-1], "--rl-reference") == flag(calls[-1], "--load")
     assert "--rl-advantage" not in calls[-1]  # d1's: over the group's std, posttrain_rl.py's default
+    assert flag(calls[-1], "--rl-temperature") == "1.0" and "--rl-spg-beta" not in calls[-1]
     code, _ = run_stage(tmp_path, "rl", script=SCRIPT, args=("policy", "grpo"))
     assert code == 2
 

@@ -23,10 +23,10 @@
 # temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer steps; CUDA graphs unless
 # CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) clipped updates (0.2 / 0.28) on each step's rollouts at RL_LR
 # (1e-5) constant with KL_BETA (0.04, d1's) times the KL to the fine-tuned policy (frozen; 0: none; SPG takes
-# none), advantages over the group's std (SPG: centred only, as its reference); RL_ITERS (100) updates,
-# MICRO_BATCH_SIZE (32). The held-out reward is greedy, before (--skip-train) and after, with its first 4
-# completions in the log. Runs may go side by side on one 80 GB card (each torchrun picks its own port): give
-# each its RUN name.
+# none), advantages over the group's std (SPG: its Sudoku recipe, centred advantages, upper-bound beta 1,
+# rollouts at temperature 0.3); RL_ITERS (100) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy,
+# before (--skip-train) and after, with its first 4 completions in the log. Runs may go side by side on one 80 GB
+# card (each torchrun picks its own port): give each its RUN name.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -75,9 +75,9 @@ policy() { if [[ $1 == ar ]]; then echo "$WORK/recipe_ar_sft_sudoku"; else echo 
 
 # posttrain NAME ALGORITHM FLAGS...: posttrain_rl.py on NAME's policy.
 posttrain() {
-    local prompts=${PROMPTS:-16} objective=() graphs=()
-    if [[ $2 == spg ]]; then  # SPG: no KL term, advantages centred only (its reference)
-        objective=(--rl-advantage dr_grpo)
+    local prompts=${PROMPTS:-16} objective=() graphs=() temperature=1.0
+    if [[ $2 == spg ]]; then  # SPG's Sudoku recipe: no KL term, advantages centred only, beta 1, temperature 0.3
+        objective=(--rl-advantage dr_grpo --rl-spg-beta 1.0) temperature=0.3
     elif [[ ${KL_BETA:-0.04} != 0 ]]; then
         objective=(--rl-kl-beta "${KL_BETA:-0.04}" --rl-reference "$(policy "$1")")
     fi
@@ -87,7 +87,7 @@ posttrain() {
         --rl-task "$WORK/sudoku_rl_train.jsonl.gz" --rl-valid-task "$WORK/sudoku_rl_valid.jsonl.gz" \
         --rl-eval-prompts "${EVAL_PROMPTS:-256}" --rl-log-completions 4 --rl-algorithm "$2" \
         --rl-group-size "$GROUP_SIZE" \
-        --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature 1.0 --rl-clip-low 0.2 --rl-clip-high 0.28 \
+        --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature "$temperature" --rl-clip-low 0.2 --rl-clip-high 0.28 \
         --rl-reward-workers 4 --rl-inner-steps "${INNER_STEPS:-1}" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
         --global-batch-size $(( prompts * GROUP_SIZE )) --train-iters "$RL_ITERS" --lr "${RL_LR:-1e-5}" \
         --min-lr "${RL_LR:-1e-5}" --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.99 \
