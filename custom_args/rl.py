@@ -56,7 +56,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="grpo: reward minus the group mean over the group std; dr_grpo: not divided.")
     g.add_argument("--rl-normalization", default="sequence", choices=NORMALIZATIONS,
                    help="sequence: each completion's token mean (GRPO); token: every token alike (DAPO, Dr. GRPO).")
-    g.add_argument("--rl-prompt-mask-prob", type=float, default=0.15, help="diffu_grpo: prompt tokens masked.")
+    g.add_argument("--rl-prompt-mask-prob", type=float, default=0.15,
+                   help="diffu_grpo: prompt tokens masked; spg: the tokens its masks leave visible (the prompt, "
+                        "the completion before the block) masked.")
     g.add_argument("--rl-spg-samples", type=int, default=2, help="spg: block-masked copies of each completion.")
     g.add_argument("--rl-spg-beta", type=float, default=1.5, help="spg: the upper bound's beta (>= 1).")
     g.add_argument("--rl-spg-mix", type=float, default=0.5,
@@ -92,6 +94,8 @@ def rl_settings(args: argparse.Namespace) -> Tuple[RLConfig, RolloutConfig]:
             or args.rl_log_completions < 0:
         raise ValueError("--rl-group-size, --rl-inner-steps and --rl-gen-length must be >= 1, --rl-eval-prompts and "
                          "--rl-log-completions >= 0")
+    if not 0.0 <= args.rl_prompt_mask_prob <= 1.0:
+        raise ValueError(f"--rl-prompt-mask-prob {args.rl_prompt_mask_prob} is a probability: give one in [0, 1]")
     replicas = args.world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                                    * args.context_parallel_size)
     if args.global_batch_size % (group * replicas):

@@ -4,9 +4,11 @@ bounded from below on both sides of the baseline.
 
 Each completion is scored under `samples` block-wise random masks (SPG's block_random): a block of
 `block_length` completion tokens is drawn; in it a uniform number (at least 1) of tokens is hidden; every
-later position is hidden too; earlier ones stay visible; the prompt stays clean. Scored are the hidden
-tokens inside the completion (up to its first EOS). Per row, over its samples j with hidden fraction
-t_j of its completion:
+later position is hidden too; earlier ones stay visible, and so does the prompt, but for each visible token
+(the prompt's and the completion's before the block) hidden with probability `prompt_mask_prob`, as SPG's
+reference does with its p_mask_prompt. Scored are the hidden tokens inside the completion (up to its first
+EOS; so, as in the reference, an earlier completion token hidden that way is scored too). Per row, over its
+samples j with hidden fraction t_j of its completion:
 
 - lower bound (ELBO-like, `positive` advantages): the mean over samples of each sample's mean log p of
   its scored tokens;
@@ -27,7 +29,7 @@ import torch
 
 from megatron.rl.estimators import EstimatorBatch
 
-__all__ = ["spg_masks", "spg_batch", "sequence_bounds", "spg_loss"]
+__all__ = ["spg_masks", "visible_masks", "spg_batch", "sequence_bounds", "spg_loss"]
 
 
 def spg_masks(completion_mask: torch.Tensor, samples: int, block_length: int,
@@ -48,8 +50,20 @@ def spg_masks(completion_mask: torch.Tensor, samples: int, block_length: int,
     return hidden.view(samples * batch, width).to(completion_mask.device)
 
 
+def visible_masks(hidden: torch.Tensor, samples: int, probability: float,
+                  generators: List[torch.Generator]) -> torch.Tensor:
+    """[samples * B, L] bool: each token `hidden` leaves visible, hidden with `probability` (a row's draws
+    after its block masks, from its own generator)."""
+    draws = torch.zeros(samples, len(generators), hidden.shape[1])
+    for row, generator in enumerate(generators):
+        for sample in range(samples):
+            draws[sample, row] = torch.rand(hidden.shape[1], generator=generator)
+    return (draws.view_as(hidden).to(hidden.device) < probability) & ~hidden
+
+
 def spg_batch(sequence: torch.Tensor, prompt_length: int, mask_token_id: int, completion_mask: torch.Tensor,
-              samples: int, block_length: int, seeds: Optional[Sequence[int]] = None) -> EstimatorBatch:
+              samples: int, block_length: int, seeds: Optional[Sequence[int]] = None,
+              prompt_mask_prob: float = 0.0) -> EstimatorBatch:
     """The forward of `samples` masked copies of each row [B, P + T] (rows sample-major: j * B + i)."""
     if not isinstance(mask_token_id, int):
         raise ValueError("the spg estimator masks tokens: give the mask token id")
@@ -57,6 +71,8 @@ def spg_batch(sequence: torch.Tensor, prompt_length: int, mask_token_id: int, co
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     hidden = torch.zeros(samples * sequence.shape[0], sequence.shape[1], dtype=torch.bool, device=sequence.device)
     hidden[:, prompt_length:] = spg_masks(completion_mask, samples, block_length, generators)
+    if prompt_mask_prob > 0:
+        hidden |= visible_masks(hidden, samples, prompt_mask_prob, generators)
     rows = sequence.repeat(samples, 1)
     scored = hidden & torch.cat([torch.zeros_like(sequence[:, :prompt_length], dtype=torch.bool),
                                  completion_mask], dim=1).repeat(samples, 1)

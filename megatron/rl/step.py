@@ -49,7 +49,7 @@ class RLConfig:
     normalization: str = "sequence"
     """`sequence` (GRPO: each completion's token mean) or `token` (DAPO: every token alike)."""
     prompt_mask_prob: float = 0.15
-    """diffu_grpo: the share of prompt tokens masked in each estimate (d1)."""
+    """diffu_grpo: the share of prompt tokens masked in each estimate (d1); spg: of the visible tokens."""
     spg_samples: int = 2
     spg_block_length: int = 32
     spg_beta: float = 1.5
@@ -65,6 +65,8 @@ class RLConfig:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"RLConfig.normalization={self.normalization!r} is not one of "
                              f"{', '.join(NORMALIZATIONS)}")
+        if not 0.0 <= self.prompt_mask_prob <= 1.0:
+            raise ValueError(f"RLConfig: prompt_mask_prob={self.prompt_mask_prob} must be in [0, 1]")
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0 and self.beta >= 0.0):
             raise ValueError(f"RLConfig: clip_low={self.clip_low} must be in [0, 1), clip_high={self.clip_high} "
                              f"and beta={self.beta} >= 0")
@@ -105,7 +107,8 @@ class RolloutBatch:
 def _estimate(batch: RolloutBatch, config: RLConfig) -> EstimatorBatch:
     if config.estimator == "spg":
         return spg.spg_batch(batch.sequence, batch.prompt_length, config.mask_token_id, batch.completion_mask,
-                             config.spg_samples, config.spg_block_length, batch.seeds)
+                             config.spg_samples, config.spg_block_length, batch.seeds,
+                             prompt_mask_prob=config.prompt_mask_prob)
     return estimator_batch(config.estimator, batch.sequence, batch.prompt_length, config.mask_token_id,
                            prompt_mask_prob=config.prompt_mask_prob, seeds=batch.seeds)
 

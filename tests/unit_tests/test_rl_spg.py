@@ -31,6 +31,34 @@ def test_each_sample_hides_part_of_one_block_and_everything_after():
     assert torch.equal(again[:, 0], hidden[:, 1])  # a row's masks follow its own seed, not its batch
 
 
+def test_the_visible_tokens_are_masked_with_the_prompt_probability():
+    """SPG's reference masks the tokens its block masks leave visible (the prompt, the completion before the
+    block) with p_mask_prompt; a hidden earlier completion token is scored; the block masks stay the draws
+    they were."""
+    rows, samples = 64, 2
+    sequence = tokens(batch=rows, seq=P + T, seed=3)
+    completion = torch.ones(rows, T, dtype=torch.bool)
+    completion[::2, 6:] = False
+    seeds = list(range(100, 100 + rows))
+    clean = spg.spg_batch(sequence, P, MASK_ID, completion, samples, 3, seeds)
+    hidden_clean = clean.input_ids == MASK_ID
+    assert not hidden_clean[:, :P].any()  # no visible token masked
+    for probability in (1.0, 0.3):
+        masked = spg.spg_batch(sequence, P, MASK_ID, completion, samples, 3, seeds, prompt_mask_prob=probability)
+        hidden = masked.input_ids == MASK_ID
+        assert (hidden & hidden_clean).equal(hidden_clean)  # the block masks as they were, more tokens hidden
+        extra = hidden & ~hidden_clean
+        scored = torch.cat([torch.zeros(samples * rows, P, dtype=torch.bool), completion.repeat(samples, 1)], dim=1)
+        assert torch.equal(masked.loss_weights > 0, hidden & scored)  # earlier completion tokens hidden: scored
+        visible = ~hidden_clean
+        share = extra.sum().item() / visible.sum().item()
+        if probability == 1.0:
+            assert torch.equal(extra, visible) and extra[:, P:].any()
+        else:
+            assert abs(share - 0.3) < 0.05, share  # about 0.3 of the visible tokens, prompt and completion
+            assert extra[:, :P].any() and extra[:, P:].any()
+
+
 def hand_bounds(logp, scored, lengths, beta):
     """The bounds written out token by token."""
     samples, rows, width = logp.shape
@@ -87,7 +115,8 @@ def test_the_update_through_the_schedule_equals_the_direct_bounds():
                                              model, 2, GlobalBatchLoss(torch.device("cpu")))
     through = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    estimate = spg.spg_batch(sequence, P, MASK_ID, completion, 2, 3, seeds.tolist())
+    estimate = spg.spg_batch(sequence, P, MASK_ID, completion, 2, 3, seeds.tolist(),
+                             prompt_mask_prob=config.prompt_mask_prob)  # 0.15 (d1's)
     per_token = model.difflm_forward(estimate.input_ids, labels=estimate.labels, loss_weights=estimate.loss_weights,
                                      loss_normalizer=1.0)[0]
     logp = (-per_token * estimate.loss_weights)[:, P:].view(2, 4, T)

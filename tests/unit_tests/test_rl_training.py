@@ -144,6 +144,7 @@ def test_sequence_parallel_moe_rollouts_are_one_line(tmp_path, capsys, monkeypat
     (["--rl-task", "MISSING"], "MISSING"),
     (["--rl-task", "TASKS", "--rl-kl-beta", "0.1"], "--rl-kl-beta 0.1 needs --rl-reference"),
     (["--rl-task", "TASKS", "--rl-log-completions", "-1"], "--rl-log-completions >= 0"),
+    (["--rl-task", "TASKS", "--rl-prompt-mask-prob", "1.5"], "--rl-prompt-mask-prob 1.5 is a probability"),
     (["--rl-task", "TASKS", "--rl-algorithm", "spg", "--rl-kl-beta", "0.1", "--rl-reference", "x"],
      "the spg estimator takes no KL term"),
     (["--rl-task", "TASKS", "--rl-gen-length", "44"], "--rl-gen-length 44 need"),  # past --seq-length 48
