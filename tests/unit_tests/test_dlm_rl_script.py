@@ -40,6 +40,7 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
         assert flag(call, "--rl-advantage") == "dr_grpo" and flag(call, "--rl-spg-beta") == "1.0"  # SPG's Sudoku
         assert flag(call, "--rl-temperature") == "0.3"  # recipe: centred rewards, beta 1, temperature 0.3
         assert flag(call, "--rl-log-completions") == "4"  # what the greedy policy writes, in the log
+        assert flag(call, "--rl-clip-low") == "0.2" and flag(call, "--rl-clip-high") == "0.28"
         assert "--rl-cuda-graphs" in call and "--rl-sampling-steps" not in call
     results = tmp_path / "work" / "rl"
     assert (results / "dlm_spg.log").exists() and (results / "dlm_spg.before.log").exists()
@@ -50,8 +51,10 @@ def test_rl_scores_the_policy_before_then_trains_it(tmp_path):
         calls[-1])
     assert (results / "ar_plain.log").exists() and (results / "ar_plain.before.log").exists()
     code, calls = run_stage(tmp_path, "rl", script=SCRIPT, args=("dlm", "diffu_grpo"), SAMPLING_STEPS="16",
-                            INNER_STEPS="4")
+                            INNER_STEPS="4", CLIP_LOW="0.5", CLIP_HIGH="0.5", RL_LR="3e-6")
     assert code == 0 and flag(calls[-1], "--rl-sampling-steps") == "16" and flag(calls[-1], "--rl-inner-steps") == "4"
+    assert flag(calls[-1], "--rl-clip-low") == flag(calls[-1], "--rl-clip-high") == "0.5"  # d1's recipe
+    assert flag(calls[-1], "--lr") == flag(calls[-1], "--min-lr") == "3e-6"
     assert flag(calls[-1], "--rl-kl-beta") == "0.04" and flag(calls[-1], "--rl-reference") == flag(calls[-1], "--load")
     assert "--rl-advantage" not in calls[-1]  # d1's: over the group's std, posttrain_rl.py's default
     assert flag(calls[-1], "--rl-temperature") == "1.0" and "--rl-spg-beta" not in calls[-1]

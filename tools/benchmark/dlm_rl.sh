@@ -21,10 +21,11 @@
 # of the blanks filled right; sudoku: 1 for a solution), the held-out one VALID_REWARD (sudoku: the share
 # solved). Each RL step: PROMPTS (16) prompts x GROUP_SIZE (8) completions of GEN_LENGTH (32) tokens at
 # temperature 1 (the DLM one token a step, block 32; SAMPLING_STEPS fewer steps; CUDA graphs unless
-# CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) clipped updates (0.2 / 0.28) on each step's rollouts at RL_LR
-# (1e-5) constant with KL_BETA (0.04, d1's) times the KL to the fine-tuned policy (frozen; 0: none; SPG takes
-# none), advantages over the group's std (SPG: its Sudoku recipe, centred advantages, upper-bound beta 1,
-# rollouts at temperature 0.3); RL_ITERS (100) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy,
+# CUDA_GRAPHS=0), INNER_STEPS (1; d1 takes 12) updates clipped at CLIP_LOW / CLIP_HIGH (0.2 / 0.28; d1: 0.5)
+# on each step's rollouts at RL_LR (1e-5; d1: 3e-6) constant with KL_BETA (0.04, d1's) times the KL to the
+# fine-tuned policy (frozen; 0: none; SPG takes none), advantages over the group's std (SPG: its Sudoku recipe,
+# centred advantages, upper-bound beta 1, rollouts at temperature 0.3); RL_ITERS (100; a multiple of
+# INNER_STEPS) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy,
 # before (--skip-train) and after, with its first 4 completions in the log. Three runs go side by side on one
 # 80 GB card (two DLM runs held 47 GB; five ran out of memory); each torchrun picks its own port: give each its
 # RUN name.
@@ -88,7 +89,7 @@ posttrain() {
         --rl-task "$WORK/sudoku_rl_train.jsonl.gz" --rl-valid-task "$WORK/sudoku_rl_valid.jsonl.gz" \
         --rl-eval-prompts "${EVAL_PROMPTS:-256}" --rl-log-completions 4 --rl-algorithm "$2" \
         --rl-group-size "$GROUP_SIZE" \
-        --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature "$temperature" --rl-clip-low 0.2 --rl-clip-high 0.28 \
+        --rl-gen-length "${GEN_LENGTH:-32}" --rl-temperature "$temperature" --rl-clip-low "${CLIP_LOW:-0.2}" --rl-clip-high "${CLIP_HIGH:-0.28}" \
         --rl-reward-workers 4 --rl-inner-steps "${INNER_STEPS:-1}" --micro-batch-size "${MICRO_BATCH_SIZE:-32}" \
         --global-batch-size $(( prompts * GROUP_SIZE )) --train-iters "$RL_ITERS" --lr "${RL_LR:-1e-5}" \
         --min-lr "${RL_LR:-1e-5}" --lr-decay-style constant --weight-decay 0.0 --adam-beta1 0.9 --adam-beta2 0.99 \
