@@ -25,10 +25,9 @@
 # on each step's rollouts at RL_LR (1e-5; d1: 3e-6) constant with KL_BETA (0.04, d1's) times the KL to the
 # fine-tuned policy (frozen; 0: none; SPG takes none), advantages over the group's std (SPG: its Sudoku recipe,
 # centred advantages, upper-bound beta 1, rollouts at temperature 0.3); RL_ITERS (100; a multiple of
-# INNER_STEPS) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy,
-# before (--skip-train) and after, with its first 4 completions in the log. Three runs go side by side on one
-# 80 GB card (two DLM runs held 47 GB; five ran out of memory); each torchrun picks its own port: give each its
-# RUN name.
+# INNER_STEPS) updates, MICRO_BATCH_SIZE (32). The held-out reward is greedy, before (--skip-train) and after,
+# with its first 4 completions in the log. Three runs go side by side on one 80 GB card (two DLM runs held
+# 47 GB; five ran out of memory); each torchrun picks its own port: give each its RUN name.
 set -euo pipefail
 
 ROOT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
