@@ -19,9 +19,8 @@ into the update's micro-batches (step.RolloutBatch).
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -123,7 +122,7 @@ class Rollouts:
     """[N G, T] float32: the policy's entropy at each completion token, as the sampler drew it."""
     seconds: float
     """Wall time of the sampling."""
-    texts: List[str] = dataclasses.field(default_factory=list)
+    texts: List[str] = field(default_factory=list)
     """[N G] the completions as the reward processes read them (to and without their first EOS)."""
 
 

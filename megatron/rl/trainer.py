@@ -223,8 +223,9 @@ class RLTrainer(Trainer):
         count = min(self.tasks.eval_prompts, len(self.tasks.valid))
         indices = self._replica_prompts(0, count)
         config = dataclasses.replace(self.tasks.rollout, group_size=1, temperature=0.0)
+        # a replica past the last held-out task samples nothing
         rollouts = self._sample([self.tasks.valid[k] for k in indices], indices, config) if indices else None
-        rewards, texts = (rollouts.rewards, rollouts.texts) if rollouts else (torch.zeros(0), [])  # past the tasks
+        rewards, texts = (torch.zeros(0), []) if rollouts is None else (rollouts.rewards, rollouts.texts)
         total, rows = self._sums([float(rewards.sum()), float(rewards.numel())])
         reward = total / max(rows, 1.0)
         if self.logger is not None:
