@@ -149,7 +149,8 @@ def sample_rollouts(model, encoder: PromptEncoder, records: Sequence[TaskRecord]
     seconds = time.perf_counter() - start
     completions = sequence[:, length:]
     mask = completion_mask(completions, pad)
-    texts = [tokenizer.detokenize([t for t in row if t != pad]) for row in (completions * mask).tolist()]
+    texts = [tokenizer.detokenize([t for t, kept in zip(row, keep) if kept and t != pad])
+             for row, keep in zip(completions.tolist(), mask.tolist())]
     rewards = torch.tensor(score([(records[row // group], text) for row, text in enumerate(texts)]),
                            dtype=torch.float32)
     full_real = torch.cat([real, torch.ones_like(completions, dtype=torch.bool)], dim=1)

@@ -17,6 +17,7 @@ import posttrain_rl
 from megatron.rl import rollouts
 from megatron.rl.step import RLConfig, RolloutBatch, rl_forward_step
 from megatron.rl.estimators import completion_logprobs
+from megatron.rl.tasks import TaskRecord
 from tests.unit_tests.test_gpt_model import MASK_ID, build, dlm_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,6 +123,48 @@ def test_completion_mask_and_prompt_order():
     first = [order(k) for k in range(10)]
     assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))
     assert first[:5] != first[5:] and first == [rollouts.PromptOrder(5, seed=3)(k) for k in range(10)]
+
+
+class Letters:
+    """A prompt encoder (every prompt: ids 3 4) with a tokenizer whose every id is a letter, id 0 included;
+    EOS (and padding) is id 2."""
+    eod, bos = 2, None
+    tokenizer = property(lambda self: self)
+
+    def __call__(self, text):
+        return [3, 4]
+
+    def detokenize(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Scripted(torch.nn.Module):
+    """A policy whose generate writes the same completion after each prompt."""
+    running_mode = "vanilla"
+
+    def __init__(self, completion):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.completion = torch.tensor(completion)
+
+    def generate(self, ids, **kwargs):
+        return torch.cat([ids, self.completion.expand(ids.shape[0], -1)], dim=1)
+
+
+def test_the_reward_reads_the_completion_to_its_eos_and_nothing_after():
+    """The text scored (and logged) is the completion's tokens before its first EOS: not EOS, not the
+    canvas after it, whatever token id 0 reads as."""
+    seen = []
+
+    def score(pairs):
+        seen.extend(text for _, text in pairs)
+        return [1.0] * len(pairs)
+
+    config = rollouts.RolloutConfig(group_size=2, gen_length=6)
+    result = rollouts.sample_rollouts(Scripted([5, 0, 7, 2, 0, 8]), Letters(), [TaskRecord(prompt="p", answer="x")],
+                                      [0], config, score)
+    assert seen == ["fah", "fah"] and result.texts == seen  # ids 5 0 7, then EOS: the rest unread
+    assert result.completion_mask[0].tolist() == [True, True, True, True, False, False]
 
 
 def test_sequence_parallel_moe_rollouts_are_one_line(tmp_path, capsys, monkeypatch):
